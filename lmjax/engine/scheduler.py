@@ -1,0 +1,202 @@
+"""Continuous batching: which sequences run in the next step, and with how many new tokens.
+
+Every step is one unified ragged batch. A decoding sequence contributes its 1 new token, a prefilling
+one a chunk of its prompt; the device step writes their KV into the paged cache and returns the logits
+of each sequence's last token. Data flow per engine iteration:
+
+    batch = scheduler.schedule()          # pick items, grow block tables (may preempt)
+    sampled = run_step(batch)             # device: {seq_id: token} for items with samples=True
+    scheduler.update(batch, sampled)      # advance num_computed_tokens, append tokens, hash blocks
+    scheduler.finish(seq, reason)         # engine decides EOS / stop / length
+
+Policy: running sequences first, oldest first, each with all its uncomputed tokens, within the token
+budget `max_prefill_token_num` (a long prefill is cut into chunks across steps). When the cache runs
+out, the newest running sequence is preempted by recompute: its blocks are freed and it goes back to
+the front of the waiting queue to be re-prefilled over prompt + output later. Waiting sequences are
+admitted in order whenever batch slots, budget and blocks allow (not in a step that had to preempt).
+
+Plain Python only (no jax, no numpy).
+"""
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass, field
+
+from lmjax.engine.block_manager import BlockManager
+from lmjax.engine.sequence import Sequence, SequenceStatus
+
+
+def _arrival(seq: Sequence) -> int:
+    return seq.arrival
+
+
+@dataclass
+class ScheduledItem:
+    """`num_new_tokens` tokens of `seq` from position `start_pos` are computed this step; when
+    `samples`, they are the sequence's last tokens and the engine samples one token from the logits."""
+
+    seq: Sequence
+    num_new_tokens: int
+    start_pos: int
+    samples: bool
+
+
+@dataclass
+class ScheduledBatch:
+    items: list[ScheduledItem] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)  # for logging; they are waiting again
+    failed: list[Sequence] = field(default_factory=list)  # finished with reason "error": never fit
+    num_tokens: int = 0
+
+    def add(self, seq: Sequence, num_new_tokens: int) -> None:
+        start = seq.num_computed_tokens
+        samples = start + num_new_tokens == seq.num_tokens
+        self.items.append(ScheduledItem(seq, num_new_tokens, start, samples))
+        self.num_tokens += num_new_tokens
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.items
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_batch_size: int, max_prefill_token_num: int):
+        if max_batch_size < 1 or max_prefill_token_num < 1:
+            raise ValueError(f"{max_batch_size=} and {max_prefill_token_num=} must be >= 1")
+        self.bm = block_manager
+        self.max_batch_size = max_batch_size
+        self.max_prefill_token_num = max_prefill_token_num
+        # Free blocks admission leaves untouched, so admitting does not force a preemption at once.
+        self.watermark_blocks = max(1, block_manager.num_usable_blocks // 100)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # kept sorted by arrival
+        self.seqs: dict[int, Sequence] = {}  # unfinished sequences by id
+        self.num_preemptions = 0
+
+    # ---- queue management -------------------------------------------------------------------
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.seqs)
+
+    def fits_in_cache(self, num_tokens: int) -> bool:
+        """Whether a sequence of `num_tokens` tokens could ever run (alone, in an empty cache).
+        The engine should check prompt + max new tokens with this before `add`."""
+        return self.bm.blocks_for(num_tokens) <= self.bm.num_usable_blocks
+
+    def add(self, seq: Sequence) -> None:
+        if seq.seq_id in self.seqs:
+            raise ValueError(f"seq_id {seq.seq_id} is already scheduled")
+        seq.status = SequenceStatus.WAITING
+        self.seqs[seq.seq_id] = seq
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Retire `seq` (from any state): free its blocks, mark it FINISHED with `reason`."""
+        if seq.is_finished:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self.bm.free(seq)
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+        self.seqs.pop(seq.seq_id, None)
+
+    def abort(self, seq_id: int) -> Sequence | None:
+        """Cancel a request in any state; returns it, or None if unknown or already finished."""
+        seq = self.seqs.get(seq_id)
+        if seq is not None:
+            self.finish(seq, "abort")
+        return seq
+
+    # ---- one step ---------------------------------------------------------------------------
+
+    def schedule(self) -> ScheduledBatch:
+        """Pick this step's items and make sure each has cache slots for its new tokens."""
+        batch = ScheduledBatch()
+        budget = self._schedule_running(batch, self.max_prefill_token_num)
+        if not batch.preempted:
+            self._admit_waiting(batch, budget)
+        return batch
+
+    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
+        """Oldest first; the newest unscheduled running sequence gives way when blocks run out."""
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed, budget)
+            if n == 0:  # the engine gave it no sampled token; nothing to compute
+                i += 1
+                continue
+            while not self.bm.can_append(seq, n):
+                victim = self.running[-1]  # index >= i: not scheduled in this step yet
+                self._preempt(victim, batch)
+                if victim is seq:
+                    return budget  # everything after it is gone too
+            self.bm.append(seq, n)
+            batch.add(seq, n)
+            budget -= n
+            i += 1
+        return budget
+
+    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        """Recompute-style preemption: drop the KV, keep the tokens, requeue at the front."""
+        self.running.remove(seq)
+        self.bm.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_prefix_cached_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+        batch.preempted.append(seq)
+
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
+            seq = self.waiting[0]
+            if not self.fits_in_cache(seq.num_tokens):
+                self.finish(seq, "error")
+                batch.failed.append(seq)
+                continue
+            n = self._try_place(seq, budget)
+            if n == 0:
+                return
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=_arrival)
+            batch.add(seq, n)
+            budget -= n
+
+    def _try_place(self, seq: Sequence, budget: int) -> int:
+        """Match its prefix and reserve blocks for its first chunk; 0 (and no side effects) if
+        the blocks do not fit. The watermark only applies when others run: alone, a sequence that
+        fits the cache must always be admitted, or nothing would ever make progress."""
+        self.bm.match_prefix(seq)
+        n = min(seq.num_uncomputed, budget)
+        reserve = self.watermark_blocks if self.running else 0
+        if not self.bm.can_append(seq, n, reserve):
+            self.bm.cancel_admission(seq)
+            return 0
+        self.bm.append(seq, n)
+        return n
+
+    def update(self, batch: ScheduledBatch, sampled: dict[int, int]) -> None:
+        """Account for a finished device step: `sampled` maps seq_id -> token for sampling items.
+        Items whose sequence was aborted or finished in the meantime are skipped."""
+        for item in batch.items:
+            seq = item.seq
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            seq.num_computed_tokens += item.num_new_tokens
+            self.bm.register_full_blocks(seq)
+            if item.samples and seq.seq_id in sampled:
+                seq.output_token_ids.append(sampled[seq.seq_id])
