@@ -1,0 +1,413 @@
+"""User-facing configuration: plain dataclasses, validated when they are created.
+
+Two families of names reach one engine:
+- per request: LMDeploy's `GenerationConfig` and vLLM's `SamplingParams`. The engine works on
+  `SamplingParams` only; `GenerationConfig.to_sampling_params()` maps one onto the other.
+- per engine: LMDeploy's `TurbomindEngineConfig` / `PytorchEngineConfig` lower onto lmjax's own
+  `EngineConfig` with `to_engine_config()`. A field lmjax cannot honour yet raises
+  `NotImplementedError` when set to anything but its default: it is never silently ignored.
+
+`ChatTemplateConfig` turns chat messages into a prompt string (role markers, or the tokenizer's
+own chat template when only `model_name` is given).
+
+Errors name the offending value: `ValueError("top_p must be in (0, 1], got 0")`; an unknown
+keyword is a `TypeError` that lists it and suggests the nearest valid field.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+
+
+def _strict_fields(cls):
+    """Wrap `cls.__init__` so unknown keywords fail with every bad name and a suggestion."""
+    init, names = cls.__init__, [f.name for f in fields(cls) if f.init]
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        unknown = [k for k in kwargs if k not in names]
+        if unknown:
+            hints = {k: difflib.get_close_matches(k, names, n=1) for k in unknown}
+            hint = "; ".join(f"{k!r}: did you mean {m[0]!r}?" for k, m in hints.items() if m)
+            raise TypeError(f"{cls.__name__} got unknown field(s) {unknown}"
+                            + (f" ({hint})" if hint else "") + f"; valid fields: {names}")
+        init(self, *args, **kwargs)
+
+    cls.__init__ = __init__
+    return cls
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def _as_list(value, name: str, item_type: type) -> list | None:
+    """None stays None; a lone item becomes a one-element list; items must be `item_type`."""
+    if value is None:
+        return None
+    items = [value] if isinstance(value, item_type) else list(value)
+    bad = [v for v in items if not isinstance(v, item_type) or isinstance(v, bool)]
+    _check(not bad, f"{name} must hold {item_type.__name__} values, got {value!r}")
+    return items
+
+
+def _check_sampling(temperature, top_p, top_k, min_p, repetition_penalty, n, logprobs) -> None:
+    """Checks shared by GenerationConfig and SamplingParams."""
+    _check(temperature >= 0, f"temperature must be >= 0, got {temperature}")
+    _check(0 < top_p <= 1, f"top_p must be in (0, 1], got {top_p}")
+    _check(isinstance(top_k, int) and top_k >= -1, f"top_k must be an int >= -1, got {top_k!r}")
+    _check(0 <= min_p <= 1, f"min_p must be in [0, 1], got {min_p}")
+    _check(repetition_penalty > 0, f"repetition_penalty must be > 0, got {repetition_penalty}")
+    _check(isinstance(n, int) and n >= 1, f"n must be an int >= 1, got {n!r}")
+    _check(logprobs is None or (isinstance(logprobs, int) and logprobs >= 0),
+           f"logprobs must be None or an int >= 0, got {logprobs!r}")
+
+
+@_strict_fields
+@dataclass
+class SamplingParams:
+    """Per-request sampling parameters (vLLM names and defaults); the engine's internal form.
+
+    temperature 0 (or top_k 1) means greedy. top_k 0 or -1 disables top-k. `max_tokens=None`
+    means "up to the session length": the engine caps it at session_len - prompt length.
+    `stop` strings are matched on the detokenized text (lmjax.engine.stop); `stop_token_ids`
+    on sampled ids. `bad_token_ids` is an lmjax extension (from LMDeploy): ids never sampled.
+    `seed=None` lets the engine pick one (see `EngineConfig.seed`).
+    """
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    bad_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+
+    def __post_init__(self):
+        _check_sampling(self.temperature, self.top_p, self.top_k, self.min_p,
+                        self.repetition_penalty, self.n, self.logprobs)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(-2 <= value <= 2, f"{name} must be in [-2, 2], got {value}")
+        _check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+               f"max_tokens must be None or an int >= 1, got {self.max_tokens!r}")
+        _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0,
+               f"min_tokens must be an int >= 0, got {self.min_tokens!r}")
+        _check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
+               f"min_tokens={self.min_tokens} must not exceed max_tokens={self.max_tokens}")
+        _check(self.prompt_logprobs is None or self.prompt_logprobs >= 0,
+               f"prompt_logprobs must be None or >= 0, got {self.prompt_logprobs}")
+        _check(self.seed is None or isinstance(self.seed, int), f"seed must be an int, got {self.seed!r}")
+        self.stop = _as_list(self.stop, "stop", str)
+        _check(not self.stop or all(self.stop), f"stop strings must be non-empty, got {self.stop!r}")
+        self.bad_words = _as_list(self.bad_words, "bad_words", str)
+        self.stop_token_ids = _as_list(self.stop_token_ids, "stop_token_ids", int)
+        self.bad_token_ids = _as_list(self.bad_token_ids, "bad_token_ids", int)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+
+@_strict_fields
+@dataclass
+class GenerationConfig:
+    """LMDeploy's per-request generation parameters. Defaults follow the LMDeploy docs:
+    top_k=1 means greedy decoding (there is no `do_sample`); set top_k=0 or >1 to sample.
+    """
+    n: int = 1
+    max_new_tokens: int | None = 512
+    top_p: float = 1.0
+    top_k: int = 1
+    min_p: float = 0.0
+    temperature: float = 0.8
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    random_seed: int | None = None
+    stop_words: list[str] | None = None
+    bad_words: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    bad_token_ids: list[int] | None = None
+    min_new_tokens: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self):
+        _check_sampling(self.temperature, self.top_p, self.top_k, self.min_p,
+                        self.repetition_penalty, self.n, self.logprobs)
+        _check(self.max_new_tokens is None or self.max_new_tokens >= 1,
+               f"max_new_tokens must be None or >= 1, got {self.max_new_tokens}")
+        _check(self.min_new_tokens is None or self.min_new_tokens >= 0,
+               f"min_new_tokens must be None or >= 0, got {self.min_new_tokens}")
+        self.stop_words = _as_list(self.stop_words, "stop_words", str)
+        self.bad_words = _as_list(self.bad_words, "bad_words", str)
+        self.stop_token_ids = _as_list(self.stop_token_ids, "stop_token_ids", int)
+        self.bad_token_ids = _as_list(self.bad_token_ids, "bad_token_ids", int)
+
+    def to_sampling_params(self) -> SamplingParams:
+        greedy = self.top_k == 1 or self.temperature == 0
+        return SamplingParams(
+            n=self.n, max_tokens=self.max_new_tokens, min_tokens=self.min_new_tokens or 0,
+            temperature=0.0 if greedy else self.temperature, top_k=0 if greedy else self.top_k,
+            top_p=self.top_p, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+            ignore_eos=self.ignore_eos, seed=self.random_seed, stop=self.stop_words,
+            stop_token_ids=self.stop_token_ids, bad_words=self.bad_words,
+            bad_token_ids=self.bad_token_ids, logprobs=self.logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output)
+
+
+# Engine features that have a field but no implementation yet: a non-default value raises.
+# Remove an entry here when the feature lands.
+ENGINE_UNSUPPORTED = {"quant_policy": 0, "use_logn_attn": False}
+
+
+@_strict_fields
+@dataclass
+class EngineConfig:
+    """lmjax's own engine configuration; the LMDeploy configs lower onto it.
+
+    cache_max_entry_count: a fraction in (0, 1] of free device memory for the KV cache, or an
+    integer > 1 meaning a block count. num_gpu_blocks > 0 overrides both.
+    session_len None: the model's max_position_embeddings. device_type 'auto': JAX's default.
+    seed: engine-wide seed; requests without one get seeds derived from it.
+    """
+    dtype: str = "auto"
+    tp: int = 1
+    session_len: int | None = None
+    max_batch_size: int = 128
+    block_size: int = 64
+    cache_max_entry_count: float = 0.5
+    num_gpu_blocks: int = 0
+    max_prefill_token_num: int = 8192
+    enable_prefix_caching: bool = False
+    quant_policy: int = 0
+    rope_scaling_factor: float = 0.0
+    use_dynamic_ntk: bool = False
+    use_logn_attn: bool = False
+    seed: int = 0
+    device_type: str = "auto"
+
+    def __post_init__(self):
+        _check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        for name in ("tp", "max_batch_size", "block_size", "max_prefill_token_num"):
+            value = getattr(self, name)
+            _check(isinstance(value, int) and value >= 1, f"{name} must be an int >= 1, got {value!r}")
+        _check(self.session_len is None or self.session_len >= 1,
+               f"session_len must be None or >= 1, got {self.session_len}")
+        c = self.cache_max_entry_count
+        _check(0 < c <= 1 or float(c).is_integer(),
+               f"cache_max_entry_count must be a fraction in (0, 1] or a block count, got {c}")
+        _check(self.num_gpu_blocks >= 0, f"num_gpu_blocks must be >= 0, got {self.num_gpu_blocks}")
+        _check(self.quant_policy in (0, 4, 8), f"quant_policy must be 0, 4 or 8, got {self.quant_policy}")
+        _check(self.rope_scaling_factor >= 0,
+               f"rope_scaling_factor must be >= 0, got {self.rope_scaling_factor}")
+        _check(self.device_type in ("auto", "gpu", "cpu", "tpu"),
+               f"device_type must be auto, gpu, cpu or tpu, got {self.device_type!r}")
+        for name, default in ENGINE_UNSUPPORTED.items():
+            if getattr(self, name) != default:
+                raise NotImplementedError(f"{name}={getattr(self, name)!r} is not supported by lmjax yet")
+
+    def num_blocks(self, free_bytes: int, bytes_per_block: int) -> int:
+        """KV-cache block count: num_gpu_blocks, else an integral cache_max_entry_count > 1,
+        else that fraction of `free_bytes`."""
+        if self.num_gpu_blocks:
+            return self.num_gpu_blocks
+        if self.cache_max_entry_count > 1:
+            return int(self.cache_max_entry_count)
+        return int(free_bytes * self.cache_max_entry_count) // bytes_per_block
+
+
+def _lower(cfg, renames: dict[str, str], frontend: tuple[str, ...]) -> EngineConfig:
+    """Map `cfg`'s fields onto EngineConfig: `renames` maps differing names, same-named fields
+    pass through, `frontend` fields are read by the pipeline (not the engine), and any other
+    field must keep its default or NotImplementedError names it."""
+    engine_names = {f.name for f in fields(EngineConfig)}
+    kwargs = {}
+    for f in fields(cfg):
+        value, target = getattr(cfg, f.name), renames.get(f.name, f.name)
+        if f.name in frontend:
+            continue
+        if target in engine_names:
+            if value is not None:
+                kwargs[target] = value
+        elif value != f.default:
+            raise NotImplementedError(
+                f"{type(cfg).__name__}.{f.name}={value!r} is not supported by lmjax yet "
+                f"(leave it at {f.default!r})")
+    return EngineConfig(**kwargs)
+
+
+@_strict_fields
+@dataclass
+class TurbomindEngineConfig:
+    """LMDeploy's TurboMind config (names and seed-doc defaults). model_name picks the chat
+    template (read by the pipeline). max_context_token_num is the old name for
+    max_prefill_token_num (used when set above its default 1). model_format: None or 'hf'."""
+    model_name: str | None = None
+    model_format: str | None = None
+    dtype: str = "auto"
+    tp: int = 1
+    session_len: int | None = None
+    max_batch_size: int | None = 128
+    cache_max_entry_count: float = 0.5
+    cache_block_seq_len: int = 128
+    enable_prefix_caching: bool = False
+    quant_policy: int = 0
+    rope_scaling_factor: float = 0.0
+    use_dynamic_ntk: bool = False
+    use_logn_attn: bool = False
+    max_prefill_token_num: int = 8192
+    max_context_token_num: int = 1
+    group_size: int = 128
+    cache_chunk_size: int = -1
+    num_tokens_per_iter: int = 0
+    max_prefill_iters: int = 1
+    use_context_fmha: int = 1
+    kv_bits: int = 8
+    download_dir: str | None = None
+    revision: str | None = None
+    communicator: str = "nccl"
+
+    def __post_init__(self):
+        _check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        formats = (None, "hf", "llama", "awq", "gptq")
+        _check(self.model_format in formats,
+               f"model_format must be one of {formats}, got {self.model_format!r}")
+
+    def to_engine_config(self) -> EngineConfig:
+        if self.model_format not in (None, "hf"):
+            raise NotImplementedError(f"model_format={self.model_format!r} is not supported by lmjax "
+                                      "yet (use None or 'hf'; GGUF files load directly)")
+        cfg = self
+        if self.max_context_token_num > 1:  # legacy alias
+            cfg = dataclasses.replace(self, max_prefill_token_num=self.max_context_token_num,
+                                      max_context_token_num=1)
+        return _lower(cfg, {"cache_block_seq_len": "block_size"},
+                      frontend=("model_name", "model_format", "max_context_token_num"))
+
+
+@_strict_fields
+@dataclass
+class PytorchEngineConfig:
+    """LMDeploy's PyTorch-engine config (names and defaults of the seed docs and current
+    LMDeploy). device_type 'cuda' means "JAX's default device"."""
+    model_name: str = ""
+    dtype: str = "auto"
+    tp: int = 1
+    session_len: int | None = None
+    max_batch_size: int | None = 128
+    cache_max_entry_count: float = 0.5
+    eviction_type: str = "recompute"
+    prefill_interval: int = 16
+    block_size: int = 64
+    num_cpu_blocks: int = 0
+    num_gpu_blocks: int = 0
+    adapters: dict[str, str] | None = None
+    max_prefill_token_num: int = 4096
+    thread_safe: bool = False
+    enable_prefix_caching: bool = False
+    device_type: str = "cuda"
+    eager_mode: bool = False
+    custom_module_map: dict[str, str] | None = None
+    download_dir: str | None = None
+    revision: str | None = None
+    quant_policy: int = 0
+    dp: int = 1
+    ep: int = 1
+    dp_rank: int = 0
+    distributed_executor_backend: str | None = None
+
+    def __post_init__(self):
+        _check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        _check(self.eviction_type in ("recompute", "copy"),
+               f"eviction_type must be 'recompute' or 'copy', got {self.eviction_type!r}")
+
+    def to_engine_config(self) -> EngineConfig:
+        if self.device_type != "cuda":
+            raise NotImplementedError(f"device_type={self.device_type!r} is not supported by lmjax yet")
+        return _lower(self, {}, frontend=("model_name", "device_type"))
+
+
+@_strict_fields
+@dataclass
+class ChatTemplateConfig:
+    """LMDeploy's chat-template fields. With only `model_name` set, the tokenizer's own chat
+    template is used; with role markers, the prompt is built from them:
+    [system meta_instruction eosys] then per message `<role marker> content <role end>`, then
+    `assistant` to open the reply (LMDeploy's BaseChatTemplate layout).
+    `stop_words` are added to each request's stop strings by the pipeline."""
+    model_name: str | None = None
+    system: str | None = None
+    meta_instruction: str | None = None
+    eosys: str | None = None
+    user: str | None = None
+    eoh: str | None = None
+    assistant: str | None = None
+    eoa: str | None = None
+    separator: str | None = None
+    capability: str | None = None
+    stop_words: list[str] | None = None
+
+    def __post_init__(self):
+        _check(self.capability in (None, "completion", "chat"),
+               f"capability must be None, 'completion' or 'chat', got {self.capability!r}")
+        self.stop_words = _as_list(self.stop_words, "stop_words", str)
+
+    @property
+    def has_markers(self) -> bool:
+        return any(getattr(self, k) is not None for k in ("system", "user", "assistant", "eoh", "eoa"))
+
+    def messages2prompt(self, messages: str | list[dict[str, Any]], tokenizer=None) -> str:
+        """Prompt text for `messages` (a string is one user turn)."""
+        if self.capability == "completion" and isinstance(messages, str):
+            return messages
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        if self.has_markers:
+            return self._from_markers(messages)
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise ValueError(f"ChatTemplateConfig(model_name={self.model_name!r}) has no role markers "
+                             "and the tokenizer has no chat template")
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def _from_markers(self, messages: list[dict[str, Any]]) -> str:
+        s = lambda v: v or ""  # noqa: E731  (None markers render as nothing)
+        opens = {"system": s(self.system), "user": s(self.user), "assistant": s(self.assistant)}
+        ends = {"system": s(self.eosys), "user": s(self.eoh),
+                "assistant": s(self.eoa) + s(self.separator)}
+        prompt = ""
+        if self.meta_instruction is not None and (not messages or messages[0]["role"] != "system"):
+            prompt = f"{s(self.system)}{self.meta_instruction}{s(self.eosys)}"
+        for m in messages:
+            if m["role"] not in opens:
+                raise ValueError(f"unknown chat role {m['role']!r}; expected one of {list(opens)}")
+            prompt += f"{opens[m['role']]}{m['content']}{ends[m['role']]}"
+        return prompt + s(self.assistant)
