@@ -1,0 +1,219 @@
+"""Config dataclasses: defaults from the API docs, validation messages, lowering onto EngineConfig."""
+import dataclasses
+
+import pytest
+
+from lmjax.config import (ENGINE_UNSUPPORTED, ChatTemplateConfig, EngineConfig, GenerationConfig,
+                          PytorchEngineConfig, SamplingParams, TurbomindEngineConfig)
+
+
+def test_generation_config_seed_defaults():
+    g = GenerationConfig()
+    assert (g.n, g.max_new_tokens, g.top_p, g.top_k, g.temperature) == (1, 512, 1.0, 1, 0.8)
+    assert (g.repetition_penalty, g.ignore_eos, g.random_seed) == (1.0, False, None)
+    assert g.stop_words is None and g.bad_words is None and g.logprobs is None
+
+
+def test_sampling_params_vllm_defaults():
+    p = SamplingParams()
+    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.max_tokens, p.n) == (1.0, 1.0, 0, 0.0, 16, 1)
+    assert not p.is_greedy and not p.uses_penalties
+    assert SamplingParams(top_k=-1).top_k == -1
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(top_p=0), "top_p must be in (0, 1], got 0"),
+    (dict(top_p=1.5), "top_p must be in (0, 1], got 1.5"),
+    (dict(temperature=-0.1), "temperature must be >= 0, got -0.1"),
+    (dict(top_k=-2), "top_k must be an int >= -1, got -2"),
+    (dict(min_p=1.1), "min_p must be in [0, 1], got 1.1"),
+    (dict(n=0), "n must be an int >= 1, got 0"),
+    (dict(max_tokens=0), "max_tokens must be None or an int >= 1, got 0"),
+    (dict(repetition_penalty=0.0), "repetition_penalty must be > 0, got 0.0"),
+    (dict(presence_penalty=3.0), "presence_penalty must be in [-2, 2], got 3.0"),
+    (dict(logprobs=-1), "logprobs must be None or an int >= 0, got -1"),
+    (dict(min_tokens=5, max_tokens=4), "min_tokens=5 must not exceed max_tokens=4"),
+    (dict(stop=[""]), "stop strings must be non-empty"),
+    (dict(stop_token_ids=["a"]), "stop_token_ids must hold int values"),
+])
+def test_sampling_params_validation_names_value(kwargs, message):
+    with pytest.raises(ValueError) as e:
+        SamplingParams(**kwargs)
+    assert message in str(e.value)
+
+
+def test_unknown_field_lists_names_and_suggests():
+    with pytest.raises(TypeError) as e:
+        SamplingParams(max_token=3, foo=1)
+    msg = str(e.value)
+    assert "SamplingParams" in msg and "'max_token'" in msg and "'foo'" in msg
+    assert "did you mean 'max_tokens'" in msg
+    with pytest.raises(TypeError, match="max_new_token"):
+        GenerationConfig(max_new_token=3)
+
+
+def test_stop_normalized_to_list():
+    assert SamplingParams(stop="###").stop == ["###"]
+    assert SamplingParams(stop=("a", "b")).stop == ["a", "b"]
+    assert SamplingParams(stop_token_ids=7).stop_token_ids == [7]
+    assert SamplingParams(max_tokens=None).max_tokens is None
+
+
+def test_dataclasses_replace_validates():
+    p = SamplingParams(temperature=0.5)
+    assert dataclasses.replace(p, top_p=0.9).top_p == 0.9
+    with pytest.raises(ValueError, match="top_p"):
+        dataclasses.replace(p, top_p=0.0)
+
+
+def test_generation_config_top_k_1_is_greedy():
+    p = GenerationConfig().to_sampling_params()
+    assert p.temperature == 0.0 and p.is_greedy and p.max_tokens == 512
+
+
+def test_generation_config_maps_every_field():
+    g = GenerationConfig(n=2, max_new_tokens=7, top_p=0.9, top_k=40, min_p=0.05, temperature=0.7,
+                         repetition_penalty=1.1, ignore_eos=True, random_seed=3, stop_words=["x"],
+                         bad_words=["y"], stop_token_ids=[5], bad_token_ids=[6], min_new_tokens=2,
+                         skip_special_tokens=False, spaces_between_special_tokens=False,
+                         logprobs=4, include_stop_str_in_output=True)
+    p = g.to_sampling_params()
+    assert (p.n, p.max_tokens, p.top_p, p.top_k, p.min_p, p.temperature) == (2, 7, 0.9, 40, 0.05, 0.7)
+    assert (p.repetition_penalty, p.ignore_eos, p.seed, p.stop, p.bad_words) == (1.1, True, 3, ["x"], ["y"])
+    assert (p.stop_token_ids, p.bad_token_ids, p.min_tokens, p.logprobs) == ([5], [6], 2, 4)
+    assert not p.skip_special_tokens and not p.spaces_between_special_tokens
+    assert p.include_stop_str_in_output
+
+
+def test_generation_config_temperature_zero_is_greedy():
+    assert GenerationConfig(top_k=40, temperature=0.0).to_sampling_params().is_greedy
+
+
+def test_engine_config_validation():
+    with pytest.raises(ValueError, match="dtype must be one of .* got 'fp8'"):
+        EngineConfig(dtype="fp8")
+    with pytest.raises(ValueError, match="block_size must be an int >= 1, got 0"):
+        EngineConfig(block_size=0)
+    with pytest.raises(ValueError, match="cache_max_entry_count .* got 1.5"):
+        EngineConfig(cache_max_entry_count=1.5)
+    with pytest.raises(NotImplementedError, match="quant_policy=8"):
+        EngineConfig(quant_policy=8)
+    with pytest.raises(ValueError, match="quant_policy must be 0, 4 or 8, got 3"):
+        EngineConfig(quant_policy=3)
+
+
+def test_engine_config_num_blocks():
+    assert EngineConfig(num_gpu_blocks=10).num_blocks(10**9, 100) == 10
+    assert EngineConfig(cache_max_entry_count=300).num_blocks(10**9, 100) == 300
+    assert EngineConfig(cache_max_entry_count=0.5).num_blocks(1000, 100) == 5
+
+
+def test_turbomind_defaults_lower():
+    e = TurbomindEngineConfig().to_engine_config()
+    assert e == EngineConfig(block_size=128)
+
+
+def test_turbomind_maps_fields():
+    t = TurbomindEngineConfig(model_name="x", tp=2, session_len=1024, max_batch_size=8,
+                              cache_max_entry_count=0.3, cache_block_seq_len=32, enable_prefix_caching=True,
+                              rope_scaling_factor=2.0, use_dynamic_ntk=True, max_prefill_token_num=512,
+                              dtype="bfloat16", model_format="hf")
+    e = t.to_engine_config()
+    assert (e.tp, e.session_len, e.max_batch_size, e.cache_max_entry_count) == (2, 1024, 8, 0.3)
+    assert (e.block_size, e.enable_prefix_caching, e.rope_scaling_factor) == (32, True, 2.0)
+    assert (e.use_dynamic_ntk, e.max_prefill_token_num, e.dtype) == (True, 512, "bfloat16")
+    assert TurbomindEngineConfig(max_context_token_num=2048).to_engine_config().max_prefill_token_num == 2048
+
+
+@pytest.mark.parametrize("cfg, field", [
+    (TurbomindEngineConfig(model_format="awq"), "model_format"),
+    (TurbomindEngineConfig(quant_policy=8), "quant_policy"),
+    (TurbomindEngineConfig(use_logn_attn=True), "use_logn_attn"),
+    (TurbomindEngineConfig(num_tokens_per_iter=256), "num_tokens_per_iter"),
+    (TurbomindEngineConfig(download_dir="/tmp"), "download_dir"),
+    (PytorchEngineConfig(adapters={"a": "/p"}), "adapters"),
+    (PytorchEngineConfig(eviction_type="copy"), "eviction_type"),
+    (PytorchEngineConfig(num_cpu_blocks=4), "num_cpu_blocks"),
+    (PytorchEngineConfig(device_type="ascend"), "device_type"),
+    (PytorchEngineConfig(dp=2), "dp"),
+])
+def test_unsupported_field_raises_naming_it(cfg, field):
+    with pytest.raises(NotImplementedError, match=field):
+        cfg.to_engine_config()
+
+
+def test_pytorch_maps_fields():
+    e = PytorchEngineConfig(tp=2, session_len=2024, max_batch_size=4, block_size=16, num_gpu_blocks=100,
+                            enable_prefix_caching=True, dtype="float16").to_engine_config()
+    assert (e.tp, e.session_len, e.max_batch_size, e.block_size) == (2, 2024, 4, 16)
+    assert (e.num_gpu_blocks, e.enable_prefix_caching, e.dtype) == (100, True, "float16")
+    assert PytorchEngineConfig().to_engine_config() == EngineConfig(max_prefill_token_num=4096)
+
+
+@pytest.mark.parametrize("cls", [TurbomindEngineConfig, PytorchEngineConfig])
+def test_every_nondefault_field_is_mapped_or_refused(cls):
+    """No LMDeploy field may be silently dropped: each one changes EngineConfig or raises."""
+    frontend = {"model_name", "max_context_token_num"}
+    base = cls().to_engine_config()
+    for f in dataclasses.fields(cls):
+        if f.name in frontend:
+            continue
+        value = _other_value(f.name, f.default)
+        try:
+            lowered = cls(**{f.name: value}).to_engine_config()
+        except (NotImplementedError, ValueError):
+            continue
+        assert lowered != base, f"{cls.__name__}.{f.name}={value!r} was silently ignored"
+
+
+def _other_value(name, default):
+    special = {"dtype": "float32", "model_format": "awq", "eviction_type": "copy", "device_type": "cpu",
+               "quant_policy": 4, "communicator": "nccl2", "session_len": 100}
+    if name in special:
+        return special[name]
+    if isinstance(default, bool):
+        return not default
+    if isinstance(default, float):
+        return 0.25 if default != 0.25 else 0.3
+    if isinstance(default, int):
+        return default + 2 if default >= 0 else 4
+    return {"x": "y"} if name in ("adapters", "custom_module_map") else "x" if default is None else default + "x"
+
+
+class _FakeTokenizer:
+    chat_template = "{{ messages }}"
+
+    def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+        assert not tokenize and add_generation_prompt
+        return "|".join(f"{m['role']}:{m['content']}" for m in messages) + "|assistant:"
+
+
+def test_chat_template_uses_tokenizer_template_by_default():
+    cfg = ChatTemplateConfig(model_name="smollm2")
+    assert cfg.messages2prompt("hi", _FakeTokenizer()) == "user:hi|assistant:"
+    with pytest.raises(ValueError, match="no chat template"):
+        cfg.messages2prompt("hi", tokenizer=None)
+
+
+def test_chat_template_role_markers():
+    cfg = ChatTemplateConfig(model_name="custom", system="<s>", meta_instruction="Be nice.", eosys="</s>\n",
+                             user="<u>", eoh="</u>\n", assistant="<a>", eoa="</a>", separator="\n")
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
+            {"role": "user", "content": "你好"}]
+    assert cfg.messages2prompt(msgs) == "<s>Be nice.</s>\n<u>hi</u>\n<a>yo</a>\n<u>你好</u>\n<a>"
+    sys_first = [{"role": "system", "content": "S"}, {"role": "user", "content": "q"}]
+    assert cfg.messages2prompt(sys_first) == "<s>S</s>\n<u>q</u>\n<a>"
+    assert ChatTemplateConfig(model_name="x", capability="completion").messages2prompt("raw") == "raw"
+
+
+def test_chat_template_with_real_tokenizer(smollm2_tokenizer):
+    prompt = ChatTemplateConfig(model_name="smollm2").messages2prompt("你好", smollm2_tokenizer)
+    assert prompt.endswith("<|im_start|>user\n你好<|im_end|>\n<|im_start|>assistant\n")
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer(smollm2_gguf):
+    import os
+
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(os.path.dirname(smollm2_gguf), gguf_file=os.path.basename(smollm2_gguf))
