@@ -1,0 +1,72 @@
+"""load_model: any supported checkpoint (HF directory or GGUF file) -> a ready Flax model.
+
+Path resolution -> HF config dict -> ModelConfig (with engine overrides) -> tensors renamed to HF Llama
+names by the architecture's weight map -> parameters filled one tensor at a time.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from lmjax.loader.gguf import load_gguf
+from lmjax.loader.resolve import resolve_model_path
+from lmjax.loader.safetensors_loader import iter_tensors, read_config
+from lmjax.loader.weights import Placer, load_params
+from lmjax.models.config import ModelConfig
+from lmjax.models.registry import ARCHITECTURES, parse_config
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+_CHECKPOINT_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
+                      "torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    model: nnx.Module
+    config: ModelConfig
+    hf_config: dict
+    path: str
+    dtype: jnp.dtype
+
+
+def resolve_dtype(dtype: str, hf_config: dict, is_gguf: bool = False):
+    """'auto' = the checkpoint's dtype on accelerators; float32 on CPU, where bf16 matmuls are slow and
+    parity with transformers' float32 reference is the point. GGUF is dequantized: bf16 on accelerators."""
+    if dtype != "auto":
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype={dtype!r} is not supported; choose 'auto' or one of {sorted(DTYPES)}")
+        return DTYPES[dtype]
+    if jax.default_backend() == "cpu":
+        return jnp.float32
+    declared = hf_config.get("torch_dtype") or hf_config.get("dtype")
+    name = "bfloat16" if is_gguf else _CHECKPOINT_DTYPES.get(str(declared), "bfloat16")
+    return DTYPES[name]
+
+
+def _checkpoint(path: str):
+    """(hf_config, tensor iterator, source name) for a directory or a .gguf file."""
+    if os.path.isdir(path):
+        return read_config(path), lambda: iter_tensors(path), path
+    if path.endswith(".gguf"):
+        config, weights = load_gguf(path, np.float32)
+        return config, lambda: iter(weights.items()), path
+    raise ValueError(f"model path {path!r} is neither a checkpoint directory nor a .gguf file")
+
+
+def load_model(model: str | None = None, dtype: str = "auto", *, placer: Placer | None = None,
+               **overrides) -> LoadedModel:
+    """Load a model. `overrides`: TurboMind's rope_scaling_factor, use_dynamic_ntk, use_logn_attn."""
+    path = resolve_model_path(model)
+    hf_config, tensors, source = _checkpoint(path)
+    cfg = parse_config(hf_config, **overrides)
+    jdtype = resolve_dtype(dtype, hf_config, path.endswith(".gguf"))
+    arch = ARCHITECTURES[cfg.architecture]
+    kwargs = {"placer": placer} if placer is not None else {}
+    net = load_params(lambda: arch.model_cls(cfg, dtype=jdtype), arch.tensor_map(tensors(), cfg),
+                      jnp.dtype(jdtype), source, **kwargs)
+    return LoadedModel(net, cfg, hf_config, path, jdtype)

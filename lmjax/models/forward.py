@@ -1,0 +1,83 @@
+"""Run a model outside the engine: whole-prompt logits and a simple greedy decode loop over a paged
+cache laid out contiguously. For parity tests and notebooks; the engine has its own scheduler and steps.
+
+Shape letters: B sequences, L tokens of one sequence, V vocab, P blocks, S block size, K kv heads, H head dim.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from lmjax.layers.attention import AttentionMetadata, contiguous_metadata
+from lmjax.models.config import ModelConfig
+
+
+def make_kv_caches(cfg: ModelConfig, num_blocks: int, block_size: int, dtype) -> list[tuple[jax.Array, jax.Array]]:
+    """Zeroed per-layer (k_PSKH, v_PSKH) caches."""
+    shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers)]
+
+
+@nnx.jit
+def _forward_all(model, ids_T, positions_T, caches, meta):
+    hidden_TD, caches = model(ids_T, positions_T, caches, meta)
+    return model.compute_logits(hidden_TD), caches
+
+
+def prompt_logits(model, prompts: list[list[int]], block_size: int = 16) -> list[np.ndarray]:
+    """float32 logits [L, V] at every position of each prompt, all prompts in one ragged step."""
+    lengths = [len(p) for p in prompts]
+    num_blocks = 1 + sum(-(-n // block_size) for n in lengths)
+    dtype = model.embed_tokens.embedding[...].dtype
+    caches = make_kv_caches(model.config, num_blocks, block_size, dtype)
+    meta = contiguous_metadata(lengths, block_size, num_blocks)
+    ids_T = jnp.asarray(np.concatenate(prompts), jnp.int32)
+    positions_T = jnp.asarray(np.concatenate([np.arange(n) for n in lengths]), jnp.int32)
+    logits_TV, _ = _forward_all(model, ids_T, positions_T, caches, meta)
+    return np.split(np.asarray(logits_TV), np.cumsum(lengths)[:-1])
+
+
+@nnx.jit
+def _greedy_step(model, ids_T, positions_T, caches, meta, last_rows_B):
+    hidden_TD, caches = model(ids_T, positions_T, caches, meta)
+    logits_BV = model.compute_logits(hidden_TD[last_rows_B])
+    return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32), caches
+
+
+def _decode_metadata(meta: AttentionMetadata, kv_lens_B: np.ndarray, block_size: int) -> AttentionMetadata:
+    """Metadata for one decode token per sequence at position kv_len - 1, in the prompt's block table."""
+    tables_BM = np.asarray(meta.block_tables_BM)
+    pos_B = kv_lens_B - 1
+    slots_B = tables_BM[np.arange(len(pos_B)), pos_B // block_size] * block_size + pos_B % block_size
+    return AttentionMetadata(
+        slot_mapping_T=jnp.asarray(slots_B, jnp.int32), seq_lens_T=jnp.asarray(kv_lens_B, jnp.int32),
+        kv_lens_B=jnp.asarray(kv_lens_B, jnp.int32), block_tables_BM=meta.block_tables_BM,
+        cu_q_lens_B1=jnp.arange(len(kv_lens_B) + 1, dtype=jnp.int32))
+
+
+def greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, block_size: int = 16) -> list[list[int]]:
+    """Greedy tokens for each prompt: one prefill step, then incremental decode steps over the KV cache.
+
+    No early stop on EOS: exactly `max_new_tokens` tokens each (like HF generate with min_new_tokens).
+    """
+    lengths = [len(p) + max_new_tokens for p in prompts]
+    num_blocks = 1 + sum(-(-n // block_size) for n in lengths)
+    caches = make_kv_caches(model.config, num_blocks, block_size, model.embed_tokens.embedding[...].dtype)
+    prompt_lens = np.array([len(p) for p in prompts])
+    # Each sequence owns blocks for its whole output from the start.
+    prefill = contiguous_metadata(list(prompt_lens), block_size, num_blocks, capacity=lengths)
+    ids_T = jnp.asarray(np.concatenate(prompts), jnp.int32)
+    positions_T = jnp.asarray(np.concatenate([np.arange(n) for n in prompt_lens]), jnp.int32)
+    last_rows_B = jnp.asarray(np.cumsum(prompt_lens) - 1, jnp.int32)
+    tokens_B, caches = _greedy_step(model, ids_T, positions_T, caches, prefill, last_rows_B)
+    out = [np.asarray(tokens_B)]
+    kv_lens_B = prompt_lens.copy()
+    for _ in range(max_new_tokens - 1):
+        kv_lens_B = kv_lens_B + 1
+        meta = _decode_metadata(prefill, kv_lens_B, block_size)
+        rows_B = jnp.arange(len(prompts), dtype=jnp.int32)
+        tokens_B, caches = _greedy_step(model, tokens_B, jnp.asarray(kv_lens_B - 1, jnp.int32), caches, meta, rows_B)
+        out.append(np.asarray(tokens_B))
+    return np.stack(out, axis=1).tolist()

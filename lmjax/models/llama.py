@@ -1,0 +1,111 @@
+"""The Llama-family decoder in Flax NNX: Llama, Qwen2 (q/k/v bias), Mistral (sliding window),
+Qwen3 (q/k norm) and InternLM2 (loaded through a weight map onto this same module tree).
+
+Data flow of one step: token ids [T] and positions [T] in; per layer: RMSNorm -> q/k/v projections ->
+RoPE -> write K/V into the paged cache -> paged attention over each sequence's context -> o_proj ->
+residual -> RMSNorm -> SwiGLU MLP -> residual; final norm -> hidden [T, D]. `compute_logits` applies the
+lm_head only to the rows the caller asks for (the last token of each sequence, in the engine).
+
+Shape letters: T tokens, D hidden, N q heads, K kv heads, H head dim, I intermediate, V vocab.
+Layers are a Python list (unrolled under jit): measured faster than scanning stacked weights on GPU.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from lmjax.layers.attention import AttentionMetadata, paged_attention, write_kv
+from lmjax.layers.linear import Linear
+from lmjax.layers.norm import RMSNorm
+from lmjax.layers.rope import apply_rope, logn_scale_T
+from lmjax.models.config import ModelConfig
+
+KVCache = tuple[jax.Array, jax.Array]  # (k_PSKH, v_PSKH) of one layer
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, dtype):
+        D, N, K, H = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = Linear(D, N * H, bias=cfg.qkv_bias, dtype=dtype)
+        self.k_proj = Linear(D, K * H, bias=cfg.qkv_bias, dtype=dtype)
+        self.v_proj = Linear(D, K * H, bias=cfg.qkv_bias, dtype=dtype)
+        self.o_proj = Linear(N * H, D, bias=cfg.o_bias, dtype=dtype)
+        self.q_norm = RMSNorm(H, cfg.rms_norm_eps, dtype=dtype) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(H, cfg.rms_norm_eps, dtype=dtype) if cfg.qk_norm else None
+        self.cfg, self.sliding_window = cfg, cfg.sliding_window(layer)
+
+    def __call__(self, x_TD, positions_T, cache: KVCache, meta: AttentionMetadata):
+        cfg, T = self.cfg, x_TD.shape[0]
+        q_TNH = self.q_proj(x_TD).reshape(T, cfg.num_heads, cfg.head_dim)
+        k_TKH = self.k_proj(x_TD).reshape(T, cfg.num_kv_heads, cfg.head_dim)
+        v_TKH = self.v_proj(x_TD).reshape(T, cfg.num_kv_heads, cfg.head_dim)
+        if self.q_norm is not None:
+            q_TNH, k_TKH = self.q_norm(q_TNH), self.k_norm(k_TKH)
+        q_TNH, k_TKH = apply_rope(q_TNH, k_TKH, positions_T, meta.seq_lens_T, cfg.rope)
+        if cfg.use_logn_attn:
+            q_TNH = q_TNH * logn_scale_T(positions_T, cfg.logn_max_position)[:, None, None].astype(q_TNH.dtype)
+        k_cache, v_cache = write_kv(*cache, k_TKH, v_TKH, meta.slot_mapping_T)
+        out_TNH = paged_attention(q_TNH, k_cache, v_cache, meta, sm_scale=cfg.head_dim**-0.5,
+                                  sliding_window=self.sliding_window)
+        return self.o_proj(out_TNH.reshape(T, -1)), (k_cache, v_cache)
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype):
+        D, I = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = Linear(D, I, bias=cfg.mlp_bias, dtype=dtype)
+        self.up_proj = Linear(D, I, bias=cfg.mlp_bias, dtype=dtype)
+        self.down_proj = Linear(I, D, bias=cfg.mlp_bias, dtype=dtype)
+
+    def __call__(self, x_TD):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x_TD)) * self.up_proj(x_TD))
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, dtype):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.self_attn = Attention(cfg, layer, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.mlp = MLP(cfg, dtype)
+
+    def __call__(self, x_TD, positions_T, cache: KVCache, meta: AttentionMetadata):
+        attn_TD, cache = self.self_attn(self.input_layernorm(x_TD), positions_T, cache, meta)
+        x_TD = x_TD + attn_TD
+        x_TD = x_TD + self.mlp(self.post_attention_layernorm(x_TD))
+        return x_TD, cache
+
+
+class Embedding(nnx.Module):
+    def __init__(self, vocab: int, dim: int, dtype):
+        self.embedding = nnx.Param(jnp.zeros((vocab, dim), dtype))
+
+    def __call__(self, ids_T):
+        return jnp.take(self.embedding[...], ids_T, axis=0)
+
+
+class LlamaForCausalLM(nnx.Module):
+    """Token ids + positions + paged KV cache in; final hidden states + updated cache out."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32):
+        self.config = cfg
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
+        self.layers = nnx.List([DecoderLayer(cfg, i, dtype) for i in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype)
+
+    def __call__(self, ids_T, positions_T, caches: list[KVCache], meta: AttentionMetadata):
+        x_TD = self.embed_tokens(ids_T)
+        new_caches = []
+        for layer, cache in zip(self.layers, caches):
+            x_TD, cache = layer(x_TD, positions_T, cache, meta)
+            new_caches.append(cache)
+        return self.norm(x_TD), new_caches
+
+    def compute_logits(self, hidden_XD) -> jax.Array:
+        """float32 logits for the given rows of hidden states."""
+        if self.lm_head is None:
+            logits_XV = hidden_XD @ self.embed_tokens.embedding[...].T
+        else:
+            logits_XV = self.lm_head(hidden_XD)
+        return logits_XV.astype(jnp.float32)
