@@ -1,0 +1,469 @@
+"""Ragged paged attention: one op for a batch mixing decode rows and prefill chunks.
+
+Shape letters (used as suffixes of every array name in this module):
+  T  tokens in the step (padded)         N  query heads
+  K  kv heads                            G  query heads per kv head (N // K)
+  H  head dim                            P  cache blocks
+  S  block size (tokens per block)       B  sequences (padded)
+  M  max blocks per sequence             L  max context (M * S)
+  I  q tiles (grid axis 0)               X  kv splits (grid axis 2)
+  R  rows of a q tile (BLOCK_M)          C  keys of a kv tile (BLOCK_N)
+
+Sequence b owns query rows cu_q_lens[b] .. cu_q_lens[b+1]-1 of q. Its context
+after this step is kv_lens[b] tokens; query i of the sequence sits at absolute
+position kv_lens[b] - q_len + i and attends keys j <= position (and
+j > position - sliding_window when a window is set: HF Mistral semantics).
+Key j of sequence b lives at k_cache[block_tables[b, j // S], j % S].
+
+Three entry points:
+  ragged_paged_attention            public op; impl="auto" -> kernel on GPU,
+                                    reference elsewhere
+  ragged_paged_attention_kernel     Pallas (Triton backend) kernel
+  ragged_paged_attention_reference  jnp reference (the CPU production path)
+Both implementations go through `validate_ragged_paged_attention`.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels._validate import (
+    is_power_of_two,
+    require,
+    require_dim,
+    require_dtype,
+    require_rank,
+)
+
+try:  # The Triton backend module; absent from some jax builds.
+    from jax.experimental.pallas import triton as plgpu
+except ImportError:  # pragma: no cover - depends on the jax build
+    plgpu = None
+
+IMPLS = ("auto", "kernel", "reference")
+FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+# Finite stand-in for -inf in the running max: exp2(-inf - (-inf)) would be NaN
+# for rows that have seen no key yet, exp2(-inf - _M_INIT) is 0.
+_M_INIT = -1e30
+_LOG2E = 1.4426950408889634
+
+
+# --------------------------------------------------------------------------
+# jax version compatibility (0.10.2 on CPU, 0.11.2 on GPU)
+# --------------------------------------------------------------------------
+def _triton_compiler_params(num_warps: int, num_stages: int):
+    """Triton compiler params under whichever name this jax spells them."""
+    for owner, name in ((plgpu, "CompilerParams"), (plgpu, "TritonCompilerParams"),
+                        (pl, "TritonCompilerParams")):
+        cls = getattr(owner, name, None) if owner is not None else None
+        if cls is not None:
+            return cls(num_warps=num_warps, num_stages=num_stages)
+    return None
+
+
+def _masked_load(ref, mask, other):
+    """Load with a mask; `other` fills the masked-off elements (no memory access)."""
+    if plgpu is not None and hasattr(plgpu, "load"):
+        return plgpu.load(ref, mask=mask, other=other)
+    return pl.load(ref, None, mask=mask, other=other)  # older jax spelling
+
+
+def _masked_store(ref, val, mask):
+    if plgpu is not None and hasattr(plgpu, "store"):
+        return plgpu.store(ref, val, mask=mask)
+    return pl.store(ref, None, val, mask=mask)
+
+
+def _on_gpu() -> bool:
+    return jax.default_backend() == "gpu"
+
+
+def _num_sms() -> int:
+    return getattr(jax.devices()[0], "core_count", 0) or 132
+
+
+# --------------------------------------------------------------------------
+# Validation (shared by kernel and reference)
+# --------------------------------------------------------------------------
+def validate_ragged_paged_attention(
+    q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, block_tables_BM, cu_q_lens_B1,
+    *, sm_scale, sliding_window, impl="auto", for_kernel=False,
+) -> None:
+    """Check static shapes, dtypes and scalars; raise ValueError naming the bad value."""
+    require_rank("q_TNH", q_TNH, 3, "T, N, H")
+    require_rank("k_cache_PSKH", k_cache_PSKH, 4, "P, S, K, H")
+    require_rank("kv_lens_B", kv_lens_B, 1, "B")
+    require_rank("block_tables_BM", block_tables_BM, 2, "B, M")
+    require_rank("cu_q_lens_B1", cu_q_lens_B1, 1, "B+1")
+    require(
+        tuple(v_cache_PSKH.shape) == tuple(k_cache_PSKH.shape),
+        f"v_cache_PSKH.shape={tuple(v_cache_PSKH.shape)} must equal "
+        f"k_cache_PSKH.shape={tuple(k_cache_PSKH.shape)}",
+    )
+    for name, x in (("q_TNH", q_TNH), ("k_cache_PSKH", k_cache_PSKH), ("v_cache_PSKH", v_cache_PSKH)):
+        require_dtype(name, x, FLOAT_DTYPES)
+    require(
+        q_TNH.dtype == k_cache_PSKH.dtype == v_cache_PSKH.dtype,
+        f"dtypes must match: q_TNH.dtype={q_TNH.dtype}, k_cache_PSKH.dtype="
+        f"{k_cache_PSKH.dtype}, v_cache_PSKH.dtype={v_cache_PSKH.dtype}",
+    )
+    for name, x in (("kv_lens_B", kv_lens_B), ("block_tables_BM", block_tables_BM),
+                    ("cu_q_lens_B1", cu_q_lens_B1)):
+        require_dtype(name, x, ("int32",))
+    _, num_q_heads, head_dim = q_TNH.shape
+    _, block_size, num_kv_heads, _ = k_cache_PSKH.shape
+    num_seqs = kv_lens_B.shape[0]
+    require(block_size >= 1, f"block_size={block_size} must be >= 1")
+    require(num_kv_heads >= 1, f"num_kv_heads={num_kv_heads} must be >= 1")
+    require(
+        num_q_heads % num_kv_heads == 0,
+        f"num_q_heads={num_q_heads} must be a multiple of num_kv_heads={num_kv_heads}",
+    )
+    require_dim("k_cache_PSKH", k_cache_PSKH, 3, head_dim, "head_dim of q_TNH")
+    require_dim("block_tables_BM", block_tables_BM, 0, num_seqs, "len(kv_lens_B)")
+    require_dim("cu_q_lens_B1", cu_q_lens_B1, 0, num_seqs + 1, "len(kv_lens_B) + 1")
+    require(
+        isinstance(sm_scale, (int, float)) and math.isfinite(sm_scale) and sm_scale > 0,
+        f"sm_scale={sm_scale!r} must be a positive finite Python float",
+    )
+    require(
+        sliding_window is None or (isinstance(sliding_window, int) and sliding_window >= 1),
+        f"sliding_window={sliding_window!r} must be None or an int >= 1",
+    )
+    require(impl in IMPLS, f"impl={impl!r} must be one of {IMPLS}")
+    if for_kernel:
+        # Triton tiles need power-of-two extents.
+        require(
+            is_power_of_two(head_dim) and 16 <= head_dim <= 256,
+            f"head_dim={head_dim} must be a power of two in [16, 256] for the kernel",
+        )
+
+
+# --------------------------------------------------------------------------
+# Reference (jnp): scan over cache blocks with an online softmax
+# --------------------------------------------------------------------------
+def _token_metadata(kv_lens_B, cu_q_lens_B1, num_tokens: int):
+    """Per query row: its sequence, absolute position, and whether it is a real row."""
+    t_T = jnp.arange(num_tokens, dtype=jnp.int32)
+    # Row t belongs to the last sequence b with cu_q_lens[b] <= t.
+    seq_T = jnp.searchsorted(cu_q_lens_B1, t_T, side="right").astype(jnp.int32) - 1
+    num_seqs = kv_lens_B.shape[0]
+    seq_T = jnp.clip(seq_T, 0, num_seqs - 1)
+    valid_T = t_T < cu_q_lens_B1[-1]
+    q_len_T = cu_q_lens_B1[seq_T + 1] - cu_q_lens_B1[seq_T]
+    pos_T = kv_lens_B[seq_T] - q_len_T + (t_T - cu_q_lens_B1[seq_T])
+    return seq_T, pos_T, valid_T
+
+
+def _reference_impl(q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, block_tables_BM,
+                    cu_q_lens_B1, *, sm_scale, sliding_window):
+    num_tokens, num_q_heads, head_dim = q_TNH.shape
+    _, block_size, num_kv_heads, _ = k_cache_PSKH.shape
+    group = num_q_heads // num_kv_heads
+    seq_T, pos_T, valid_T = _token_metadata(kv_lens_B, cu_q_lens_B1, num_tokens)
+    q_TKGH = q_TNH.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
+    block_ids_TM = block_tables_BM[seq_T]
+    offsets_S = jnp.arange(block_size, dtype=jnp.int32)
+
+    def step(carry, m):
+        max_TKG, denom_TKG, acc_TKGH = carry
+        key_pos_S = m * block_size + offsets_S
+        # Gather this block of every row's own sequence: [T, S, K, H].
+        k_TSKH = k_cache_PSKH[block_ids_TM[:, m]].astype(jnp.float32)
+        v_TSKH = v_cache_PSKH[block_ids_TM[:, m]].astype(jnp.float32)
+        mask_TS = (key_pos_S[None, :] <= pos_T[:, None]) & valid_T[:, None]
+        if sliding_window is not None:
+            mask_TS &= key_pos_S[None, :] > pos_T[:, None] - sliding_window
+        # Masked-off keys may hold garbage (NaN): keep it out of both products.
+        k_TSKH = jnp.where(mask_TS[:, :, None, None], k_TSKH, 0.0)
+        v_TSKH = jnp.where(mask_TS[:, :, None, None], v_TSKH, 0.0)
+        s_TKGS = jnp.einsum("tkgh,tskh->tkgs", q_TKGH, k_TSKH,
+                            precision=jax.lax.Precision.HIGHEST) * sm_scale
+        s_TKGS = jnp.where(mask_TS[:, None, None, :], s_TKGS, -jnp.inf)
+        new_max_TKG = jnp.maximum(max_TKG, s_TKGS.max(axis=-1))
+        p_TKGS = jnp.exp(s_TKGS - new_max_TKG[..., None])
+        alpha_TKG = jnp.exp(max_TKG - new_max_TKG)
+        denom_TKG = denom_TKG * alpha_TKG + p_TKGS.sum(axis=-1)
+        acc_TKGH = acc_TKGH * alpha_TKG[..., None] + jnp.einsum(
+            "tkgs,tskh->tkgh", p_TKGS, v_TSKH, precision=jax.lax.Precision.HIGHEST)
+        return (new_max_TKG, denom_TKG, acc_TKGH), None
+
+    init = (
+        jnp.full((num_tokens, num_kv_heads, group), _M_INIT, jnp.float32),
+        jnp.zeros((num_tokens, num_kv_heads, group), jnp.float32),
+        jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32),
+    )
+    num_blocks_per_seq = block_tables_BM.shape[1]
+    (_, denom_TKG, acc_TKGH), _ = jax.lax.scan(
+        step, init, jnp.arange(num_blocks_per_seq, dtype=jnp.int32))
+    safe_denom_TKG = jnp.where(denom_TKG > 0, denom_TKG, 1.0)
+    out_TKGH = acc_TKGH / safe_denom_TKG[..., None]
+    out_TNH = out_TKGH.reshape(num_tokens, num_q_heads, head_dim)
+    out_TNH = jnp.where(valid_T[:, None, None], out_TNH, 0.0)
+    return out_TNH.astype(q_TNH.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window"))
+def ragged_paged_attention_reference(
+    q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, block_tables_BM, cu_q_lens_B1,
+    *, sm_scale: float, sliding_window: int | None = None,
+):
+    """jnp reference: float32 softmax, output in q's dtype. Same contract as the op."""
+    validate_ragged_paged_attention(
+        q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, block_tables_BM, cu_q_lens_B1,
+        sm_scale=sm_scale, sliding_window=sliding_window)
+    return _reference_impl(q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, block_tables_BM,
+                           cu_q_lens_B1, sm_scale=sm_scale, sliding_window=sliding_window)
+
+
+# --------------------------------------------------------------------------
+# Kernel (Pallas, Triton backend)
+# --------------------------------------------------------------------------
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _choose_config(num_tokens, num_seqs, num_q_heads, num_kv_heads, head_dim,
+                   max_context, on_gpu):
+    """Static tiling from static shapes only (contents are traced).
+
+    Rows of a q tile are (token, head-of-group) pairs, so GQA groups share one
+    K/V stream. The expected query rows per sequence (T / B) sizes the tile:
+    decode batches (T ~ B) get small tiles, prefill chunks 128-row tiles that
+    keep the tensor cores busy.
+    """
+    group = num_q_heads // num_kv_heads
+    rows_per_seq = group * -(-num_tokens // max(num_seqs, 1))
+    block_m = min(128, max(16, _next_pow2(rows_per_seq), _next_pow2(group)))
+    is_decode = block_m <= 32
+    block_n = 64 if head_dim > 64 else 128
+    block_q = max(1, block_m // group)
+    # Each tile has >= 1 token, and sum_b cdiv(q_b, Q) <= (T + B (Q - 1)) / Q.
+    num_tiles = max(1, min(num_tokens, (num_tokens + num_seqs * (block_q - 1)) // block_q))
+    programs = num_tiles * num_kv_heads
+    target = 2 * _num_sms() if on_gpu else 1
+    kv_tiles = -(-max_context // block_n)
+    # Split the context (flash-decoding) only when q tiles alone cannot fill
+    # the GPU, and keep >= 4 kv tiles per split so the partials stay cheap.
+    num_splits = max(1, min(target // max(programs, 1), kv_tiles // 4)) if on_gpu else 1
+    if not is_decode:
+        num_warps, num_stages = (8 if head_dim > 64 else 4), 2
+    else:
+        num_warps, num_stages = 4, 3
+    return dict(block_m=block_m, block_n=block_n, block_q=block_q, num_tiles=num_tiles,
+                num_splits=num_splits, num_warps=num_warps, num_stages=num_stages)
+
+
+def _tile_metadata(cu_q_lens_B1, block_q: int, num_tiles: int):
+    """Map each q tile to (sequence, first row in q, number of rows it holds)."""
+    q_lens_B = cu_q_lens_B1[1:] - cu_q_lens_B1[:-1]
+    tiles_B = (q_lens_B + block_q - 1) // block_q
+    tile_end_B = jnp.cumsum(tiles_B)
+    i_I = jnp.arange(num_tiles, dtype=jnp.int32)
+    seq_I = jnp.searchsorted(tile_end_B, i_I, side="right").astype(jnp.int32)
+    active_I = seq_I < q_lens_B.shape[0]
+    seq_I = jnp.minimum(seq_I, q_lens_B.shape[0] - 1)
+    local_I = i_I - (tile_end_B[seq_I] - tiles_B[seq_I])
+    q_start_I = cu_q_lens_B1[seq_I] + local_I * block_q
+    q_count_I = jnp.clip(q_lens_B[seq_I] - local_I * block_q, 0, block_q)
+    q_count_I = jnp.where(active_I, q_count_I, 0)
+    return seq_I.astype(jnp.int32), q_start_I.astype(jnp.int32), q_count_I.astype(jnp.int32)
+
+
+def _attention_kernel(
+    seq_I_ref,        # [I] int32: sequence of each q tile
+    q_start_I_ref,    # [I] int32: first row of q of each tile
+    q_count_I_ref,    # [I] int32: rows of q in each tile (0: inactive)
+    kv_lens_B_ref,    # [B] int32
+    cu_q_lens_B1_ref, # [B+1] int32
+    block_tables_BM_ref,  # [B, M] int32
+    q_XH_ref,         # [T*N, H]: q with tokens and heads flattened
+    k_ZKH_ref,        # [P*S, K, H]: cache with blocks and slots flattened
+    v_ZKH_ref,        # [P*S, K, H]
+    *out_refs,        # o [T*N, H] (one split) or o [X, T*N, H] f32 and lse [X, T*N] f32
+    num_q_heads, group, block_m, block_n, block_size, scale_log2, sliding_window,
+    num_splits,
+):
+    tile, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    q_count = q_count_I_ref[tile]
+
+    @pl.when(q_count > 0)
+    def _():
+        seq = seq_I_ref[tile]
+        q_start = q_start_I_ref[tile]
+        seq_q_start = cu_q_lens_B1_ref[seq]
+        q_len = cu_q_lens_B1_ref[seq + 1] - seq_q_start
+        # Absolute position of the tile's first query.
+        pos0 = kv_lens_B_ref[seq] - q_len + (q_start - seq_q_start)
+
+        r_R = jnp.arange(block_m, dtype=jnp.int32)
+        tok_R = r_R // group
+        row_valid_R = tok_R < q_count
+        pos_R = pos0 + tok_R
+        row_R = (q_start + tok_R) * num_q_heads + kv_head * group + r_R % group
+        # Masked rows get an out-of-bounds index: never touched on the GPU, and
+        # interpret mode drops their scatter instead of racing a real row.
+        row_R = jnp.where(row_valid_R, row_R, q_XH_ref.shape[0])
+        # Interpret mode cannot mix array indices with slices: index every axis
+        # with (broadcastable) arrays. Triton gets the same pointer arithmetic.
+        head_dim = q_XH_ref.shape[1]
+        h_1H = jnp.arange(head_dim, dtype=jnp.int32)[None, :]
+        q_RH = _masked_load(q_XH_ref.at[row_R[:, None], h_1H], row_valid_R[:, None], 0.0)
+
+        # Keys this tile needs: [lo, hi). hi is one past the last query's position.
+        hi = pos0 + q_count
+        lo = 0 if sliding_window is None else jnp.maximum(pos0 - sliding_window + 1, 0)
+        first_tile = lo // block_n
+        num_kv_tiles = (hi + block_n - 1) // block_n - first_tile
+        per_split = (num_kv_tiles + num_splits - 1) // num_splits
+        start = first_tile + split * per_split
+        stop = jnp.minimum(start + per_split, first_tile + num_kv_tiles)
+        c_C = jnp.arange(block_n, dtype=jnp.int32)
+
+        def body(kv_tile, carry):
+            max_R, denom_R, acc_RH = carry
+            key_C = kv_tile * block_n + c_C
+            key_valid_C = (key_C < hi) & (key_C >= lo)
+            block_C = _masked_load(
+                block_tables_BM_ref.at[seq, jnp.where(key_valid_C, key_C // block_size, 0)],
+                key_valid_C, 0)
+            slot_C = jnp.where(key_valid_C, block_C * block_size + key_C % block_size, 0)
+            # Masked-off keys are never read: unwritten cache slots may hold NaN.
+            k_CH = _masked_load(k_ZKH_ref.at[slot_C[:, None], kv_head, h_1H],
+                                key_valid_C[:, None], 0.0)
+            v_CH = _masked_load(v_ZKH_ref.at[slot_C[:, None], kv_head, h_1H],
+                                key_valid_C[:, None], 0.0)
+            s_RC = jax.lax.dot_general(
+                q_RH, k_CH, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+            s_RC = s_RC * scale_log2
+            mask_RC = (key_C[None, :] <= pos_R[:, None]) & key_valid_C[None, :]
+            if sliding_window is not None:
+                mask_RC &= key_C[None, :] > pos_R[:, None] - sliding_window
+            s_RC = jnp.where(mask_RC, s_RC, -jnp.inf)
+            new_max_R = jnp.maximum(max_R, jnp.max(s_RC, axis=1))
+            p_RC = jnp.exp2(s_RC - new_max_R[:, None])
+            alpha_R = jnp.exp2(max_R - new_max_R)
+            denom_R = denom_R * alpha_R + jnp.sum(p_RC, axis=1)
+            pv_RH = jax.lax.dot_general(
+                p_RC.astype(v_CH.dtype), v_CH, (((1,), (0,)), ((), ())),
+                preferred_element_type=jnp.float32)
+            acc_RH = acc_RH * alpha_R[:, None] + pv_RH
+            return new_max_R, denom_R, acc_RH
+
+        init = (jnp.full((block_m,), _M_INIT, jnp.float32),
+                jnp.zeros((block_m,), jnp.float32),
+                jnp.zeros((block_m, head_dim), jnp.float32))
+        max_R, denom_R, acc_RH = jax.lax.fori_loop(start, stop, body, init)
+        has_keys_R = denom_R > 0
+        out_RH = acc_RH / jnp.where(has_keys_R, denom_R, 1.0)[:, None]
+        if num_splits == 1:
+            (o_XH_ref,) = out_refs
+            _masked_store(o_XH_ref.at[row_R[:, None], h_1H], out_RH.astype(o_XH_ref.dtype),
+                          row_valid_R[:, None])
+        else:
+            o_VXH_ref, lse_VX_ref = out_refs  # V: splits
+            lse_R = jnp.where(has_keys_R, max_R + jnp.log2(jnp.where(has_keys_R, denom_R, 1.0)),
+                              -jnp.inf)
+            _masked_store(o_VXH_ref.at[split, row_R[:, None], h_1H], out_RH, row_valid_R[:, None])
+            _masked_store(lse_VX_ref.at[split, row_R], lse_R, row_valid_R)
+
+
+def _combine_splits(o_VXH, lse_VX):
+    """Merge per-split normalized outputs by their log2-sum-exp weights."""
+    lse_max_X = jnp.max(lse_VX, axis=0)
+    safe_max_X = jnp.where(jnp.isfinite(lse_max_X), lse_max_X, 0.0)
+    w_VX = jnp.exp2(lse_VX - safe_max_X[None])
+    w_VX = jnp.where(jnp.isfinite(lse_VX), w_VX, 0.0)
+    total_X = jnp.sum(w_VX, axis=0)
+    out_XH = jnp.einsum("vx,vxh->xh", w_VX, jnp.where(w_VX[..., None] > 0, o_VXH, 0.0))
+    return out_XH / jnp.where(total_X > 0, total_X, 1.0)[:, None]
+
+
+def _kernel_impl(q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, block_tables_BM, cu_q_lens_B1,
+                 *, sm_scale, sliding_window, interpret, config=None):
+    num_tokens, num_q_heads, head_dim = q_TNH.shape
+    num_blocks, block_size, num_kv_heads, _ = k_cache_PSKH.shape
+    num_seqs, max_blocks = block_tables_BM.shape
+    cfg = config or _choose_config(num_tokens, num_seqs, num_q_heads, num_kv_heads, head_dim,
+                                   max_blocks * block_size, on_gpu=not interpret and _on_gpu())
+    seq_I, q_start_I, q_count_I = _tile_metadata(cu_q_lens_B1, cfg["block_q"], cfg["num_tiles"])
+    num_splits = cfg["num_splits"]
+    rows = num_tokens * num_q_heads
+    if num_splits == 1:
+        out_shape = jax.ShapeDtypeStruct((rows, head_dim), q_TNH.dtype)
+    else:
+        out_shape = (jax.ShapeDtypeStruct((num_splits, rows, head_dim), jnp.float32),
+                     jax.ShapeDtypeStruct((num_splits, rows), jnp.float32))
+    kernel = functools.partial(
+        _attention_kernel, num_q_heads=num_q_heads, group=num_q_heads // num_kv_heads,
+        block_m=cfg["block_m"], block_n=cfg["block_n"], block_size=block_size,
+        scale_log2=float(sm_scale) * _LOG2E, sliding_window=sliding_window,
+        num_splits=num_splits)
+    outs = pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=(cfg["num_tiles"], num_kv_heads, num_splits),
+        compiler_params=_triton_compiler_params(cfg["num_warps"], cfg["num_stages"]),
+        interpret=interpret,
+        name="ragged_paged_attention",
+    )(seq_I, q_start_I, q_count_I, kv_lens_B, cu_q_lens_B1, block_tables_BM,
+      q_TNH.reshape(rows, head_dim),
+      k_cache_PSKH.reshape(num_blocks * block_size, num_kv_heads, head_dim),
+      v_cache_PSKH.reshape(num_blocks * block_size, num_kv_heads, head_dim))
+    out_XH = outs if num_splits == 1 else _combine_splits(*outs)
+    # Rows past cu_q_lens[-1] are never written by the kernel: zero them here.
+    valid_T = jnp.arange(num_tokens, dtype=jnp.int32) < cu_q_lens_B1[-1]
+    out_TNH = out_XH.reshape(num_tokens, num_q_heads, head_dim)
+    return jnp.where(valid_T[:, None, None], out_TNH, 0).astype(q_TNH.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "interpret", "config"))
+def _kernel_jit(q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, block_tables_BM, cu_q_lens_B1,
+                *, sm_scale, sliding_window, interpret, config):
+    return _kernel_impl(q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, block_tables_BM,
+                        cu_q_lens_B1, sm_scale=sm_scale, sliding_window=sliding_window,
+                        interpret=interpret, config=None if config is None else dict(config))
+
+
+def ragged_paged_attention_kernel(
+    q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, block_tables_BM, cu_q_lens_B1,
+    *, sm_scale: float, sliding_window: int | None = None, interpret: bool = False,
+    config: dict | None = None,
+):
+    """Pallas kernel; `config` overrides the tiling (benchmarks and tests only)."""
+    validate_ragged_paged_attention(
+        q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, block_tables_BM, cu_q_lens_B1,
+        sm_scale=sm_scale, sliding_window=sliding_window, for_kernel=True)
+    frozen = None if config is None else tuple(sorted(config.items()))
+    return _kernel_jit(q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, block_tables_BM,
+                       cu_q_lens_B1, sm_scale=float(sm_scale), sliding_window=sliding_window,
+                       interpret=interpret, config=frozen)
+
+
+# --------------------------------------------------------------------------
+# Public op
+# --------------------------------------------------------------------------
+def ragged_paged_attention(
+    q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, block_tables_BM, cu_q_lens_B1,
+    *, sm_scale: float, sliding_window: int | None = None, impl: str = "auto",
+    interpret: bool = False,
+):
+    """Attention of a ragged batch of queries over a paged KV cache.
+
+    impl: "auto" runs the Pallas kernel on GPU and the jnp reference elsewhere;
+    "kernel" / "reference" force one. interpret=True runs the kernel in Pallas
+    interpret mode (any backend; tests). Returns out_TNH in q's dtype, with
+    rows past cu_q_lens[-1] zero.
+    """
+    validate_ragged_paged_attention(
+        q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, block_tables_BM, cu_q_lens_B1,
+        sm_scale=sm_scale, sliding_window=sliding_window, impl=impl)
+    use_kernel = impl == "kernel" or (impl == "auto" and (interpret or _on_gpu()))
+    fn = ragged_paged_attention_kernel if use_kernel else ragged_paged_attention_reference
+    kwargs = dict(interpret=interpret) if use_kernel else {}
+    return fn(q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, block_tables_BM, cu_q_lens_B1,
+              sm_scale=sm_scale, sliding_window=sliding_window, **kwargs)
