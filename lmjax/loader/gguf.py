@@ -185,11 +185,12 @@ def _dequantize(tensor, path: str, dtype) -> np.ndarray:
                         f"{tensor.tensor_type.name} ({e})") from e
     # GGUF lists dims innermost first; numpy/torch list them outermost first.
     shape = tuple(int(d) for d in reversed(tensor.shape))
-    return values.reshape(shape).astype(dtype, copy=True)  # copy: never hand out views of the mmap
+    # np.array copies into a plain ndarray: never hand out views (or np.memmap subclasses) of the file.
+    return np.array(values.reshape(shape), dtype=dtype)
 
 
 def gguf_config(path: str) -> dict:
-    """The HF config dict of a GGUF file, without touching the weights (cheap: header only)."""
+    """The HF config dict of a GGUF file, without dequantizing any weight (reads the header only)."""
     return _config_from_reader(_open(path), path)
 
 

@@ -1,0 +1,51 @@
+"""Tokenizer loading: a Hugging Face directory or the tokenizer (and chat template) embedded in a GGUF file.
+
+`load_tokenizer(model_path, tokenizer_path=None)` picks the source in this order: `tokenizer_path` when
+given, else `model_path`. A directory goes to `AutoTokenizer.from_pretrained(dir)`; when that directory
+has no tokenizer files but holds exactly one `.gguf`, that file is used. A `.gguf` file goes to
+`AutoTokenizer.from_pretrained(dirname, gguf_file=basename)`. Results are cached per resolved path since
+building a tokenizer from GGUF metadata takes seconds; the cached object is shared, so do not mutate it.
+"""
+from __future__ import annotations
+
+import functools
+import glob
+import os
+
+
+class TokenizerLoadError(ValueError):
+    """No tokenizer could be built from the given path (the message names it)."""
+
+
+def _single_gguf_in(directory: str) -> str | None:
+    files = glob.glob(os.path.join(directory, "*.gguf"))
+    return files[0] if len(files) == 1 else None
+
+
+def _has_tokenizer_files(directory: str) -> bool:
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    return any(os.path.exists(os.path.join(directory, n)) for n in names)
+
+
+@functools.lru_cache(maxsize=8)
+def _load(path: str):
+    from transformers import AutoTokenizer  # heavy import, only when a tokenizer is needed
+
+    if os.path.isdir(path) and not _has_tokenizer_files(path) and (gguf := _single_gguf_in(path)):
+        path = gguf
+    try:
+        if os.path.isdir(path):
+            return AutoTokenizer.from_pretrained(path)
+        if path.endswith(".gguf"):
+            return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    except Exception as e:  # transformers raises many types; the caller needs the path above all
+        raise TokenizerLoadError(f"could not load a tokenizer from {path}: {type(e).__name__}: {e}") from e
+    raise TokenizerLoadError(f"could not load a tokenizer from {path}: expected a directory or a .gguf file")
+
+
+def load_tokenizer(model_path: str, tokenizer_path: str | None = None):
+    """A transformers tokenizer for `tokenizer_path` (if given) or `model_path`."""
+    path = os.path.abspath(tokenizer_path or model_path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"tokenizer path not found: {path}")
+    return _load(path)
