@@ -1,0 +1,241 @@
+"""Sampling on device: one batch of logits in, one token per row out, each row with its own params.
+
+Shape letters: B batch rows (padding rows included), V vocabulary, L penalty-token slots,
+X banned-id slots, K top logprobs returned per row.
+
+Data flow: each step the engine calls `build_sampling_metadata(rows, pad_to)` on the host (numpy
+only), gets a `SamplingMetadata` pytree plus `SamplingFlags`, and calls
+`sample(logits_BV, meta, **flags._asdict())` inside its jitted step with the flags static, so a
+greedy-only batch compiles to a plain argmax. The logits pipeline follows HF / vLLM:
+penalties -> banned ids -> temperature -> top-k -> top-p -> min-p -> Gumbel-max draw; greedy
+rows (temperature 0) take the argmax after penalties and bans.
+
+Reproducibility: row b's noise comes from fold_in(key(seed_b), step_b), step_b being the number
+of tokens the request has generated, so a request draws the same tokens whatever else shares
+its batch, at whatever row, and again after a preemption recomputes it.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lmjax.config import SamplingParams
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingMetadata:
+    """Per-row sampling inputs (padding: greedy rows with neutral values, ids -1)."""
+    temperature_B: jax.Array          # float32, 0 = greedy
+    top_k_B: jax.Array                # int32, 0 = off
+    top_p_B: jax.Array                # float32, 1 = off
+    min_p_B: jax.Array                # float32, 0 = off
+    repetition_penalty_B: jax.Array   # float32, over prompt + output tokens
+    presence_penalty_B: jax.Array     # float32, over output tokens
+    frequency_penalty_B: jax.Array    # float32, over output tokens
+    seeds_B: jax.Array                # uint32
+    steps_B: jax.Array                # int32, tokens generated so far
+    prompt_tokens_BL: jax.Array       # int32, -1 padded
+    output_tokens_BL: jax.Array       # int32, -1 padded
+    banned_BX: jax.Array              # int32, -1 padded
+
+
+class SamplingFlags(NamedTuple):
+    """Static (compile-time) switches: each distinct value is one compilation."""
+    all_greedy: bool
+    use_penalties: bool
+    use_top_k_top_p: bool
+    num_logprobs: int
+
+
+class SamplerOutput(NamedTuple):
+    token_ids_B: jax.Array        # int32
+    logprobs_B: jax.Array         # float32, chosen token under log_softmax(raw logits)
+    top_ids_BK: jax.Array         # int32
+    top_logprobs_BK: jax.Array    # float32
+
+
+# ---------------------------------------------------------------- device side
+
+def _scatter_rows(x_BV: jax.Array, ids_BN: jax.Array, value, add: bool = False) -> jax.Array:
+    """x[b, ids[b, n]] = value (or += value); ids < 0 are padding and dropped."""
+    rows_B1 = jnp.arange(x_BV.shape[0])[:, None]
+    # JAX wraps negative indices, so send padding out of bounds where mode="drop" discards it.
+    ids_BN = jnp.where(ids_BN < 0, x_BV.shape[1], ids_BN)
+    ref = x_BV.at[rows_B1, ids_BN]
+    return ref.add(value, mode="drop") if add else ref.set(value, mode="drop")
+
+
+def apply_penalties(logits_BV: jax.Array, meta: SamplingMetadata) -> jax.Array:
+    """HF's repetition penalty over prompt + output, then OpenAI presence/frequency over output."""
+    zeros_BV = jnp.zeros(logits_BV.shape, jnp.int32)
+    out_counts_BV = _scatter_rows(zeros_BV, meta.output_tokens_BL, 1, add=True)
+    seen_BV = (_scatter_rows(zeros_BV, meta.prompt_tokens_BL, 1) + out_counts_BV) > 0
+    rep_B1 = meta.repetition_penalty_B[:, None]
+    penalized_BV = jnp.where(logits_BV < 0, logits_BV * rep_B1, logits_BV / rep_B1)
+    logits_BV = jnp.where(seen_BV, penalized_BV, logits_BV)
+    return (logits_BV - meta.frequency_penalty_B[:, None] * out_counts_BV
+            - meta.presence_penalty_B[:, None] * (out_counts_BV > 0))
+
+
+def apply_banned(logits_BV: jax.Array, banned_BX: jax.Array) -> jax.Array:
+    return _scatter_rows(logits_BV, banned_BX, -jnp.inf)
+
+
+def apply_temperature(logits_BV: jax.Array, temperature_B: jax.Array) -> jax.Array:
+    # Greedy rows divide by 1: their argmax is taken before this step anyway.
+    safe_B = jnp.where(temperature_B > 0, temperature_B, 1.0)
+    return logits_BV / safe_B[:, None]
+
+
+def apply_top_k_top_p(logits_BV: jax.Array, top_k_B: jax.Array, top_p_B: jax.Array) -> jax.Array:
+    """Keep the top_k largest, then the smallest head whose mass reaches top_p; one sort serves both.
+    Ties with the last kept value are kept (as HF's top-k does)."""
+    V = logits_BV.shape[-1]
+    sorted_BV = jnp.flip(jnp.sort(logits_BV, axis=-1), axis=-1)
+    k_B = jnp.where(top_k_B > 0, jnp.minimum(top_k_B, V), V)
+    in_top_k_BV = jnp.arange(V)[None, :] < k_B[:, None]
+    probs_BV = jax.nn.softmax(jnp.where(in_top_k_BV, sorted_BV, -jnp.inf), axis=-1)
+    mass_before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV
+    # top_p == 1 keeps everything explicitly: float rounding of the cumsum must not trim the tail.
+    in_top_p_BV = (mass_before_BV < top_p_B[:, None]) | (top_p_B[:, None] >= 1.0)
+    keep_B = jnp.sum(in_top_k_BV & in_top_p_BV, axis=-1)
+    threshold_B1 = jnp.take_along_axis(sorted_BV, keep_B[:, None] - 1, axis=-1)
+    return jnp.where(logits_BV < threshold_B1, -jnp.inf, logits_BV)
+
+
+def apply_min_p(logits_BV: jax.Array, min_p_B: jax.Array) -> jax.Array:
+    """Drop tokens with prob < min_p * max prob, i.e. logit < max logit + log(min_p)."""
+    max_B1 = jnp.max(logits_BV, axis=-1, keepdims=True)
+    return jnp.where(logits_BV < max_B1 + jnp.log(min_p_B)[:, None], -jnp.inf, logits_BV)
+
+
+def _gumbel_BV(seeds_B: jax.Array, steps_B: jax.Array, V: int) -> jax.Array:
+    def row(seed, step):
+        return jax.random.gumbel(jax.random.fold_in(jax.random.key(seed), step), (V,), jnp.float32)
+    return jax.vmap(row)(seeds_B, steps_B)
+
+
+def _logprob_outputs(raw_BV: jax.Array, token_ids_B: jax.Array, num_logprobs: int) -> SamplerOutput:
+    logprobs_BV = jax.nn.log_softmax(raw_BV, axis=-1)
+    chosen_B = jnp.take_along_axis(logprobs_BV, token_ids_B[:, None], axis=-1)[:, 0]
+    if num_logprobs:
+        top_logprobs_BK, top_ids_BK = jax.lax.top_k(logprobs_BV, num_logprobs)
+    else:
+        B = raw_BV.shape[0]
+        top_logprobs_BK, top_ids_BK = jnp.zeros((B, 0), jnp.float32), jnp.zeros((B, 0), jnp.int32)
+    return SamplerOutput(token_ids_B, chosen_B, top_ids_BK.astype(jnp.int32), top_logprobs_BK)
+
+
+def sample(logits_BV: jax.Array, meta: SamplingMetadata, *, all_greedy: bool, use_penalties: bool,
+           use_top_k_top_p: bool, num_logprobs: int) -> SamplerOutput:
+    """One token per row. Call inside jit with the flags static (see SamplingFlags)."""
+    if logits_BV.shape[0] != meta.temperature_B.shape[0]:
+        raise ValueError(f"logits_BV has {logits_BV.shape[0]} rows but the metadata has "
+                         f"{meta.temperature_B.shape[0]}: pad both to the same batch bucket")
+    raw_BV = logits_BV.astype(jnp.float32)
+    logits_BV = apply_penalties(raw_BV, meta) if use_penalties else raw_BV
+    logits_BV = apply_banned(logits_BV, meta.banned_BX)
+    token_ids_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    if not all_greedy:
+        logits_BV = apply_temperature(logits_BV, meta.temperature_B)
+        if use_top_k_top_p:
+            logits_BV = apply_top_k_top_p(logits_BV, meta.top_k_B, meta.top_p_B)
+        logits_BV = apply_min_p(logits_BV, meta.min_p_B)
+        noisy_BV = logits_BV + _gumbel_BV(meta.seeds_B, meta.steps_B, logits_BV.shape[-1])
+        sampled_B = jnp.argmax(noisy_BV, axis=-1).astype(jnp.int32)
+        token_ids_B = jnp.where(meta.temperature_B > 0, sampled_B, token_ids_B)
+    return _logprob_outputs(raw_BV, token_ids_B, num_logprobs)
+
+
+# ---------------------------------------------------------------- host side
+
+@dataclasses.dataclass
+class SamplingRow:
+    """One running request as the sampler sees it. `step` defaults to len(output_ids)."""
+    params: SamplingParams
+    seed: int
+    prompt_ids: Sequence[int] = ()
+    output_ids: Sequence[int] = ()
+    banned_ids: Sequence[int] = ()
+    step: int | None = None
+
+
+def _bucket(n: int) -> int:
+    """Next power of two >= max(n, 1): bounds the number of distinct shapes (compilations)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _pad_ids(seqs: list[Sequence[int]], B: int, width: int) -> np.ndarray:
+    out_BW = np.full((B, width), -1, np.int32)
+    for b, ids in enumerate(seqs):
+        out_BW[b, :len(ids)] = ids
+    return out_BW
+
+
+def sampling_flags(rows: Sequence[SamplingRow]) -> SamplingFlags:
+    sampling = [r.params for r in rows if not r.params.is_greedy]
+    most_logprobs = max((r.params.logprobs or 0 for r in rows), default=0)
+    return SamplingFlags(
+        all_greedy=not sampling,
+        use_penalties=any(r.params.uses_penalties for r in rows),
+        use_top_k_top_p=any(p.top_k > 0 or p.top_p < 1.0 for p in sampling),
+        num_logprobs=_bucket(most_logprobs) if most_logprobs else 0)
+
+
+def build_sampling_metadata(rows: Sequence[SamplingRow], pad_to: int
+                            ) -> tuple[SamplingMetadata, SamplingFlags]:
+    """Numpy metadata for `rows` padded to `pad_to` rows, plus the static flags.
+    Token arrays are only filled when some row uses penalties (else they are (B, 1) of -1)."""
+    if pad_to < len(rows):
+        raise ValueError(f"{pad_to=} must be >= the number of rows ({len(rows)})")
+    flags, B = sampling_flags(rows), pad_to
+
+    def column(fn, dtype, pad):
+        return np.array([fn(r) for r in rows] + [pad] * (B - len(rows)), dtype)
+
+    penalized = [r if r.params.uses_penalties else None for r in rows]
+    prompts = [r.prompt_ids if r else () for r in penalized]
+    outputs = [r.output_ids if r else () for r in penalized]
+    L = _bucket(max(map(len, prompts + outputs), default=1))
+    X = _bucket(max((len(r.banned_ids) for r in rows), default=1))
+    meta = SamplingMetadata(
+        temperature_B=column(lambda r: 0.0 if r.params.is_greedy else r.params.temperature, np.float32, 0.0),
+        top_k_B=column(lambda r: max(r.params.top_k, 0), np.int32, 0),
+        top_p_B=column(lambda r: r.params.top_p, np.float32, 1.0),
+        min_p_B=column(lambda r: r.params.min_p, np.float32, 0.0),
+        repetition_penalty_B=column(lambda r: r.params.repetition_penalty, np.float32, 1.0),
+        presence_penalty_B=column(lambda r: r.params.presence_penalty, np.float32, 0.0),
+        frequency_penalty_B=column(lambda r: r.params.frequency_penalty, np.float32, 0.0),
+        seeds_B=column(lambda r: r.seed & 0xFFFFFFFF, np.uint32, 0),
+        steps_B=column(lambda r: len(r.output_ids) if r.step is None else r.step, np.int32, 0),
+        prompt_tokens_BL=_pad_ids(prompts, B, L),
+        output_tokens_BL=_pad_ids(outputs, B, L),
+        banned_BX=_pad_ids([r.banned_ids for r in rows], B, X))
+    return meta, flags
+
+
+def row_banned_ids(params: SamplingParams, output_ids: Sequence[int], eos_token_ids: Sequence[int],
+                   bad_words_ids: Sequence[Sequence[int]] = ()) -> list[int]:
+    """Ids to ban for this step: bad_token_ids; EOS and stop ids until min_tokens are out; and
+    the last token of each tokenized bad word whose other tokens end the output so far."""
+    banned = list(params.bad_token_ids or [])
+    if len(output_ids) < params.min_tokens:
+        banned += list(eos_token_ids) + list(params.stop_token_ids or [])
+    for word in bad_words_ids:
+        head = list(word[:-1])
+        if not head or list(output_ids[len(output_ids) - len(head):]) == head:
+            banned.append(word[-1])
+    return sorted(set(banned))
+
+
+def tokenize_bad_words(tokenizer, words: Sequence[str]) -> list[list[int]]:
+    """Token ids of each bad word, alone and after a space (BPE tokenizes the two differently)."""
+    variants = {tuple(tokenizer.encode(v, add_special_tokens=False))
+                for w in words for v in (w, " " + w.lstrip())}
+    return [list(v) for v in sorted(variants) if v]
