@@ -21,3 +21,41 @@ def smollm2_gguf_path() -> str:
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> str:
     return smollm2_gguf_path()
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_gguf):
+    from lmjax.loader.tokenizer import load_tokenizer
+
+    return load_tokenizer(smollm2_gguf)
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_model(smollm2_gguf):
+    """transformers' own GGUF load of SmolLM2 in float32: the reference for parity tests (slow: load once)."""
+    import torch
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(smollm2_gguf), gguf_file=os.path.basename(smollm2_gguf), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2_lmjax(smollm2_gguf):
+    from lmjax.loader.model_loader import load_model
+
+    return load_model(smollm2_gguf, dtype="float32")
+
+
+SMOLLM2_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time",
+    "1, 2, 3, 4,",
+    "你好，请介绍一下你自己。",
+]
+SMOLLM2_CHATS = [
+    [{"role": "user", "content": "What is the tallest mountain in the world?"}],
+    [{"role": "system", "content": "You are a terse assistant."}, {"role": "user", "content": "Say hi."}],
+    [{"role": "user", "content": "Write a haiku about JAX."}],
+]
