@@ -61,9 +61,11 @@ def _get(hf: dict, key: str, default: Any = dataclasses.MISSING, *aliases: str) 
 def _rope_params(hf: dict) -> dict:
     """Merge transformers 5 `rope_parameters` and legacy `rope_theta` + `rope_scaling` into one dict."""
     params = dict(hf.get("rope_parameters") or {})
-    legacy = hf.get("rope_scaling") or {}
-    for key, value in legacy.items():
-        params.setdefault(key, value)
+    # Legacy `rope_scaling` wins where both exist: it can only be there because someone put it there.
+    legacy = dict(hf.get("rope_scaling") or {})
+    if "type" in legacy or "rope_type" in legacy:
+        params.pop("rope_type", None)
+    params.update(legacy)
     params.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default"))
     params["rope_type"] = rope_type
