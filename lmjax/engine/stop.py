@@ -1,0 +1,86 @@
+"""Stop strings on streamed text (host side).
+
+The detokenizer hands over text a few characters at a time, and a stop string can straddle
+several tokens ("<|end" + "|>"). `StopStringMatcher.feed(new_text)` appends the new text, looks
+for the earliest stop string in the part not yet emitted, and returns what may be shown now:
+- a stop string found: the text before it (through it with include_stop_str_in_output), and
+  stopped=True; the engine then finishes the request with finish_reason "stop";
+- otherwise: everything except a held-back tail that is a prefix of some stop string, so a stop
+  word split across tokens never leaks. `flush()` releases that tail when generation ends for
+  another reason (EOS, length).
+
+The search only looks at the not-yet-emitted text plus the longest stop string's length, so
+each step costs O(new text + held tail), not O(output).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+
+class StopResult(NamedTuple):
+    text: str                  # text to emit now
+    stopped: bool
+    stop_str: str | None = None
+
+
+def find_stop(text: str, start: int, stops: Sequence[str]) -> tuple[int, str] | None:
+    """Earliest (index, stop) with index >= start; at equal index the shortest, which completes first."""
+    best = None
+    for stop in stops:
+        i = text.find(stop, start)
+        if i >= 0 and (best is None or (i, len(stop)) < (best[0], len(best[1]))):
+            best = (i, stop)
+    return best
+
+
+def partial_stop_len(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest tail of `text` that is a proper prefix of some stop string."""
+    longest = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:n]):
+                longest = n
+                break
+    return longest
+
+
+class StopStringMatcher:
+    """Per-request stop-string state; `text` is the output text (truncated at the stop)."""
+
+    def __init__(self, stops: Sequence[str] | None, include_stop_str_in_output: bool = False):
+        self.stops = [s for s in (stops or ()) if s]
+        self._max_len = max(map(len, self.stops), default=0)
+        self.include_stop_str_in_output = include_stop_str_in_output
+        self.text = ""       # all text fed so far (cut at the stop once stopped)
+        self.emitted = 0     # len(text) already returned to the caller
+        self.stopped = False
+        self.stop_str: str | None = None
+
+    def feed(self, new_text: str) -> StopResult:
+        if self.stopped:
+            return StopResult("", True, self.stop_str)
+        self.text += new_text
+        # A stop string may begin in text already emitted only when nothing is held back
+        # (include_stop_str_in_output); looking back max_len - 1 characters covers that case.
+        hit = find_stop(self.text, max(0, self.emitted - self._max_len + 1), self.stops)
+        if hit is not None:
+            return self._stop(*hit)
+        # With the stop string included in the output, nothing needs holding back.
+        hold = 0 if self.include_stop_str_in_output else partial_stop_len(self.text, self.stops)
+        return StopResult(self._release(len(self.text) - hold), False)
+
+    def flush(self) -> str:
+        """Generation ended without a stop string: release the held-back tail."""
+        return "" if self.stopped else self._release(len(self.text))
+
+    def _stop(self, index: int, stop: str) -> StopResult:
+        end = index + len(stop) if self.include_stop_str_in_output else index
+        self.stopped, self.stop_str = True, stop
+        piece = self._release(end)
+        self.text = self.text[:end]
+        return StopResult(piece, True, stop)
+
+    def _release(self, end: int) -> str:
+        piece, self.emitted = self.text[self.emitted:end], max(end, self.emitted)
+        return piece
