@@ -1,0 +1,37 @@
+"""How many KV-cache blocks to allocate: LMDeploy's rules (num_gpu_blocks, else cache_max_entry_count as
+a block count when > 1 or a fraction of free device memory), capped at what the engine can ever use."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from lmjax.config import EngineConfig
+from lmjax.models.config import ModelConfig
+
+# CPU devices report no memory limit; the fraction then applies to this budget (host RAM is shared
+# with everything else, and CPU runs are small).
+CPU_CACHE_BUDGET_BYTES = 2 << 30
+
+
+def bytes_per_block(model: ModelConfig, block_size: int, dtype) -> int:
+    return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * jnp.dtype(dtype).itemsize
+
+
+def free_device_bytes() -> int:
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+    return CPU_CACHE_BUDGET_BYTES
+
+
+def kv_cache_blocks(cfg: EngineConfig, model: ModelConfig, dtype, session_len: int) -> int:
+    """Block count, block 0 (the padding sink) included."""
+    per_block = bytes_per_block(model, cfg.block_size, dtype)
+    requested = cfg.num_gpu_blocks or cfg.cache_max_entry_count > 1
+    blocks = cfg.num_blocks(free_device_bytes(), per_block)
+    if not requested:  # a fraction: never more than every sequence at full session length needs
+        blocks = min(blocks, 1 + cfg.max_batch_size * -(-session_len // cfg.block_size))
+    if blocks < 2:
+        raise ValueError(f"KV cache of {blocks} blocks is too small: raise cache_max_entry_count "
+                         f"({cfg.cache_max_entry_count}) or num_gpu_blocks ({cfg.num_gpu_blocks})")
+    return blocks

@@ -1,0 +1,195 @@
+"""LLMEngine: the one engine under every facade.
+
+Each `step()` is three named calls: `scheduler.schedule()` picks the ragged batch (decode tokens and
+prefill chunks), `runner.execute()` runs the jitted step (forward + sampling) on the device, and
+`_postprocess()` turns sampled ids into text, stop decisions and finished requests on the host.
+Requests come in through `add_request` (validated before any work), leave through `step()`'s return.
+"""
+from __future__ import annotations
+
+import logging
+import random
+
+from lmjax.config import EngineConfig, SamplingParams
+from lmjax.engine.block_manager import BlockManager
+from lmjax.engine.cache_sizing import kv_cache_blocks
+from lmjax.engine.detokenizer import IncrementalDetokenizer
+from lmjax.engine.model_runner import ModelRunner, StepOutput, bucket
+from lmjax.engine.request import Completion, Request, new_request_id
+from lmjax.engine.scheduler import ScheduledBatch, Scheduler
+from lmjax.engine.sequence import Sequence
+from lmjax.engine.stop import StopStringMatcher
+from lmjax.layers.sampler import SamplingRow, row_banned_ids, tokenize_bad_words
+from lmjax.loader.model_loader import load_model
+from lmjax.loader.tokenizer import load_tokenizer
+
+logger = logging.getLogger("lmjax.engine")
+_GREEDY_ROW = SamplingRow(SamplingParams(temperature=0.0), seed=0)
+
+
+class LLMEngine:
+    def __init__(self, model: str | None = None, config: EngineConfig | None = None, tokenizer: str | None = None):
+        self.config = config = config or EngineConfig()
+        loaded = load_model(model, config.dtype, rope_scaling_factor=config.rope_scaling_factor,
+                            use_dynamic_ntk=config.use_dynamic_ntk, use_logn_attn=config.use_logn_attn)
+        self.model_path, self.model_config = loaded.path, loaded.config
+        self.tokenizer = load_tokenizer(loaded.path, tokenizer)
+        self.session_len = config.session_len or loaded.config.max_position_embeddings
+        self.eos_token_ids = sorted(set(loaded.config.eos_token_ids) | _tokenizer_eos(self.tokenizer))
+        num_blocks = kv_cache_blocks(config, loaded.config, loaded.dtype, self.session_len)
+        self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.blocks, config.max_batch_size, config.max_prefill_token_num)
+        self.runner = ModelRunner(loaded.model, num_blocks, config.block_size, config.max_prefill_token_num,
+                                  config.max_batch_size, -(-self.session_len // config.block_size), loaded.dtype)
+        self._rng = random.Random(config.seed)
+        self._by_seq: dict[int, tuple[Request, Completion]] = {}
+        self._seq_ids = iter(range(1 << 62))
+        self.requests: dict[str, Request] = {}
+        logger.info("engine ready: %s, %d KV blocks of %d tokens, session_len=%d", loaded.path, num_blocks,
+                    config.block_size, self.session_len)
+
+    # ------------------------------------------------------------------ requests in
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
+                    request_id: str | None = None) -> Request:
+        """Validate and queue a request; raises ValueError (naming the value) before any work."""
+        self.validate_prompt(prompt_token_ids)
+        n = len(prompt_token_ids)
+        max_tokens = min(params.max_tokens or self.session_len, self.session_len - n)
+        if not self.scheduler.fits_in_cache(n + max_tokens):
+            raise ValueError(f"prompt of {n} tokens + max_tokens={max_tokens} needs more KV cache than the "
+                             f"{self.blocks.num_usable_blocks} blocks of {self.config.block_size} tokens there are")
+        req = Request(request_id or new_request_id(), prompt, list(prompt_token_ids), params, max_tokens)
+        if params.bad_words:
+            req.bad_words_ids = tokenize_bad_words(self.tokenizer, params.bad_words)
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None] * n
+        base_seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
+        for i in range(params.n):
+            self._add_completion(req, i, (base_seed + i * 0x9E3779B1) & 0xFFFFFFFF)
+        self.requests[req.request_id] = req
+        return req
+
+    def validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        n, vocab = len(prompt_token_ids), self.model_config.vocab_size
+        if n == 0:
+            raise ValueError("prompt is empty: give at least one token")
+        if n >= self.session_len:
+            raise ValueError(f"prompt of {n} tokens does not fit session_len={self.session_len} "
+                             "(at least one token must be generated)")
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+
+    def _add_completion(self, req: Request, index: int, seed: int) -> None:
+        p = req.params
+        seq = Sequence(next(self._seq_ids), list(req.prompt_token_ids), params=p)
+        detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, p.skip_special_tokens,
+                                       p.spaces_between_special_tokens)
+        comp = Completion(index, seq, seed, detok, StopStringMatcher(p.stop, p.include_stop_str_in_output),
+                          logprobs=[] if p.logprobs is not None else None)
+        req.completions.append(comp)
+        self._by_seq[seq.seq_id] = (req, comp)
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> None:
+        req = self.requests.pop(request_id, None)
+        for comp in req.completions if req else ():
+            if not comp.finished:
+                self.scheduler.abort(comp.seq.seq_id)
+                self._finish(req, comp, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------------ one step
+    def step(self) -> list[Request]:
+        """Advance every running request by one step; returns the requests that changed."""
+        batch = self.scheduler.schedule()
+        changed: dict[str, Request] = {}
+        for seq in batch.failed:
+            req, comp = self._by_seq[seq.seq_id]
+            req.error = f"request needs more KV cache than exists ({seq.num_tokens} tokens)"
+            self._finish(req, comp, "error")
+            changed[req.request_id] = req
+        if not batch.items:
+            return list(changed.values())
+        out = self.runner.execute(batch, self.blocks, [self._row(it) for it in batch.items],
+                                  self._prompt_logprobs_k(batch))
+        if out.prompt is not None:
+            self._record_prompt_logprobs(batch, out)
+        sampled = {it.seq.seq_id: int(out.token_ids[i]) for i, it in enumerate(batch.items) if it.samples}
+        self.scheduler.update(batch, sampled)
+        for i, it in enumerate(batch.items):
+            if it.samples and it.seq.seq_id in self._by_seq:
+                req, comp = self._by_seq[it.seq.seq_id]
+                self._postprocess(req, comp, out, i)
+                changed[req.request_id] = req
+        return list(changed.values())
+
+    def _row(self, item) -> SamplingRow:
+        if not item.samples:
+            return _GREEDY_ROW
+        req, comp = self._by_seq[item.seq.seq_id]
+        outputs = item.seq.output_token_ids
+        banned = row_banned_ids(req.params, outputs, [] if req.params.ignore_eos else self.eos_token_ids,
+                                req.bad_words_ids)
+        return SamplingRow(req.params, comp.seed, req.prompt_token_ids, outputs, banned)
+
+    def _prompt_logprobs_k(self, batch: ScheduledBatch) -> int:
+        wanted = [self._by_seq[it.seq.seq_id][0].params.prompt_logprobs for it in batch.items
+                  if it.start_pos < it.seq.num_prompt_tokens and it.seq.seq_id in self._by_seq]
+        wanted = [k for k in wanted if k is not None]
+        return (bucket(max(wanted), 1) if max(wanted) else 0) if wanted else -1
+
+    def _record_prompt_logprobs(self, batch: ScheduledBatch, out: StepOutput) -> None:
+        chosen_T, top_ids_TK, top_lp_TK = out.prompt
+        row = 0
+        for it in batch.items:
+            req = self._by_seq[it.seq.seq_id][0]
+            k = req.params.prompt_logprobs
+            for j in range(it.num_new_tokens):
+                pos = it.start_pos + j + 1  # the prompt token this row predicts
+                if k is not None and pos < len(req.prompt_token_ids) and req.prompt_logprobs[pos] is None:
+                    entry = dict(zip(top_ids_TK[row + j, :k].tolist(), top_lp_TK[row + j, :k].tolist()))
+                    entry[req.prompt_token_ids[pos]] = float(chosen_T[row + j])
+                    req.prompt_logprobs[pos] = entry
+            row += it.num_new_tokens
+
+    # ------------------------------------------------------------------ results out
+    def _postprocess(self, req: Request, comp: Completion, out: StepOutput, i: int) -> None:
+        token = int(out.token_ids[i])
+        req.num_cached_tokens = max(req.num_cached_tokens, comp.seq.num_prefix_cached_tokens)
+        comp.cumulative_logprob += float(out.logprobs[i])
+        if comp.logprobs is not None:
+            k = req.params.logprobs
+            entry = dict(zip(out.top_ids[i, :k].tolist(), out.top_logprobs[i, :k].tolist()))
+            entry[token] = float(out.logprobs[i])
+            comp.logprobs.append(entry)
+        result = comp.stops.feed(comp.detokenizer.step([token]))
+        comp.text += result.text
+        if result.stopped:
+            comp.stop_reason = result.stop_str
+            return self._finish(req, comp, "stop", flush=False)
+        if token in (req.params.stop_token_ids or ()):
+            comp.stop_reason = token
+            return self._finish(req, comp, "stop")
+        if token in self.eos_token_ids and not req.params.ignore_eos:
+            return self._finish(req, comp, "stop")
+        if len(comp.token_ids) >= req.max_tokens:
+            self._finish(req, comp, "length")
+
+    def _finish(self, req: Request, comp: Completion, reason: str, flush: bool = True) -> None:
+        if flush:
+            tail = comp.stops.feed(comp.detokenizer.flush())
+            comp.text += tail.text + comp.stops.flush()
+        comp.finish_reason = reason
+        if not comp.seq.is_finished:
+            self.scheduler.finish(comp.seq, reason)
+        self._by_seq.pop(comp.seq.seq_id, None)
+        if req.finished:
+            self.requests.pop(req.request_id, None)
+
+
+def _tokenizer_eos(tokenizer) -> set[int]:
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return {eos} if isinstance(eos, int) else set()

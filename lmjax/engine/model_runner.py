@@ -1,0 +1,132 @@
+"""ModelRunner: the only place the engine touches the device. It owns the parameters, the paged KV cache
+and the jitted step, and turns a ScheduledBatch into padded step inputs.
+
+One step = model forward over a ragged batch of new tokens (prefill chunks and decode tokens mixed) ->
+logits of each scheduled sequence's last token -> on-device sampling. Inputs are padded to power-of-two
+buckets of tokens (T), sequences (B) and block-table width (M), so compilations are bounded; each new
+compilation is counted and logged. The KV cache is donated to the step and updated in place.
+
+Shape letters: T tokens, B sequences, M blocks per sequence, V vocab, K top logprobs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from lmjax.engine.block_manager import BlockManager
+from lmjax.engine.scheduler import ScheduledBatch
+from lmjax.layers.attention import AttentionMetadata
+from lmjax.layers.sampler import SamplingRow, build_sampling_metadata, sample
+from lmjax.models.forward import make_kv_caches
+
+logger = logging.getLogger("lmjax.engine")
+
+
+def bucket(n: int, minimum: int) -> int:
+    """Next power of two >= max(n, minimum)."""
+    return 1 << (max(n, minimum) - 1).bit_length()
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class StepInputs:
+    ids_T: jax.Array
+    positions_T: jax.Array
+    attn: AttentionMetadata
+    last_rows_B: jax.Array  # row of each sequence's last new token (0 for padding rows)
+    next_ids_T: jax.Array  # the token after each position (-1 unknown), for prompt logprobs
+
+
+@dataclasses.dataclass
+class StepOutput:
+    """Host copies of one step's results, rows in the order of the batch's items."""
+
+    token_ids: np.ndarray
+    logprobs: np.ndarray
+    top_ids: np.ndarray
+    top_logprobs: np.ndarray
+    prompt: tuple[np.ndarray, np.ndarray, np.ndarray] | None  # next-token logprob, top ids, top logprobs per row
+
+
+def _prompt_logprobs(logits_TV, next_ids_T, k: int):
+    logprobs_TV = jax.nn.log_softmax(logits_TV, axis=-1)
+    chosen_T = jnp.take_along_axis(logprobs_TV, jnp.maximum(next_ids_T, 0)[:, None], axis=-1)[:, 0]
+    top_lp_TK, top_ids_TK = jax.lax.top_k(logprobs_TV, k) if k else (logprobs_TV[:, :0], logprobs_TV[:, :0])
+    return chosen_T, top_ids_TK.astype(jnp.int32), top_lp_TK
+
+
+class ModelRunner:
+    def __init__(self, model: nnx.Module, num_blocks: int, block_size: int, max_tokens_per_step: int,
+                 max_batch_size: int, max_blocks_per_seq: int, kv_dtype):
+        self.graphdef, self.state = nnx.split(model)
+        self.config = model.config
+        self.block_size = block_size
+        self.caches = make_kv_caches(model.config, num_blocks, block_size, kv_dtype)
+        self.max_T = bucket(max_tokens_per_step, 16)
+        self.max_B = bucket(max_batch_size, 4)
+        self.max_M = bucket(max_blocks_per_seq, 1)
+        self.num_compilations = 0
+        self._step = jax.jit(self._step_fn, donate_argnums=(1,),
+                             static_argnames=("all_greedy", "use_penalties", "use_top_k_top_p",
+                                              "num_logprobs", "num_prompt_logprobs"))
+
+    def _step_fn(self, state, caches, inputs: StepInputs, smeta, *, all_greedy, use_penalties,
+                 use_top_k_top_p, num_logprobs, num_prompt_logprobs):
+        # Runs once per compilation (tracing), never per step: count and log it.
+        self.num_compilations += 1
+        logger.info("compiling step #%d: T=%d B=%d M=%d greedy=%s logprobs=%d prompt_logprobs=%d",
+                    self.num_compilations, inputs.ids_T.shape[0], inputs.last_rows_B.shape[0],
+                    inputs.attn.block_tables_BM.shape[1], all_greedy, num_logprobs, num_prompt_logprobs)
+        model = nnx.merge(self.graphdef, state)
+        hidden_TD, caches = model(inputs.ids_T, inputs.positions_T, caches, inputs.attn)
+        out = sample(model.compute_logits(hidden_TD[inputs.last_rows_B]), smeta, all_greedy=all_greedy,
+                     use_penalties=use_penalties, use_top_k_top_p=use_top_k_top_p, num_logprobs=num_logprobs)
+        prompt = None
+        if num_prompt_logprobs >= 0:
+            prompt = _prompt_logprobs(model.compute_logits(hidden_TD), inputs.next_ids_T, num_prompt_logprobs)
+        return out, prompt, caches
+
+    def build_inputs(self, batch: ScheduledBatch, blocks: BlockManager) -> StepInputs:
+        """Padded numpy inputs for the scheduled items (host work: O(new tokens))."""
+        items = batch.items
+        T = bucket(batch.num_tokens, 16)
+        B = bucket(len(items), 4)
+        M = bucket(max(len(it.seq.block_table) for it in items), 1)
+        ids, positions = np.zeros(T, np.int32), np.zeros(T, np.int32)
+        slots, seq_lens = np.zeros(T, np.int32), np.ones(T, np.int32)
+        next_ids = np.full(T, -1, np.int32)
+        kv_lens, tables = np.zeros(B, np.int32), np.zeros((B, M), np.int32)
+        cu, last = np.zeros(B + 1, np.int32), np.zeros(B, np.int32)
+        t = 0
+        for b, it in enumerate(items):
+            n, seq, end = it.num_new_tokens, it.seq, it.start_pos + it.num_new_tokens
+            ids[t:t + n] = seq.token_slice(it.start_pos, end)
+            positions[t:t + n] = np.arange(it.start_pos, end)
+            slots[t:t + n] = blocks.slots(seq, it.start_pos, n)
+            seq_lens[t:t + n] = end
+            following = seq.token_slice(it.start_pos + 1, end + 1)
+            next_ids[t:t + len(following)] = following
+            kv_lens[b], tables[b, :len(seq.block_table)] = end, seq.block_table
+            t += n
+            cu[b + 1], last[b] = t, t - 1
+        cu[len(items) + 1:] = t
+        attn = AttentionMetadata(slot_mapping_T=slots, seq_lens_T=seq_lens, kv_lens_B=kv_lens,
+                                 block_tables_BM=tables, cu_q_lens_B1=cu)
+        return StepInputs(ids_T=ids, positions_T=positions, attn=attn, last_rows_B=last, next_ids_T=next_ids)
+
+    def execute(self, batch: ScheduledBatch, blocks: BlockManager, rows: list[SamplingRow],
+                num_prompt_logprobs: int = -1) -> StepOutput:
+        """Run one step; `rows` has one SamplingRow per item (used only for items that sample)."""
+        inputs = self.build_inputs(batch, blocks)
+        smeta, flags = build_sampling_metadata(rows, pad_to=inputs.last_rows_B.shape[0])
+        out, prompt, self.caches = self._step(self.state, self.caches, inputs, smeta,
+                                              num_prompt_logprobs=num_prompt_logprobs, **flags._asdict())
+        n = len(batch.items)
+        host = jax.device_get((out, prompt))
+        (tokens, logprobs, top_ids, top_lp), prompt = host
+        return StepOutput(tokens[:n], logprobs[:n], top_ids[:n], top_lp[:n], prompt)

@@ -1,0 +1,71 @@
+"""A request as the engine tracks it: one prompt, n sampled completions, each completion a Sequence in
+the scheduler plus its host-side text state (detokenizer, stop strings, logprobs).
+
+The facades read these objects: `Completion.text` / `token_ids` / `finish_reason`, and for streaming
+`Completion.take_delta()` hands out what arrived since the last call.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+from lmjax.config import SamplingParams
+from lmjax.engine.detokenizer import IncrementalDetokenizer
+from lmjax.engine.sequence import Sequence
+from lmjax.engine.stop import StopStringMatcher
+
+_request_ids = itertools.count()
+
+
+@dataclasses.dataclass(eq=False)
+class Completion:
+    """One of a request's n outputs."""
+
+    index: int
+    seq: Sequence
+    seed: int
+    detokenizer: IncrementalDetokenizer
+    stops: StopStringMatcher
+    text: str = ""
+    logprobs: list[dict[int, float]] | None = None  # per token: {token id: logprob}, sampled id included
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop string or token id that ended it
+    _emitted_text: int = 0
+    _emitted_tokens: int = 0
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.seq.output_token_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def take_delta(self) -> tuple[str, list[int]]:
+        """Text and token ids produced since the previous call (for streaming)."""
+        text, ids = self.text[self._emitted_text:], self.token_ids[self._emitted_tokens:]
+        self._emitted_text, self._emitted_tokens = len(self.text), len(self.token_ids)
+        return text, ids
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # max_tokens after capping at session_len - prompt length
+    completions: list[Completion] = dataclasses.field(default_factory=list)
+    bad_words_ids: list[list[int]] = dataclasses.field(default_factory=list)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finished for c in self.completions)
+
+
+def new_request_id() -> str:
+    return str(next(_request_ids))
