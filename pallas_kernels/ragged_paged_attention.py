@@ -227,35 +227,41 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+TUNABLES = ("block_m", "block_n", "num_splits", "num_warps", "num_stages")
+
+
 def _choose_config(num_tokens, num_seqs, num_q_heads, num_kv_heads, head_dim,
-                   max_context, on_gpu):
+                   max_context, on_gpu, **overrides):
     """Static tiling from static shapes only (contents are traced).
 
     Rows of a q tile are (token, head-of-group) pairs, so GQA groups share one
     K/V stream. The expected query rows per sequence (T / B) sizes the tile:
     decode batches (T ~ B) get small tiles, prefill chunks 128-row tiles that
-    keep the tensor cores busy.
+    keep the tensor cores busy. `overrides` (keys in TUNABLES) replace the
+    heuristic choices; the derived fields follow from them.
     """
+    require(set(overrides) <= set(TUNABLES), f"config keys={sorted(overrides)} must be in {TUNABLES}")
     group = num_q_heads // num_kv_heads
     rows_per_seq = group * -(-num_tokens // max(num_seqs, 1))
     block_m = min(128, max(16, _next_pow2(rows_per_seq), _next_pow2(group)))
     is_decode = block_m <= 32
-    block_n = 64 if head_dim > 64 else 128
+    cfg = dict(block_m=block_m, block_n=64 if head_dim > 64 else 128)
+    cfg.update(num_warps=4, num_stages=3) if is_decode else cfg.update(
+        num_warps=8 if head_dim > 64 else 4, num_stages=2)
+    cfg.update({k: v for k, v in overrides.items() if k != "num_splits"})
+    block_m = cfg["block_m"]
+    require(block_m >= group and is_power_of_two(block_m),
+            f"block_m={block_m} must be a power of two >= group={group}")
     block_q = max(1, block_m // group)
     # Each tile has >= 1 token, and sum_b cdiv(q_b, Q) <= (T + B (Q - 1)) / Q.
     num_tiles = max(1, min(num_tokens, (num_tokens + num_seqs * (block_q - 1)) // block_q))
-    programs = num_tiles * num_kv_heads
-    target = 2 * _num_sms() if on_gpu else 1
-    kv_tiles = -(-max_context // block_n)
     # Split the context (flash-decoding) only when q tiles alone cannot fill
     # the GPU, and keep >= 4 kv tiles per split so the partials stay cheap.
-    num_splits = max(1, min(target // max(programs, 1), kv_tiles // 4)) if on_gpu else 1
-    if not is_decode:
-        num_warps, num_stages = (8 if head_dim > 64 else 4), 2
-    else:
-        num_warps, num_stages = 4, 3
-    return dict(block_m=block_m, block_n=block_n, block_q=block_q, num_tiles=num_tiles,
-                num_splits=num_splits, num_warps=num_warps, num_stages=num_stages)
+    programs = num_tiles * num_kv_heads
+    kv_tiles = -(-max_context // cfg["block_n"])
+    num_splits = max(1, min(2 * _num_sms() // programs, kv_tiles // 4)) if on_gpu else 1
+    cfg["num_splits"] = overrides.get("num_splits", num_splits)
+    return dict(cfg, block_q=block_q, num_tiles=num_tiles)
 
 
 def _tile_metadata(cu_q_lens_B1, block_q: int, num_tiles: int):
@@ -272,6 +278,16 @@ def _tile_metadata(cu_q_lens_B1, block_q: int, num_tiles: int):
     q_count_I = jnp.clip(q_lens_B[seq_I] - local_I * block_q, 0, block_q)
     q_count_I = jnp.where(active_I, q_count_I, 0)
     return seq_I.astype(jnp.int32), q_start_I.astype(jnp.int32), q_count_I.astype(jnp.int32)
+
+
+def _div(x, d: int):
+    """Division of non-negative ints: lax.div, not jnp's floor division, which
+    adds sign fix-ups that the Triton lowering may not support."""
+    return jax.lax.div(x, jnp.asarray(d, jnp.int32)) if not isinstance(x, int) else x // d
+
+
+def _rem(x, d: int):
+    return jax.lax.rem(x, jnp.asarray(d, jnp.int32))
 
 
 def _attention_kernel(
@@ -301,10 +317,10 @@ def _attention_kernel(
         pos0 = kv_lens_B_ref[seq] - q_len + (q_start - seq_q_start)
 
         r_R = jnp.arange(block_m, dtype=jnp.int32)
-        tok_R = r_R // group
+        tok_R = _div(r_R, group)
         row_valid_R = tok_R < q_count
         pos_R = pos0 + tok_R
-        row_R = (q_start + tok_R) * num_q_heads + kv_head * group + r_R % group
+        row_R = (q_start + tok_R) * num_q_heads + kv_head * group + _rem(r_R, group)
         # Masked rows get an out-of-bounds index: never touched on the GPU, and
         # interpret mode drops their scatter instead of racing a real row.
         row_R = jnp.where(row_valid_R, row_R, q_XH_ref.shape[0])
@@ -317,9 +333,9 @@ def _attention_kernel(
         # Keys this tile needs: [lo, hi). hi is one past the last query's position.
         hi = pos0 + q_count
         lo = 0 if sliding_window is None else jnp.maximum(pos0 - sliding_window + 1, 0)
-        first_tile = lo // block_n
-        num_kv_tiles = (hi + block_n - 1) // block_n - first_tile
-        per_split = (num_kv_tiles + num_splits - 1) // num_splits
+        first_tile = _div(lo, block_n)
+        num_kv_tiles = _div(hi + block_n - 1, block_n) - first_tile
+        per_split = _div(num_kv_tiles + num_splits - 1, num_splits)
         start = first_tile + split * per_split
         stop = jnp.minimum(start + per_split, first_tile + num_kv_tiles)
         c_C = jnp.arange(block_n, dtype=jnp.int32)
@@ -329,9 +345,9 @@ def _attention_kernel(
             key_C = kv_tile * block_n + c_C
             key_valid_C = (key_C < hi) & (key_C >= lo)
             block_C = _masked_load(
-                block_tables_BM_ref.at[seq, jnp.where(key_valid_C, key_C // block_size, 0)],
+                block_tables_BM_ref.at[seq, jnp.where(key_valid_C, _div(key_C, block_size), 0)],
                 key_valid_C, 0)
-            slot_C = jnp.where(key_valid_C, block_C * block_size + key_C % block_size, 0)
+            slot_C = jnp.where(key_valid_C, block_C * block_size + _rem(key_C, block_size), 0)
             # Masked-off keys are never read: unwritten cache slots may hold NaN.
             k_CH = _masked_load(k_ZKH_ref.at[slot_C[:, None], kv_head, h_1H],
                                 key_valid_C[:, None], 0.0)
@@ -388,8 +404,9 @@ def _kernel_impl(q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, block_tables_BM, 
     num_tokens, num_q_heads, head_dim = q_TNH.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache_PSKH.shape
     num_seqs, max_blocks = block_tables_BM.shape
-    cfg = config or _choose_config(num_tokens, num_seqs, num_q_heads, num_kv_heads, head_dim,
-                                   max_blocks * block_size, on_gpu=not interpret and _on_gpu())
+    cfg = _choose_config(num_tokens, num_seqs, num_q_heads, num_kv_heads, head_dim,
+                         max_blocks * block_size, on_gpu=not interpret and _on_gpu(),
+                         **(config or {}))
     seq_I, q_start_I, q_count_I = _tile_metadata(cu_q_lens_B1, cfg["block_q"], cfg["num_tiles"])
     num_splits = cfg["num_splits"]
     rows = num_tokens * num_q_heads
@@ -434,7 +451,7 @@ def ragged_paged_attention_kernel(
     *, sm_scale: float, sliding_window: int | None = None, interpret: bool = False,
     config: dict | None = None,
 ):
-    """Pallas kernel; `config` overrides the tiling (benchmarks and tests only)."""
+    """Pallas kernel; `config` (keys in TUNABLES) overrides the tiling heuristic."""
     validate_ragged_paged_attention(
         q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, block_tables_BM, cu_q_lens_B1,
         sm_scale=sm_scale, sliding_window=sliding_window, for_kernel=True)

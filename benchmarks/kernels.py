@@ -1,0 +1,381 @@
+"""Kernel benchmarks: ragged paged attention (decode and prefill) against baselines and ceilings.
+
+Run on the GPU machine:  python benchmarks/kernels.py [--sections ...] [--json PATH]
+
+Sections:
+  ceilings  device copy bandwidth (x + 1 over 1 GiB, bytes read + written) and
+            bf16 matmul rate (8192^3), measured in this run: the denominators.
+  decode    batch {1, 32, 128} x context {512, 2048, 8192}, Llama-3-8B heads
+            (32 q, 8 kv, d 128) and Llama-3.2-1B heads (32 q, 8 kv, d 64), bf16,
+            block size 16: ours vs jax.experimental.pallas.ops.gpu.paged_attention
+            vs XLA gather + einsum. Bytes = K and V of every context token + q + out.
+  prefill   2048-token chunks (fresh, and on 2048 cached tokens), 8B heads:
+            ours vs XLA; also JAX's dense Triton flash attention and its Mosaic GPU
+            (Hopper) attention on the same causal problem, as backend yardsticks.
+  sweep     tiling sweeps of our kernel at the two target shapes.
+
+Timing: kernel time on the GPU through CUPTI (jax.experimental.mosaic.gpu.profiler),
+median over iterations, falling back to wall clock around async dispatches.
+Shape letters as in pallas_kernels/ragged_paged_attention.py.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import json
+import math
+import statistics
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
+from pallas_kernels import ragged_paged_attention as rpa  # noqa: E402
+
+HEADS = {"llama3-8b": (32, 8, 128), "llama3.2-1b": (32, 8, 64)}
+BLOCK_SIZE = 16
+RESULTS: dict = {}
+
+
+# ---------------------------------------------------------------- timing
+def _time_cupti(fn, args, iterations):
+    from jax.experimental.mosaic.gpu import profiler
+    _, times_ms = profiler.measure(fn, iterations=iterations)(*args)
+    return statistics.median(times_ms) * 1e-3
+
+
+def _time_wall(fn, args, iterations):
+    jax.block_until_ready(fn(*args))
+    samples = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(iterations):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - start) / iterations)
+    return statistics.median(samples)
+
+
+_TIMER = {"how": None}
+
+
+def bench(fn, *args, iterations=20) -> float:
+    """Median seconds per call of a jitted fn (warmed up first)."""
+    jax.block_until_ready(fn(*args))
+    jax.block_until_ready(fn(*args))
+    if _TIMER["how"] in (None, "cupti"):
+        try:
+            t = _time_cupti(fn, args, iterations)
+            _TIMER["how"] = "cupti"
+            return t
+        except Exception as e:  # noqa: BLE001 - CUPTI may be unavailable
+            if _TIMER["how"] is None:
+                print(f"# CUPTI timing unavailable ({type(e).__name__}: {e}); wall clock")
+            _TIMER["how"] = "wall"
+    return _time_wall(fn, args, iterations)
+
+
+# ---------------------------------------------------------------- ceilings
+def measure_ceilings():
+    x = jax.random.normal(jax.random.key(0), (1 << 29,), jnp.bfloat16)  # 1 GiB
+    copy = jax.jit(lambda a: a + 1)
+    t = bench(copy, x, iterations=10)
+    copy_bw = 2 * x.nbytes / t
+    del x
+    n = 8192
+    a = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
+    b = jax.random.normal(jax.random.key(2), (n, n), jnp.bfloat16)
+    mm = jax.jit(lambda a, b: a @ b)
+    t = bench(mm, a, b, iterations=10)
+    mm_rate = 2 * n ** 3 / t
+    RESULTS["ceilings"] = dict(copy_bytes_per_s=copy_bw, bf16_matmul_flops=mm_rate)
+    print(f"copy bandwidth {copy_bw / 1e12:.3f} TB/s (read+write); bf16 matmul {mm_rate / 1e12:.1f} TFLOP/s")
+    return copy_bw, mm_rate
+
+
+# ---------------------------------------------------------------- inputs
+def paged_inputs(seed, q_lens, kv_lens, num_q_heads, num_kv_heads, head_dim, block_size,
+                 dtype=jnp.bfloat16):
+    """Random ragged batch over a cache with shuffled blocks (block 0 = sink)."""
+    rng = np.random.default_rng(seed)
+    blocks_B = [-(-kv // block_size) for kv in kv_lens]
+    max_blocks = max(blocks_B)
+    num_blocks = 1 + sum(blocks_B)
+    ids = rng.permutation(np.arange(1, num_blocks)).astype(np.int32)
+    tables_BM = np.zeros((len(kv_lens), max_blocks), np.int32)
+    used = 0
+    for b, n in enumerate(blocks_B):
+        tables_BM[b, :n] = ids[used:used + n]
+        used += n
+    keys = jax.random.split(jax.random.key(seed), 3)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_PSKH = jax.random.normal(keys[0], shape, dtype)
+    v_PSKH = jax.random.normal(keys[1], shape, dtype)
+    q_TNH = jax.random.normal(keys[2], (sum(q_lens), num_q_heads, head_dim), dtype)
+    cu_B1 = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    return (q_TNH, k_PSKH, v_PSKH, jnp.asarray(kv_lens, jnp.int32), jnp.asarray(tables_BM),
+            jnp.asarray(cu_B1))
+
+
+def ours(sm_scale, config=None):
+    return jax.jit(functools.partial(rpa.ragged_paged_attention_kernel, sm_scale=sm_scale,
+                                     config=config))
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale",))
+def xla_decode(q_BNH, k_PSKH, v_PSKH, kv_lens_B, tables_BM, *, sm_scale):
+    """Plain XLA: gather each sequence's pages to dense K/V, then masked einsum softmax."""
+    num_seqs, num_q_heads, head_dim = q_BNH.shape
+    num_kv_heads = k_PSKH.shape[2]
+    group = num_q_heads // num_kv_heads
+    k_BLKH = k_PSKH[tables_BM].reshape(num_seqs, -1, num_kv_heads, head_dim)
+    v_BLKH = v_PSKH[tables_BM].reshape(num_seqs, -1, num_kv_heads, head_dim)
+    q_BKGH = q_BNH.reshape(num_seqs, num_kv_heads, group, head_dim)
+    s_BKGL = jnp.einsum("bkgh,blkh->bkgl", q_BKGH, k_BLKH,
+                        preferred_element_type=jnp.float32) * sm_scale
+    valid_BL = jnp.arange(k_BLKH.shape[1])[None, :] < kv_lens_B[:, None]
+    s_BKGL = jnp.where(valid_BL[:, None, None, :], s_BKGL, -jnp.inf)
+    p_BKGL = jax.nn.softmax(s_BKGL, axis=-1)
+    out = jnp.einsum("bkgl,blkh->bkgh", p_BKGL.astype(v_BLKH.dtype), v_BLKH,
+                     preferred_element_type=jnp.float32)
+    return out.reshape(num_seqs, num_q_heads, head_dim).astype(q_BNH.dtype)
+
+
+def jax_paged_attention_fn(num_blocks_per_seq, sm_scale):
+    """JAX's Triton paged attention (layout [K, P, S, H]); q pre-scaled (it has no sm_scale)."""
+    from jax.experimental.pallas.ops.gpu import paged_attention as jpa
+    ppcb = 8
+    k_splits = 16
+    while k_splits > 1 and (num_blocks_per_seq % k_splits or num_blocks_per_seq // k_splits < 1):
+        k_splits //= 2
+
+    @jax.jit
+    def fn(q_BNH, k_KPSH, v_KPSH, tables_BM, kv_lens_B):
+        return jpa.paged_attention((q_BNH * sm_scale).astype(q_BNH.dtype), k_KPSH, v_KPSH,
+                                   tables_BM, kv_lens_B, pages_per_compute_block=ppcb,
+                                   k_splits=k_splits)
+    return fn
+
+
+def rel_err(out, ref):
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+
+# ---------------------------------------------------------------- decode
+def bench_decode(copy_bw, batches=(1, 32, 128), contexts=(512, 2048, 8192), models=HEADS):
+    rows = []
+    for model, batch, ctx in itertools.product(models, batches, contexts):
+        n, k, h = HEADS[model]
+        args = paged_inputs(0, [1] * batch, [ctx] * batch, n, k, h, BLOCK_SIZE)
+        q, kc, vc, kv_lens, tables, cu = args
+        scale = 1 / math.sqrt(h)
+        nbytes = 2 * batch * ctx * k * h * kc.dtype.itemsize + 2 * q.nbytes
+        row = dict(model=model, batch=batch, context=ctx, bytes=nbytes)
+        fn = ours(scale)
+        out = fn(*args)
+        row["ours_s"] = bench(fn, *args)
+        ref = xla_decode(q, kc, vc, kv_lens, tables, sm_scale=scale)
+        row["ours_err_vs_xla"] = rel_err(out, ref)
+        row["xla_s"] = bench(functools.partial(xla_decode, sm_scale=scale), q, kc, vc, kv_lens,
+                             tables)
+        try:
+            k_KPSH, v_KPSH = kc.transpose(2, 0, 1, 3), vc.transpose(2, 0, 1, 3)
+            jfn = jax_paged_attention_fn(tables.shape[1], scale)
+            jout = jfn(q, k_KPSH, v_KPSH, tables, kv_lens)
+            row["jax_err_vs_xla"] = rel_err(jout, ref)
+            row["jax_s"] = bench(jfn, q, k_KPSH, v_KPSH, tables, kv_lens)
+            del k_KPSH, v_KPSH
+        except Exception as e:  # noqa: BLE001
+            row["jax_s"] = float("nan")
+            row["jax_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        for impl in ("ours", "xla", "jax"):
+            row[f"{impl}_pct_bw"] = 100 * nbytes / row[f"{impl}_s"] / copy_bw
+        rows.append(row)
+        print(f"decode {model:12s} B={batch:4d} ctx={ctx:5d}: ours {row['ours_s'] * 1e6:8.1f} us "
+              f"({row['ours_pct_bw']:5.1f}%)  jax {row['jax_s'] * 1e6:8.1f} us "
+              f"({row['jax_pct_bw']:5.1f}%)  xla {row['xla_s'] * 1e6:8.1f} us "
+              f"({row['xla_pct_bw']:5.1f}%)  err {row['ours_err_vs_xla']:.1e}", flush=True)
+        del args, q, kc, vc
+    RESULTS["decode"] = rows
+    return rows
+
+
+# ---------------------------------------------------------------- prefill
+def causal_flops(q_len, kv_len, num_q_heads, head_dim):
+    """2 matmuls x 2 flops x (keys each query attends) x N x H."""
+    first = kv_len - q_len + 1
+    keys = q_len * (first + kv_len) // 2
+    return 4 * keys * num_q_heads * head_dim
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale",))
+def xla_prefill(q_TNH, k_PSKH, v_PSKH, kv_len, tables_M, *, sm_scale):
+    num_tokens, num_q_heads, head_dim = q_TNH.shape
+    num_kv_heads = k_PSKH.shape[2]
+    k_LKH = k_PSKH[tables_M].reshape(-1, num_kv_heads, head_dim)
+    v_LKH = v_PSKH[tables_M].reshape(-1, num_kv_heads, head_dim)
+    q_TKGH = q_TNH.reshape(num_tokens, num_kv_heads, -1, head_dim)
+    s = jnp.einsum("tkgh,lkh->tkgl", q_TKGH, k_LKH, preferred_element_type=jnp.float32) * sm_scale
+    pos_T = kv_len - num_tokens + jnp.arange(num_tokens)
+    mask = jnp.arange(k_LKH.shape[0])[None, :] <= pos_T[:, None]
+    s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1).astype(v_LKH.dtype)
+    out = jnp.einsum("tkgl,lkh->tkgh", p, v_LKH, preferred_element_type=jnp.float32)
+    return out.reshape(num_tokens, num_q_heads, head_dim).astype(q_TNH.dtype)
+
+
+def bench_dense_yardsticks(mm_rate, seq=2048, model="llama3-8b"):
+    """JAX's own dense causal flash attention, Triton vs Mosaic GPU, same problem size."""
+    n, k, h = HEADS[model]
+    keys = jax.random.split(jax.random.key(3), 3)
+    q = jax.random.normal(keys[0], (1, seq, n, h), jnp.bfloat16)
+    kk = jax.random.normal(keys[1], (1, seq, k, h), jnp.bfloat16)
+    vv = jax.random.normal(keys[2], (1, seq, k, h), jnp.bfloat16)
+    flops = causal_flops(seq, seq, n, h)
+    out = {}
+    try:
+        from jax.experimental.pallas.ops.gpu import attention as tri
+        rep = n // k  # the Triton mha wants as many kv heads as q heads
+        kr, vr = jnp.repeat(kk, rep, axis=2), jnp.repeat(vv, rep, axis=2)
+        fn = jax.jit(functools.partial(tri.mha, segment_ids=None, sm_scale=1 / math.sqrt(h),
+                                       causal=True))
+        out["jax_triton_mha_s"] = bench(fn, q, kr, vr)
+    except Exception as e:  # noqa: BLE001
+        out["jax_triton_mha_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    try:
+        from jax.experimental.pallas.ops.gpu import attention_mgpu as mg
+        best = None
+        for block_kv in (128, 64):
+            try:
+                cfg = mg.TuningConfig(block_q=64, block_kv=block_kv, max_concurrent_steps=2,
+                                      causal=True)
+                fn = jax.jit(functools.partial(mg.attention, config=cfg))
+                t = bench(fn, q, kk, vv)
+                best = t if best is None else min(best, t)
+            except Exception as e:  # noqa: BLE001
+                out[f"jax_mgpu_error_{block_kv}"] = f"{type(e).__name__}: {str(e)[:300]}"
+        if best is not None:
+            out["jax_mosaic_gpu_attention_s"] = best
+    except Exception as e:  # noqa: BLE001
+        out["jax_mosaic_gpu_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    for key in list(out):
+        if key.endswith("_s"):
+            out[key.replace("_s", "_pct_mm")] = 100 * flops / out[key] / mm_rate
+    print("dense causal yardsticks (2048, 8B heads):", {k: v for k, v in out.items()})
+    RESULTS["dense_yardsticks"] = out
+    return out
+
+
+def bench_prefill(mm_rate, seq=2048, models=("llama3-8b", "llama3.2-1b")):
+    rows = []
+    for model, cached in itertools.product(models, (0, 2048)):
+        n, k, h = HEADS[model]
+        kv = cached + seq
+        args = paged_inputs(1, [seq], [kv], n, k, h, BLOCK_SIZE)
+        q, kc, vc, kv_lens, tables, cu = args
+        scale = 1 / math.sqrt(h)
+        flops = causal_flops(seq, kv, n, h)
+        fn = ours(scale)
+        out = fn(*args)
+        row = dict(model=model, q_len=seq, kv_len=kv, flops=flops, ours_s=bench(fn, *args))
+        xla = functools.partial(xla_prefill, sm_scale=scale)
+        ref = xla(q, kc, vc, kv_lens[0], tables[0])
+        row["ours_err_vs_xla"] = rel_err(out, ref)
+        row["xla_s"] = bench(xla, q, kc, vc, kv_lens[0], tables[0])
+        for impl in ("ours", "xla"):
+            row[f"{impl}_pct_mm"] = 100 * flops / row[f"{impl}_s"] / mm_rate
+        rows.append(row)
+        print(f"prefill {model:12s} q={seq} kv={kv}: ours {row['ours_s'] * 1e6:8.1f} us "
+              f"({flops / row['ours_s'] / 1e12:6.1f} TFLOP/s, {row['ours_pct_mm']:5.1f}%)  "
+              f"xla {row['xla_s'] * 1e6:8.1f} us ({row['xla_pct_mm']:5.1f}%)  "
+              f"err {row['ours_err_vs_xla']:.1e}", flush=True)
+    RESULTS["prefill"] = rows
+    return rows
+
+
+# ---------------------------------------------------------------- sweeps
+def sweep(name, args, scale, grid, denom_fn):
+    results = []
+    for values in itertools.product(*grid.values()):
+        cfg = dict(zip(grid, values))
+        try:
+            t = bench(ours(scale, cfg), *args)
+            results.append((t, cfg))
+        except Exception as e:  # noqa: BLE001
+            results.append((float("inf"), dict(cfg, error=f"{type(e).__name__}: {str(e)[:120]}")))
+    results.sort(key=lambda r: r[0])
+    print(f"sweep {name}: best 6")
+    for t, cfg in results[:6]:
+        print(f"  {t * 1e6:8.1f} us  {denom_fn(t):5.1f}%  {cfg}")
+    errors = [c for t, c in results if "error" in c]
+    if errors:
+        print(f"  {len(errors)} configs failed, e.g. {errors[0]}")
+    RESULTS[f"sweep_{name}"] = [dict(cfg, seconds=t) for t, cfg in results]
+
+
+def run_sweeps(copy_bw, mm_rate):
+    n, k, h = HEADS["llama3-8b"]
+    args = paged_inputs(0, [1] * 32, [2048] * 32, n, k, h, BLOCK_SIZE)
+    nbytes = 2 * 32 * 2048 * k * h * 2
+    sweep("decode_b32_ctx2048_d128", args, 1 / math.sqrt(h),
+          dict(block_n=(32, 64, 128), num_warps=(4, 8), num_stages=(2, 3, 4), num_splits=(1, 2, 4)),
+          lambda t: 100 * nbytes / t / copy_bw)
+    args = paged_inputs(1, [2048], [2048], n, k, h, BLOCK_SIZE)
+    flops = causal_flops(2048, 2048, n, h)
+    sweep("prefill_2048_d128", args, 1 / math.sqrt(h),
+          dict(block_m=(64, 128), block_n=(32, 64, 128), num_warps=(4, 8), num_stages=(2, 3, 4)),
+          lambda t: 100 * flops / t / mm_rate)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sections", default="ceilings,decode,prefill")
+    parser.add_argument("--json", default=None)
+    opts = parser.parse_args()
+    sections = opts.sections.split(",")
+    print(f"jax {jax.__version__}, device {jax.devices()[0].device_kind}, "
+          f"backend {jax.default_backend()}")
+    RESULTS["env"] = dict(jax=jax.__version__, device=jax.devices()[0].device_kind)
+    copy_bw, mm_rate = measure_ceilings()
+    for section, fn in (("sweep", lambda: run_sweeps(copy_bw, mm_rate)),
+                        ("decode", lambda: bench_decode(copy_bw)),
+                        ("prefill", lambda: (bench_prefill(mm_rate),
+                                             bench_dense_yardsticks(mm_rate)))):
+        if section in sections:
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - keep the other sections' numbers
+                traceback.print_exc()
+    RESULTS["timer"] = _TIMER["how"]
+    if opts.json:
+        with open(opts.json, "w") as f:
+            json.dump(RESULTS, f, indent=1, default=str)
+    print_tables()
+
+
+def print_tables():
+    if "decode" in RESULTS:
+        print("\n| model | batch | context | ours us | ours %bw | jax pallas us | jax %bw | xla us | xla %bw |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for r in RESULTS["decode"]:
+            print(f"| {r['model']} | {r['batch']} | {r['context']} | {r['ours_s'] * 1e6:.1f} | "
+                  f"{r['ours_pct_bw']:.1f} | {r['jax_s'] * 1e6:.1f} | {r['jax_pct_bw']:.1f} | "
+                  f"{r['xla_s'] * 1e6:.1f} | {r['xla_pct_bw']:.1f} |")
+    if "prefill" in RESULTS:
+        print("\n| model | q_len | kv_len | ours us | ours TFLOP/s | ours %mm | xla us | xla %mm |")
+        print("|---|---|---|---|---|---|---|---|")
+        for r in RESULTS["prefill"]:
+            print(f"| {r['model']} | {r['q_len']} | {r['kv_len']} | {r['ours_s'] * 1e6:.1f} | "
+                  f"{r['flops'] / r['ours_s'] / 1e12:.1f} | {r['ours_pct_mm']:.1f} | "
+                  f"{r['xla_s'] * 1e6:.1f} | {r['xla_pct_mm']:.1f} |")
+    print(f"\ntimer: {_TIMER['how']}")
+
+
+if __name__ == "__main__":
+    main()
