@@ -21,7 +21,7 @@ from flax import nnx
 from lmjax.engine.block_manager import BlockManager
 from lmjax.engine.scheduler import ScheduledBatch
 from lmjax.layers.attention import AttentionMetadata
-from lmjax.layers.sampler import SamplingRow, build_sampling_metadata, sample
+from lmjax.layers.sampler import SamplingFlags, SamplingRow, build_sampling_metadata, sample
 from lmjax.models.forward import make_kv_caches
 
 logger = logging.getLogger("lmjax.engine")
@@ -71,21 +71,17 @@ class ModelRunner:
         self.max_B = bucket(max_batch_size, 4)
         self.max_M = bucket(max_blocks_per_seq, 1)
         self.num_compilations = 0
-        self._step = jax.jit(self._step_fn, donate_argnums=(1,),
-                             static_argnames=("all_greedy", "use_penalties", "use_top_k_top_p",
-                                              "num_logprobs", "num_prompt_logprobs"))
+        self._step = jax.jit(self._step_fn, donate_argnums=(1,), static_argnames=("flags", "num_prompt_logprobs"))
 
-    def _step_fn(self, state, caches, inputs: StepInputs, smeta, *, all_greedy, use_penalties,
-                 use_top_k_top_p, num_logprobs, num_prompt_logprobs):
+    def _step_fn(self, state, caches, inputs: StepInputs, smeta, *, flags: SamplingFlags, num_prompt_logprobs):
         # Runs once per compilation (tracing), never per step: count and log it.
         self.num_compilations += 1
-        logger.info("compiling step #%d: T=%d B=%d M=%d greedy=%s logprobs=%d prompt_logprobs=%d",
-                    self.num_compilations, inputs.ids_T.shape[0], inputs.last_rows_B.shape[0],
-                    inputs.attn.block_tables_BM.shape[1], all_greedy, num_logprobs, num_prompt_logprobs)
+        logger.info("compiling step #%d: T=%d B=%d M=%d %s prompt_logprobs=%d", self.num_compilations,
+                    inputs.ids_T.shape[0], inputs.last_rows_B.shape[0], inputs.attn.block_tables_BM.shape[1],
+                    flags, num_prompt_logprobs)
         model = nnx.merge(self.graphdef, state)
         hidden_TD, caches = model(inputs.ids_T, inputs.positions_T, caches, inputs.attn)
-        out = sample(model.compute_logits(hidden_TD[inputs.last_rows_B]), smeta, all_greedy=all_greedy,
-                     use_penalties=use_penalties, use_top_k_top_p=use_top_k_top_p, num_logprobs=num_logprobs)
+        out = sample(model.compute_logits(hidden_TD[inputs.last_rows_B]), smeta, **flags._asdict())
         prompt = None
         if num_prompt_logprobs >= 0:
             prompt = _prompt_logprobs(model.compute_logits(hidden_TD), inputs.next_ids_T, num_prompt_logprobs)
@@ -125,7 +121,7 @@ class ModelRunner:
         inputs = self.build_inputs(batch, blocks)
         smeta, flags = build_sampling_metadata(rows, pad_to=inputs.last_rows_B.shape[0])
         out, prompt, self.caches = self._step(self.state, self.caches, inputs, smeta,
-                                              num_prompt_logprobs=num_prompt_logprobs, **flags._asdict())
+                                              flags=flags, num_prompt_logprobs=num_prompt_logprobs)
         n = len(batch.items)
         host = jax.device_get((out, prompt))
         (tokens, logprobs, top_ids, top_lp), prompt = host

@@ -1,0 +1,73 @@
+"""What both facades share: turning user prompts into token ids, and running a batch of requests on the
+engine to completion (every request validated before any is queued, results in input order)."""
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from tqdm.auto import tqdm
+
+from lmjax.config import ChatTemplateConfig, SamplingParams
+from lmjax.engine.engine import LLMEngine
+from lmjax.engine.request import Request
+
+Messages = list[dict]
+
+
+def encode_text(tokenizer, text: str) -> list[int]:
+    """A raw prompt: the tokenizer adds its special tokens (BOS) as for any plain text."""
+    return tokenizer(text)["input_ids"]
+
+
+def encode_chat(tokenizer, messages: str | Messages, template: ChatTemplateConfig | None) -> tuple[str, list[int]]:
+    """A chat turn through the template; the template text already holds any BOS it wants."""
+    text = (template or ChatTemplateConfig()).messages2prompt(messages, tokenizer)
+    return text, tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def per_prompt(value, count: int, name: str) -> list:
+    """One value for every prompt, or a list with one per prompt."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != count:
+            raise ValueError(f"{name} has {len(value)} entries for {count} prompts")
+        return list(value)
+    return [value] * count
+
+
+def submit_all(engine: LLMEngine, prompts: Sequence[tuple[str | None, list[int]]],
+               params: Sequence[SamplingParams]) -> list[Request]:
+    """Queue every request, but only after all of them passed validation: a bad one costs no work."""
+    for _, ids in prompts:
+        engine.validate_prompt(ids)
+    return [engine.add_request(ids, p, prompt=text) for (text, ids), p in zip(prompts, params)]
+
+
+def run_to_completion(engine: LLMEngine, requests: list[Request], use_tqdm: bool = False) -> list[Request]:
+    bar = tqdm(total=len(requests), desc="Generating", disable=not use_tqdm)
+    done: set[str] = set()
+    try:
+        while not all(r.finished for r in requests):
+            for r in engine.step():
+                if r.finished and r.request_id not in done:
+                    done.add(r.request_id)
+                    bar.update(1)
+    except BaseException:
+        for r in requests:
+            engine.abort(r.request_id)
+        raise
+    finally:
+        bar.close()
+    return requests
+
+
+def stream_steps(engine: LLMEngine, requests: list[Request]) -> Iterator[Request]:
+    """Yield each request every time it changes, until all are finished (aborting them if abandoned)."""
+    try:
+        while not all(r.finished for r in requests):
+            mine = {r.request_id for r in requests}
+            for r in engine.step():
+                if r.request_id in mine:
+                    yield r
+    finally:
+        for r in requests:
+            if not r.finished:
+                engine.abort(r.request_id)

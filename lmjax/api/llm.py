@@ -1,0 +1,95 @@
+"""vLLM's offline API: `LLM(model).generate(prompts, SamplingParams(...))` and `LLM.chat(messages)`.
+
+vLLM's constructor arguments map onto EngineConfig: gpu_memory_utilization -> cache_max_entry_count,
+max_model_len -> session_len, max_num_seqs -> max_batch_size, max_num_batched_tokens ->
+max_prefill_token_num. Arguments that only matter to vLLM's CUDA internals are accepted at their defaults;
+any other value raises, never silently ignored.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from lmjax.api.batch import encode_text, per_prompt, run_to_completion, submit_all
+from lmjax.api.outputs import RequestOutput, request_output
+from lmjax.config import EngineConfig, SamplingParams
+from lmjax.engine.engine import LLMEngine
+
+# vLLM arguments with no lmjax meaning: allowed only at these values.
+_VLLM_ONLY_DEFAULTS = {"tokenizer_mode": "auto", "skip_tokenizer_init": False, "trust_remote_code": False,
+                       "quantization": None, "revision": None, "tokenizer_revision": None, "swap_space": 4,
+                       "cpu_offload_gb": 0, "enforce_eager": None, "max_context_len_to_capture": None,
+                       "max_seq_len_to_capture": 8192, "disable_custom_all_reduce": False,
+                       "disable_async_output_proc": False}
+
+
+def _check_vllm_only(kwargs: dict) -> None:
+    for name, value in kwargs.items():
+        if name not in _VLLM_ONLY_DEFAULTS:
+            raise TypeError(f"LLM() got an unexpected keyword argument {name!r}")
+        if value != _VLLM_ONLY_DEFAULTS[name] and not (name == "trust_remote_code" and value):
+            raise NotImplementedError(f"LLM({name}={value!r}) is not supported by lmjax")
+
+
+class LLM:
+    def __init__(self, model: str | None = None, tokenizer: str | None = None, tensor_parallel_size: int = 1,
+                 dtype: str = "auto", seed: int = 0, gpu_memory_utilization: float = 0.9,
+                 max_model_len: int | None = None, max_num_seqs: int = 256, block_size: int = 64,
+                 max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = False,
+                 num_gpu_blocks_override: int | None = None, **kwargs):
+        _check_vllm_only(kwargs)
+        if not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+        config = EngineConfig(dtype=dtype, tp=tensor_parallel_size, session_len=max_model_len,
+                              max_batch_size=max_num_seqs, block_size=block_size, seed=seed,
+                              cache_max_entry_count=gpu_memory_utilization,
+                              num_gpu_blocks=num_gpu_blocks_override or 0,
+                              max_prefill_token_num=max_num_batched_tokens or 8192,
+                              enable_prefix_caching=enable_prefix_caching)
+        if config.tp != 1:
+            raise NotImplementedError(f"tensor_parallel_size={tensor_parallel_size} is not supported yet (only 1)")
+        self.llm_engine = LLMEngine(model, config, tokenizer)
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def _encode(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, encode_text(self.llm_engine.tokenizer, prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            return prompt["prompt"], encode_text(self.llm_engine.tokenizer, prompt["prompt"])
+        if isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise TypeError(f"a prompt must be a str, a list of token ids or a dict with 'prompt' or "
+                        f"'prompt_token_ids', got {type(prompt).__name__}")
+
+    def generate(self, prompts=None, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 prompt_token_ids: list[int] | list[list[int]] | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Completions for `prompts` (str, token-id list, or dict, one or a list), in input order."""
+        if prompts is None and prompt_token_ids is None:
+            raise ValueError("generate() needs prompts or prompt_token_ids")
+        if prompts is None:
+            prompts = prompt_token_ids if prompt_token_ids and isinstance(prompt_token_ids[0], list) \
+                else [prompt_token_ids]
+        elif isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        encoded = [self._encode(p) for p in prompts]
+        params = per_prompt(sampling_params or SamplingParams(), len(encoded), "sampling_params")
+        requests = submit_all(self.llm_engine, encoded, params)
+        run_to_completion(self.llm_engine, requests, use_tqdm)
+        return [request_output(r, self.llm_engine.tokenizer) for r in requests]
+
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = True, chat_template: str | None = None,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {'role', 'content'}) or a list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tok = self.llm_engine.tokenizer
+        prompts = [{"prompt_token_ids": tok.apply_chat_template(c, chat_template=chat_template, tokenize=True,
+                                                                add_generation_prompt=add_generation_prompt,
+                                                                return_dict=True)["input_ids"],
+                    "prompt": tok.apply_chat_template(c, chat_template=chat_template, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt)}
+                   for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

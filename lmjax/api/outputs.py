@@ -1,0 +1,86 @@
+"""Result types of the two facades: vLLM's RequestOutput / CompletionOutput / Logprob and LMDeploy's
+Response, all built from the engine's Request objects."""
+from __future__ import annotations
+
+import dataclasses
+
+from lmjax.engine.request import Completion, Request
+
+
+@dataclasses.dataclass
+class Logprob:
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    prompt_logprobs: list[dict[int, Logprob] | None] | None
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+
+
+def _logprob_dicts(entries, tokenizer):
+    if entries is None:
+        return None
+    out = []
+    for entry in entries:
+        if entry is None:
+            out.append(None)
+            continue
+        ranked = sorted(entry.items(), key=lambda kv: -kv[1])
+        out.append({tid: Logprob(lp, rank + 1, tokenizer.decode([tid]) if tokenizer else None)
+                    for rank, (tid, lp) in enumerate(ranked)})
+    return out
+
+
+def completion_output(c: Completion, tokenizer=None) -> CompletionOutput:
+    return CompletionOutput(c.index, c.text, list(c.token_ids), c.cumulative_logprob,
+                            _logprob_dicts(c.logprobs, tokenizer), c.finish_reason, c.stop_reason)
+
+
+def request_output(r: Request, tokenizer=None) -> RequestOutput:
+    return RequestOutput(r.request_id, r.prompt, r.prompt_token_ids, _logprob_dicts(r.prompt_logprobs, tokenizer),
+                         [completion_output(c, tokenizer) for c in r.completions], r.finished, r.num_cached_tokens)
+
+
+@dataclasses.dataclass
+class Response:
+    """LMDeploy's pipeline result (one per prompt; `index` tells which of n completions it is)."""
+
+    text: str
+    generate_token_len: int
+    input_token_len: int
+    finish_reason: str | None = None
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    index: int = 0
+    session_id: int | None = None
+
+    def __repr__(self) -> str:
+        return (f"Response(text={self.text!r}, generate_token_len={self.generate_token_len}, "
+                f"input_token_len={self.input_token_len}, finish_reason={self.finish_reason!r})")
+
+
+def response(r: Request, c: Completion, session_id: int | None = None) -> Response:
+    return Response(c.text, len(c.token_ids), len(r.prompt_token_ids), c.finish_reason, list(c.token_ids),
+                    c.logprobs, c.index, session_id)
