@@ -46,11 +46,14 @@ class SamplingMetadata:
 
 
 class SamplingFlags(NamedTuple):
-    """Static (compile-time) switches: each distinct value is one compilation."""
+    """Static (compile-time) switches: each distinct value is one compilation.
+    max_top_k > 0: every sampling row has top_k in [1, max_top_k] (a power of two), so top-k/top-p
+    needs only lax.top_k(max_top_k) instead of sorting the vocabulary."""
     all_greedy: bool
     use_penalties: bool
     use_top_k_top_p: bool
     num_logprobs: int
+    max_top_k: int = 0
 
 
 class SamplerOutput(NamedTuple):
@@ -93,19 +96,25 @@ def apply_temperature(logits_BV: jax.Array, temperature_B: jax.Array) -> jax.Arr
     return logits_BV / safe_B[:, None]
 
 
-def apply_top_k_top_p(logits_BV: jax.Array, top_k_B: jax.Array, top_p_B: jax.Array) -> jax.Array:
-    """Keep the top_k largest, then the smallest head whose mass reaches top_p; one sort serves both.
-    Ties with the last kept value are kept (as HF's top-k does)."""
-    V = logits_BV.shape[-1]
-    sorted_BV = jnp.flip(jnp.sort(logits_BV, axis=-1), axis=-1)
-    k_B = jnp.where(top_k_B > 0, jnp.minimum(top_k_B, V), V)
-    in_top_k_BV = jnp.arange(V)[None, :] < k_B[:, None]
-    probs_BV = jax.nn.softmax(jnp.where(in_top_k_BV, sorted_BV, -jnp.inf), axis=-1)
-    mass_before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV
+def apply_top_k_top_p(logits_BV: jax.Array, top_k_B: jax.Array, top_p_B: jax.Array,
+                      max_top_k: int = 0) -> jax.Array:
+    """Keep the top_k largest, then the smallest head whose mass reaches top_p. Ties with the last
+    kept value are kept (as HF's top-k does). One descending head of S values serves both: the
+    whole sorted row (S = V), or, when every row's top_k is in [1, max_top_k], just
+    lax.top_k(max_top_k), which is far cheaper than sorting a large vocabulary."""
+    if max_top_k:
+        head_BS = jax.lax.top_k(logits_BV, min(max_top_k, logits_BV.shape[-1]))[0]
+    else:
+        head_BS = jnp.flip(jnp.sort(logits_BV, axis=-1), axis=-1)
+    S = head_BS.shape[-1]
+    k_B = jnp.where(top_k_B > 0, jnp.minimum(top_k_B, S), S)
+    in_top_k_BS = jnp.arange(S)[None, :] < k_B[:, None]
+    probs_BS = jax.nn.softmax(jnp.where(in_top_k_BS, head_BS, -jnp.inf), axis=-1)
+    mass_before_BS = jnp.cumsum(probs_BS, axis=-1) - probs_BS
     # top_p == 1 keeps everything explicitly: float rounding of the cumsum must not trim the tail.
-    in_top_p_BV = (mass_before_BV < top_p_B[:, None]) | (top_p_B[:, None] >= 1.0)
-    keep_B = jnp.sum(in_top_k_BV & in_top_p_BV, axis=-1)
-    threshold_B1 = jnp.take_along_axis(sorted_BV, keep_B[:, None] - 1, axis=-1)
+    in_top_p_BS = (mass_before_BS < top_p_B[:, None]) | (top_p_B[:, None] >= 1.0)
+    keep_B = jnp.sum(in_top_k_BS & in_top_p_BS, axis=-1)
+    threshold_B1 = jnp.take_along_axis(head_BS, keep_B[:, None] - 1, axis=-1)
     return jnp.where(logits_BV < threshold_B1, -jnp.inf, logits_BV)
 
 
@@ -133,7 +142,7 @@ def _logprob_outputs(raw_BV: jax.Array, token_ids_B: jax.Array, num_logprobs: in
 
 
 def sample(logits_BV: jax.Array, meta: SamplingMetadata, *, all_greedy: bool, use_penalties: bool,
-           use_top_k_top_p: bool, num_logprobs: int) -> SamplerOutput:
+           use_top_k_top_p: bool, num_logprobs: int, max_top_k: int = 0) -> SamplerOutput:
     """One token per row. Call inside jit with the flags static (see SamplingFlags)."""
     if logits_BV.shape[0] != meta.temperature_B.shape[0]:
         raise ValueError(f"logits_BV has {logits_BV.shape[0]} rows but the metadata has "
@@ -145,7 +154,7 @@ def sample(logits_BV: jax.Array, meta: SamplingMetadata, *, all_greedy: bool, us
     if not all_greedy:
         logits_BV = apply_temperature(logits_BV, meta.temperature_B)
         if use_top_k_top_p:
-            logits_BV = apply_top_k_top_p(logits_BV, meta.top_k_B, meta.top_p_B)
+            logits_BV = apply_top_k_top_p(logits_BV, meta.top_k_B, meta.top_p_B, max_top_k)
         logits_BV = apply_min_p(logits_BV, meta.min_p_B)
         noisy_BV = logits_BV + _gumbel_BV(meta.seeds_B, meta.steps_B, logits_BV.shape[-1])
         sampled_B = jnp.argmax(noisy_BV, axis=-1).astype(jnp.int32)
@@ -178,14 +187,17 @@ def _pad_ids(seqs: list[Sequence[int]], B: int, width: int) -> np.ndarray:
     return out_BW
 
 
-def sampling_flags(rows: Sequence[SamplingRow]) -> SamplingFlags:
+def sampling_flags(rows: Sequence[SamplingRow], max_top_k_limit: int = 1024) -> SamplingFlags:
     sampling = [r.params for r in rows if not r.params.is_greedy]
     most_logprobs = max((r.params.logprobs or 0 for r in rows), default=0)
+    top_ks = [p.top_k for p in sampling]
+    bounded = bool(top_ks) and min(top_ks) >= 1 and max(top_ks) <= max_top_k_limit
     return SamplingFlags(
         all_greedy=not sampling,
         use_penalties=any(r.params.uses_penalties for r in rows),
         use_top_k_top_p=any(p.top_k > 0 or p.top_p < 1.0 for p in sampling),
-        num_logprobs=_bucket(most_logprobs) if most_logprobs else 0)
+        num_logprobs=_bucket(most_logprobs) if most_logprobs else 0,
+        max_top_k=_bucket(max(top_ks)) if bounded else 0)
 
 
 def build_sampling_metadata(rows: Sequence[SamplingRow], pad_to: int

@@ -15,7 +15,7 @@ from lmjax.layers.sampler import (SamplingRow, apply_min_p, apply_penalties, app
                                   tokenize_bad_words)
 
 sample_jit = jax.jit(sample, static_argnames=("all_greedy", "use_penalties", "use_top_k_top_p",
-                                              "num_logprobs"))
+                                              "num_logprobs", "max_top_k"))
 
 
 def run(logits_BV, rows, pad_to=None):
@@ -49,6 +49,11 @@ def test_seeded_sampling_independent_of_batch():
     batch = np.concatenate([rand_logits(3, 64, seed=9), logits, rand_logits(4, 64, seed=8)])
     in_batch = run(batch, others[:3] + [me] + others[3:], pad_to=8).token_ids_B[3]
     assert alone[0] == alone[1] == in_batch
+    # A top-k request alone takes the lax.top_k path; next to a top_p-only row, the full sort.
+    topk = SamplingRow(SamplingParams(temperature=1.0, top_k=20), seed=77, output_ids=[1])
+    for seed in range(20):
+        topk.seed = seed
+        assert run(logits, [topk]).token_ids_B[0] == run(np.concatenate([logits, logits]), [me, topk]).token_ids_B[1]
 
 
 def test_seed_and_step_change_the_draw():
@@ -130,10 +135,11 @@ def hf_warp(scores, p: SamplingParams):
     return scores
 
 
-@functools.partial(jax.jit)
-def lmjax_warp(logits_BV, meta):
+@functools.partial(jax.jit, static_argnames="max_top_k")
+def lmjax_warp(logits_BV, meta, max_top_k):
     logits_BV = apply_temperature(logits_BV, meta.temperature_B)
-    return apply_min_p(apply_top_k_top_p(logits_BV, meta.top_k_B, meta.top_p_B), meta.min_p_B)
+    logits_BV = apply_top_k_top_p(logits_BV, meta.top_k_B, meta.top_p_B, max_top_k)
+    return apply_min_p(logits_BV, meta.min_p_B)
 
 
 @pytest.mark.parametrize("kwargs", [
@@ -143,11 +149,23 @@ def lmjax_warp(logits_BV, meta):
 def test_warpers_match_hf(kwargs):
     params = SamplingParams(**kwargs)
     logits = rand_logits(5, 200, seed=7)
-    meta, _ = build_sampling_metadata([SamplingRow(params, seed=0)] * 5, 5)
-    ours = np.asarray(lmjax_warp(jnp.asarray(logits), meta))
+    meta, flags = build_sampling_metadata([SamplingRow(params, seed=0)] * 5, 5)
+    assert flags.max_top_k == (0 if params.top_k <= 0 else 1 << (params.top_k - 1).bit_length())
     theirs = hf_warp(torch.tensor(logits), params).numpy()
-    np.testing.assert_array_equal(np.isinf(ours), np.isinf(theirs))
-    np.testing.assert_allclose(ours[~np.isinf(ours)], theirs[~np.isinf(theirs)], rtol=1e-6)
+    for max_top_k in {0, flags.max_top_k}:  # full sort, and lax.top_k head when every row has a top_k
+        ours = np.asarray(lmjax_warp(jnp.asarray(logits), meta, max_top_k))
+        np.testing.assert_array_equal(np.isinf(ours), np.isinf(theirs))
+        np.testing.assert_allclose(ours[~np.isinf(ours)], theirs[~np.isinf(theirs)], rtol=1e-6)
+
+
+def test_max_top_k_flag():
+    rows = lambda *ks: [SamplingRow(SamplingParams(top_k=k), seed=0) for k in ks]  # noqa: E731
+    assert build_sampling_metadata(rows(40, 3), 2)[1].max_top_k == 64
+    assert build_sampling_metadata(rows(40, 0), 2)[1].max_top_k == 0  # one row needs the full sort
+    assert build_sampling_metadata(rows(40, -1), 2)[1].max_top_k == 0
+    assert build_sampling_metadata(rows(5000), 1)[1].max_top_k == 0  # past the limit: sort
+    greedy_and_topk = [SamplingRow(SamplingParams(temperature=0), 0)] + rows(7)
+    assert build_sampling_metadata(greedy_and_topk, 2)[1].max_top_k == 8
 
 
 def test_repetition_penalty_matches_hf():
@@ -181,13 +199,13 @@ def test_builder_padding_buckets_and_flags():
             SamplingRow(SamplingParams(top_p=0.9, presence_penalty=0.1, logprobs=5), 2 ** 40 + 7,
                         prompt_ids=[3] * 9, output_ids=[4] * 2, banned_ids=[1, 2, 3])]
     meta, flags = build_sampling_metadata(rows, pad_to=4)
-    assert flags == (False, True, True, 8)
+    assert flags == (False, True, True, 8, 0)
     assert meta.prompt_tokens_BL.shape == (4, 16) and meta.banned_BX.shape == (4, 4)
     assert (meta.prompt_tokens_BL[0] == -1).all()  # greedy row without penalties ships no tokens
     assert meta.seeds_B.tolist() == [1, 7, 0, 0] and meta.steps_B.tolist() == [3, 2, 0, 0]
     assert meta.temperature_B.tolist() == [0, 1, 0, 0]
     greedy_meta, greedy_flags = build_sampling_metadata(rows[:1], 2)
-    assert greedy_flags == (True, False, False, 0) and greedy_meta.prompt_tokens_BL.shape == (2, 1)
+    assert greedy_flags == (True, False, False, 0, 0) and greedy_meta.prompt_tokens_BL.shape == (2, 1)
     with pytest.raises(ValueError, match="pad_to=1"):
         build_sampling_metadata(rows, 1)
 
