@@ -150,7 +150,8 @@ def _token_metadata(kv_lens_B, cu_q_lens_B1, num_tokens: int):
     """Per query row: its sequence, absolute position, and whether it is a real row."""
     t_T = jnp.arange(num_tokens, dtype=jnp.int32)
     # Row t belongs to the last sequence b with cu_q_lens[b] <= t.
-    seq_T = jnp.searchsorted(cu_q_lens_B1, t_T, side="right").astype(jnp.int32) - 1
+    seq_T = jnp.searchsorted(cu_q_lens_B1, t_T, side="right", method="compare_all") - 1
+    seq_T = seq_T.astype(jnp.int32)
     num_seqs = kv_lens_B.shape[0]
     seq_T = jnp.clip(seq_T, 0, num_seqs - 1)
     valid_T = t_T < cu_q_lens_B1[-1]
@@ -253,8 +254,9 @@ def _choose_config(num_tokens, num_seqs, num_q_heads, num_kv_heads, head_dim,
     require(block_m >= group and is_power_of_two(block_m),
             f"block_m={block_m} must be a power of two >= group={group}")
     block_q = max(1, block_m // group)
-    # Each tile has >= 1 token, and sum_b cdiv(q_b, Q) <= (T + B (Q - 1)) / Q.
-    num_tiles = max(1, min(num_tokens, (num_tokens + num_seqs * (block_q - 1)) // block_q))
+    # Each tile has >= 1 row, and with the padding pseudo-sequence
+    # sum_b cdiv(q_b, Q) <= (T + (B + 1) (Q - 1)) / Q.
+    num_tiles = max(1, min(num_tokens, (num_tokens + (num_seqs + 1) * (block_q - 1)) // block_q))
     # Split the context (flash-decoding) only when q tiles alone cannot fill
     # the GPU, and keep >= 4 kv tiles per split so the partials stay cheap.
     programs = num_tiles * num_kv_heads
@@ -264,20 +266,27 @@ def _choose_config(num_tokens, num_seqs, num_q_heads, num_kv_heads, head_dim,
     return dict(cfg, block_q=block_q, num_tiles=num_tiles)
 
 
-def _tile_metadata(cu_q_lens_B1, block_q: int, num_tiles: int):
-    """Map each q tile to (sequence, first row in q, number of rows it holds)."""
-    q_lens_B = cu_q_lens_B1[1:] - cu_q_lens_B1[:-1]
-    tiles_B = (q_lens_B + block_q - 1) // block_q
-    tile_end_B = jnp.cumsum(tiles_B)
+def _tile_metadata(cu_q_lens_B1, num_tokens: int, block_q: int, num_tiles: int):
+    """[3, I] int32: each q tile's (sequence, first row of q, rows it holds).
+
+    Padding rows cu_q_lens[-1] .. T-1 form a pseudo-sequence B, so that the
+    kernel writes their zeros itself (no extra pass over the output).
+    Tiles past the last one hold 0 rows. One small XLA fusion.
+    """
+    num_seqs = cu_q_lens_B1.shape[0] - 1
+    cu_B2 = jnp.concatenate([cu_q_lens_B1, jnp.full((1,), num_tokens, jnp.int32)])
+    q_lens_B1 = cu_B2[1:] - cu_B2[:-1]
+    tiles_B1 = (q_lens_B1 + block_q - 1) // block_q
+    tile_end_B1 = jnp.cumsum(tiles_B1)
     i_I = jnp.arange(num_tiles, dtype=jnp.int32)
-    seq_I = jnp.searchsorted(tile_end_B, i_I, side="right").astype(jnp.int32)
-    active_I = seq_I < q_lens_B.shape[0]
-    seq_I = jnp.minimum(seq_I, q_lens_B.shape[0] - 1)
-    local_I = i_I - (tile_end_B[seq_I] - tiles_B[seq_I])
-    q_start_I = cu_q_lens_B1[seq_I] + local_I * block_q
-    q_count_I = jnp.clip(q_lens_B[seq_I] - local_I * block_q, 0, block_q)
-    q_count_I = jnp.where(active_I, q_count_I, 0)
-    return seq_I.astype(jnp.int32), q_start_I.astype(jnp.int32), q_count_I.astype(jnp.int32)
+    # searchsorted by comparing all: B is small, and it avoids a device loop.
+    seq_I = jnp.sum(i_I[:, None] >= tile_end_B1[None, :], axis=1, dtype=jnp.int32)
+    active_I = seq_I <= num_seqs
+    seq_I = jnp.minimum(seq_I, num_seqs)
+    local_I = i_I - (tile_end_B1[seq_I] - tiles_B1[seq_I])
+    q_start_I = cu_B2[seq_I] + local_I * block_q
+    q_count_I = jnp.where(active_I, jnp.clip(q_lens_B1[seq_I] - local_I * block_q, 0, block_q), 0)
+    return jnp.stack([seq_I, q_start_I, q_count_I]).astype(jnp.int32)
 
 
 def _div(x, d: int):
@@ -291,9 +300,7 @@ def _rem(x, d: int):
 
 
 def _attention_kernel(
-    seq_I_ref,        # [I] int32: sequence of each q tile
-    q_start_I_ref,    # [I] int32: first row of q of each tile
-    q_count_I_ref,    # [I] int32: rows of q in each tile (0: inactive)
+    tiles_3I_ref,     # [3, I] int32: per q tile (sequence, first row of q, rows; 0 = idle)
     kv_lens_B_ref,    # [B] int32
     cu_q_lens_B1_ref, # [B+1] int32
     block_tables_BM_ref,  # [B, M] int32
@@ -301,65 +308,85 @@ def _attention_kernel(
     k_ZKH_ref,        # [P*S, K, H]: cache with blocks and slots flattened
     v_ZKH_ref,        # [P*S, K, H]
     *out_refs,        # o [T*N, H] (one split) or o [X, T*N, H] f32 and lse [X, T*N] f32
-    num_q_heads, group, block_m, block_n, block_size, scale_log2, sliding_window,
+    num_seqs, num_q_heads, group, block_m, block_n, block_size, scale_log2, sliding_window,
     num_splits,
 ):
     tile, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    q_count = q_count_I_ref[tile]
+    seq, q_start, q_count = tiles_3I_ref[0, tile], tiles_3I_ref[1, tile], tiles_3I_ref[2, tile]
+    head_dim = q_XH_ref.shape[1]
+    h_1H = jnp.arange(head_dim, dtype=jnp.int32)[None, :]
+    r_R = jnp.arange(block_m, dtype=jnp.int32)
+    tok_R = _div(r_R, group)
+    row_valid_R = tok_R < q_count
+    # Rows are (token, head of this kv head's group) pairs. Masked rows get an
+    # out-of-bounds index: never touched on the GPU, and interpret mode drops
+    # their scatter instead of racing a real row.
+    row_R = (q_start + tok_R) * num_q_heads + kv_head * group + _rem(r_R, group)
+    row_R = jnp.where(row_valid_R, row_R, q_XH_ref.shape[0])
+    is_padding = seq == num_seqs
 
-    @pl.when(q_count > 0)
-    def _():
-        seq = seq_I_ref[tile]
-        q_start = q_start_I_ref[tile]
+    if num_splits == 1:
+        (o_XH_ref,) = out_refs
+
+        @pl.when((q_count > 0) & is_padding)
+        def _zero_padding_rows():
+            zeros_RH = jnp.zeros((block_m, head_dim), o_XH_ref.dtype)
+            _masked_store(o_XH_ref.at[row_R[:, None], h_1H], zeros_RH, row_valid_R[:, None])
+
+    @pl.when((q_count > 0) & jnp.logical_not(is_padding))
+    def _attend():
         seq_q_start = cu_q_lens_B1_ref[seq]
         q_len = cu_q_lens_B1_ref[seq + 1] - seq_q_start
-        # Absolute position of the tile's first query.
-        pos0 = kv_lens_B_ref[seq] - q_len + (q_start - seq_q_start)
-
-        r_R = jnp.arange(block_m, dtype=jnp.int32)
-        tok_R = _div(r_R, group)
-        row_valid_R = tok_R < q_count
+        pos0 = kv_lens_B_ref[seq] - q_len + (q_start - seq_q_start)  # first query's position
         pos_R = pos0 + tok_R
-        row_R = (q_start + tok_R) * num_q_heads + kv_head * group + _rem(r_R, group)
-        # Masked rows get an out-of-bounds index: never touched on the GPU, and
-        # interpret mode drops their scatter instead of racing a real row.
-        row_R = jnp.where(row_valid_R, row_R, q_XH_ref.shape[0])
         # Interpret mode cannot mix array indices with slices: index every axis
         # with (broadcastable) arrays. Triton gets the same pointer arithmetic.
-        head_dim = q_XH_ref.shape[1]
-        h_1H = jnp.arange(head_dim, dtype=jnp.int32)[None, :]
         q_RH = _masked_load(q_XH_ref.at[row_R[:, None], h_1H], row_valid_R[:, None], 0.0)
 
-        # Keys this tile needs: [lo, hi). hi is one past the last query's position.
+        # Keys of the tile: [lo, hi). Keys in [full_lo, pos0] are visible to
+        # every row, so kv tiles inside it skip all masking.
         hi = pos0 + q_count
-        lo = 0 if sliding_window is None else jnp.maximum(pos0 - sliding_window + 1, 0)
+        if sliding_window is None:
+            lo = full_lo = 0
+        else:
+            lo = jnp.maximum(pos0 - sliding_window + 1, 0)
+            full_lo = jnp.maximum(hi - sliding_window, 0)
         first_tile = _div(lo, block_n)
         num_kv_tiles = _div(hi + block_n - 1, block_n) - first_tile
         per_split = _div(num_kv_tiles + num_splits - 1, num_splits)
         start = first_tile + split * per_split
         stop = jnp.minimum(start + per_split, first_tile + num_kv_tiles)
+        inner_lo = jnp.clip(_div(full_lo + block_n - 1, block_n), start, stop)
+        inner_hi = jnp.clip(_div(pos0 + 1, block_n), inner_lo, stop)
         c_C = jnp.arange(block_n, dtype=jnp.int32)
 
-        def body(kv_tile, carry):
+        def body(kv_tile, carry, masked):
             max_R, denom_R, acc_RH = carry
             key_C = kv_tile * block_n + c_C
-            key_valid_C = (key_C < hi) & (key_C >= lo)
-            block_C = _masked_load(
-                block_tables_BM_ref.at[seq, jnp.where(key_valid_C, _div(key_C, block_size), 0)],
-                key_valid_C, 0)
-            slot_C = jnp.where(key_valid_C, block_C * block_size + _rem(key_C, block_size), 0)
-            # Masked-off keys are never read: unwritten cache slots may hold NaN.
-            k_CH = _masked_load(k_ZKH_ref.at[slot_C[:, None], kv_head, h_1H],
-                                key_valid_C[:, None], 0.0)
-            v_CH = _masked_load(v_ZKH_ref.at[slot_C[:, None], kv_head, h_1H],
-                                key_valid_C[:, None], 0.0)
+            if masked:
+                key_valid_C = (key_C < hi) & (key_C >= lo)
+                block_C = _masked_load(
+                    block_tables_BM_ref.at[seq, jnp.where(key_valid_C, _div(key_C, block_size), 0)],
+                    key_valid_C, 0)
+                slot_C = jnp.where(key_valid_C, block_C * block_size + _rem(key_C, block_size), 0)
+                # Masked-off keys are never read: unwritten slots may hold NaN.
+                k_CH = _masked_load(k_ZKH_ref.at[slot_C[:, None], kv_head, h_1H],
+                                    key_valid_C[:, None], 0.0)
+                v_CH = _masked_load(v_ZKH_ref.at[slot_C[:, None], kv_head, h_1H],
+                                    key_valid_C[:, None], 0.0)
+            else:
+                block_C = block_tables_BM_ref[seq, _div(key_C, block_size)]
+                slot_C = block_C * block_size + _rem(key_C, block_size)
+                k_CH = k_ZKH_ref[slot_C[:, None], kv_head, h_1H]
+                v_CH = v_ZKH_ref[slot_C[:, None], kv_head, h_1H]
             s_RC = jax.lax.dot_general(
                 q_RH, k_CH, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
             s_RC = s_RC * scale_log2
-            mask_RC = (key_C[None, :] <= pos_R[:, None]) & key_valid_C[None, :]
-            if sliding_window is not None:
-                mask_RC &= key_C[None, :] > pos_R[:, None] - sliding_window
-            s_RC = jnp.where(mask_RC, s_RC, -jnp.inf)
+            if masked:
+                mask_RC = (key_C[None, :] <= pos_R[:, None]) & key_valid_C[None, :]
+                if sliding_window is not None:
+                    mask_RC &= key_C[None, :] > pos_R[:, None] - sliding_window
+                s_RC = jnp.where(mask_RC, s_RC, -jnp.inf)
             new_max_R = jnp.maximum(max_R, jnp.max(s_RC, axis=1))
             p_RC = jnp.exp2(s_RC - new_max_R[:, None])
             alpha_R = jnp.exp2(max_R - new_max_R)
@@ -370,10 +397,13 @@ def _attention_kernel(
             acc_RH = acc_RH * alpha_R[:, None] + pv_RH
             return new_max_R, denom_R, acc_RH
 
-        init = (jnp.full((block_m,), _M_INIT, jnp.float32),
-                jnp.zeros((block_m,), jnp.float32),
-                jnp.zeros((block_m, head_dim), jnp.float32))
-        max_R, denom_R, acc_RH = jax.lax.fori_loop(start, stop, body, init)
+        carry = (jnp.full((block_m,), _M_INIT, jnp.float32),
+                 jnp.zeros((block_m,), jnp.float32),
+                 jnp.zeros((block_m, head_dim), jnp.float32))
+        masked_body = functools.partial(body, masked=True)
+        carry = jax.lax.fori_loop(start, inner_lo, masked_body, carry)
+        carry = jax.lax.fori_loop(inner_lo, inner_hi, functools.partial(body, masked=False), carry)
+        max_R, denom_R, acc_RH = jax.lax.fori_loop(inner_hi, stop, masked_body, carry)
         has_keys_R = denom_R > 0
         out_RH = acc_RH / jnp.where(has_keys_R, denom_R, 1.0)[:, None]
         if num_splits == 1:
@@ -407,7 +437,7 @@ def _kernel_impl(q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, block_tables_BM, 
     cfg = _choose_config(num_tokens, num_seqs, num_q_heads, num_kv_heads, head_dim,
                          max_blocks * block_size, on_gpu=not interpret and _on_gpu(),
                          **(config or {}))
-    seq_I, q_start_I, q_count_I = _tile_metadata(cu_q_lens_B1, cfg["block_q"], cfg["num_tiles"])
+    tiles_3I = _tile_metadata(cu_q_lens_B1, num_tokens, cfg["block_q"], cfg["num_tiles"])
     num_splits = cfg["num_splits"]
     rows = num_tokens * num_q_heads
     if num_splits == 1:
@@ -416,7 +446,7 @@ def _kernel_impl(q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, block_tables_BM, 
         out_shape = (jax.ShapeDtypeStruct((num_splits, rows, head_dim), jnp.float32),
                      jax.ShapeDtypeStruct((num_splits, rows), jnp.float32))
     kernel = functools.partial(
-        _attention_kernel, num_q_heads=num_q_heads, group=num_q_heads // num_kv_heads,
+        _attention_kernel, num_seqs=num_seqs, num_q_heads=num_q_heads, group=num_q_heads // num_kv_heads,
         block_m=cfg["block_m"], block_n=cfg["block_n"], block_size=block_size,
         scale_log2=float(sm_scale) * _LOG2E, sliding_window=sliding_window,
         num_splits=num_splits)
@@ -427,14 +457,14 @@ def _kernel_impl(q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, block_tables_BM, 
         compiler_params=_triton_compiler_params(cfg["num_warps"], cfg["num_stages"]),
         interpret=interpret,
         name="ragged_paged_attention",
-    )(seq_I, q_start_I, q_count_I, kv_lens_B, cu_q_lens_B1, block_tables_BM,
+    )(tiles_3I, kv_lens_B, cu_q_lens_B1, block_tables_BM,
       q_TNH.reshape(rows, head_dim),
       k_cache_PSKH.reshape(num_blocks * block_size, num_kv_heads, head_dim),
       v_cache_PSKH.reshape(num_blocks * block_size, num_kv_heads, head_dim))
-    out_XH = outs if num_splits == 1 else _combine_splits(*outs)
-    # Rows past cu_q_lens[-1] are never written by the kernel: zero them here.
+    if num_splits == 1:  # the kernel wrote every row, padding zeros included
+        return outs.reshape(num_tokens, num_q_heads, head_dim)
+    out_TNH = _combine_splits(*outs).reshape(num_tokens, num_q_heads, head_dim)
     valid_T = jnp.arange(num_tokens, dtype=jnp.int32) < cu_q_lens_B1[-1]
-    out_TNH = out_XH.reshape(num_tokens, num_q_heads, head_dim)
     return jnp.where(valid_T[:, None, None], out_TNH, 0).astype(q_TNH.dtype)
 
 

@@ -28,6 +28,7 @@ CASES = {
     "mixed_g4_h128_s16_padded": ([3, 1, 17], [16, 48, 17], 8, 2, 128, 16, "float32", None, 4, 0),
     "window8_mixed_g4_s16": ([1, 20, 1], [40, 33, 7], 8, 2, 64, 16, "float32", 8, 0, 0),
     "window33_g1_s64_bf16": ([25, 1], [90, 130], 2, 2, 64, 64, "bfloat16", 33, 1, 0),
+    "window64_long_g2_s16": ([1, 30], [200, 150], 4, 2, 64, 16, "float32", 64, 0, 0),
 }
 
 
@@ -65,9 +66,11 @@ def test_kernel_matches_reference(name):
 
 
 @pytest.mark.parametrize("name,num_splits", [("mixed_g4_h128_s16_padded", 3),
-                                             ("window8_mixed_g4_s16", 4)])
+                                             ("window8_mixed_g4_s16", 4),
+                                             ("window64_long_g2_s16", 2)])
 def test_kernel_split_kv_matches_reference(name, num_splits):
-    """The flash-decoding path (context split across programs, then merged)."""
+    """The flash-decoding path (context split across programs, then merged);
+    small kv tiles so that the unmasked interior loop runs too."""
     case, kw, dtype = _case(name, seed=1)
     config = dict(num_splits=num_splits, block_n=16)
     out = rpa.ragged_paged_attention_kernel(*map(jnp.asarray, case.args()), interpret=INTERPRET,
@@ -98,13 +101,14 @@ def test_auto_on_cpu_is_reference():
 
 def test_tile_metadata_covers_every_row_once():
     cu_B1 = jnp.asarray([0, 1, 1, 9, 10, 30, 30], jnp.int32)
-    block_q, num_tiles = 4, 12
-    seq_I, start_I, count_I = map(np.asarray, rpa._tile_metadata(cu_B1, block_q, num_tiles))
+    num_tokens, block_q, num_tiles = 35, 4, 13
+    seq_I, start_I, count_I = np.asarray(rpa._tile_metadata(cu_B1, num_tokens, block_q, num_tiles))
     rows = [r for s, c in zip(start_I, count_I) for r in range(s, s + c)]
-    assert sorted(rows) == list(range(30))
+    assert sorted(rows) == list(range(num_tokens))
+    bounds = list(np.asarray(cu_B1)) + [num_tokens]  # padding rows: pseudo-sequence B
     for s, c, b in zip(start_I, count_I, seq_I):
         if c:
-            assert cu_B1[b] <= s and s + c <= cu_B1[b + 1]
+            assert bounds[b] <= s and s + c <= bounds[b + 1]
 
 
 # ---------------------------------------------------------------- validator
