@@ -122,13 +122,13 @@ def test_turbomind_maps_fields():
     assert (e.tp, e.session_len, e.max_batch_size, e.cache_max_entry_count) == (2, 1024, 8, 0.3)
     assert (e.block_size, e.enable_prefix_caching, e.rope_scaling_factor) == (32, True, 2.0)
     assert (e.use_dynamic_ntk, e.max_prefill_token_num, e.dtype) == (True, 512, "bfloat16")
+    assert TurbomindEngineConfig(use_logn_attn=True).to_engine_config().use_logn_attn
     assert TurbomindEngineConfig(max_context_token_num=2048).to_engine_config().max_prefill_token_num == 2048
 
 
 @pytest.mark.parametrize("cfg, field", [
     (TurbomindEngineConfig(model_format="awq"), "model_format"),
     (TurbomindEngineConfig(quant_policy=8), "quant_policy"),
-    (TurbomindEngineConfig(use_logn_attn=True), "use_logn_attn"),
     (TurbomindEngineConfig(num_tokens_per_iter=256), "num_tokens_per_iter"),
     (TurbomindEngineConfig(download_dir="/tmp"), "download_dir"),
     (PytorchEngineConfig(adapters={"a": "/p"}), "adapters"),
