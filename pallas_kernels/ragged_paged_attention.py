@@ -244,11 +244,16 @@ def _choose_config(num_tokens, num_seqs, num_q_heads, num_kv_heads, head_dim,
     require(set(overrides) <= set(TUNABLES), f"config keys={sorted(overrides)} must be in {TUNABLES}")
     group = num_q_heads // num_kv_heads
     rows_per_seq = group * -(-num_tokens // max(num_seqs, 1))
-    block_m = min(128, max(16, _next_pow2(rows_per_seq), _next_pow2(group)))
-    is_decode = block_m <= 32
-    cfg = dict(block_m=block_m, block_n=64 if head_dim > 64 else 128)
-    cfg.update(num_warps=4, num_stages=3) if is_decode else cfg.update(
-        num_warps=8 if head_dim > 64 else 4, num_stages=2)
+    block_m = max(min(64, max(16, _next_pow2(rows_per_seq))), _next_pow2(group))
+    # Measured on an H200 (BENCHMARKS.md, tiling sweeps): decode wants long kv
+    # tiles and 2 stages (bytes in flight without starving occupancy of shared
+    # memory); prefill 64-row q tiles with short kv tiles.
+    if block_m <= 32:
+        cfg = dict(block_m=block_m, block_n=128, num_warps=4, num_stages=2)
+    elif head_dim > 64:
+        cfg = dict(block_m=block_m, block_n=32, num_warps=4, num_stages=2)
+    else:
+        cfg = dict(block_m=block_m, block_n=64, num_warps=4, num_stages=3)
     cfg.update({k: v for k, v in overrides.items() if k != "num_splits"})
     block_m = cfg["block_m"]
     require(block_m >= group and is_power_of_two(block_m),
@@ -266,27 +271,29 @@ def _choose_config(num_tokens, num_seqs, num_q_heads, num_kv_heads, head_dim,
     return dict(cfg, block_q=block_q, num_tiles=num_tiles)
 
 
-def _tile_metadata(cu_q_lens_B1, num_tokens: int, block_q: int, num_tiles: int):
-    """[3, I] int32: each q tile's (sequence, first row of q, rows it holds).
+def _tile_of_program(cu_q_lens_B1_ref, tile, num_seqs, num_tokens, block_q):
+    """This q tile's (sequence, first row of q, rows it holds; 0 = idle tile).
 
-    Padding rows cu_q_lens[-1] .. T-1 form a pseudo-sequence B, so that the
-    kernel writes their zeros itself (no extra pass over the output).
-    Tiles past the last one hold 0 rows. One small XLA fusion.
+    Sequence b owns cdiv(q_len_b, Q) consecutive tiles. Padding rows
+    cu_q_lens[-1] .. T-1 form a pseudo-sequence B, so that the kernel writes
+    their zeros itself. Computed in every program from the [B+1] vector (a
+    cumsum over a few hundred lanes) instead of by separate XLA kernels, whose
+    launches cost more than this on the decode path.
     """
-    num_seqs = cu_q_lens_B1.shape[0] - 1
-    cu_B2 = jnp.concatenate([cu_q_lens_B1, jnp.full((1,), num_tokens, jnp.int32)])
-    q_lens_B1 = cu_B2[1:] - cu_B2[:-1]
-    tiles_B1 = (q_lens_B1 + block_q - 1) // block_q
-    tile_end_B1 = jnp.cumsum(tiles_B1)
-    i_I = jnp.arange(num_tiles, dtype=jnp.int32)
-    # searchsorted by comparing all: B is small, and it avoids a device loop.
-    seq_I = jnp.sum(i_I[:, None] >= tile_end_B1[None, :], axis=1, dtype=jnp.int32)
-    active_I = seq_I <= num_seqs
-    seq_I = jnp.minimum(seq_I, num_seqs)
-    local_I = i_I - (tile_end_B1[seq_I] - tiles_B1[seq_I])
-    q_start_I = cu_B2[seq_I] + local_I * block_q
-    q_count_I = jnp.where(active_I, jnp.clip(q_lens_B1[seq_I] - local_I * block_q, 0, block_q), 0)
-    return jnp.stack([seq_I, q_start_I, q_count_I]).astype(jnp.int32)
+    b_V = jnp.arange(_next_pow2(num_seqs + 1), dtype=jnp.int32)
+    in_V = b_V <= num_seqs
+    start_V = _masked_load(cu_q_lens_B1_ref.at[jnp.minimum(b_V, num_seqs)], in_V, num_tokens)
+    stop_V = _masked_load(cu_q_lens_B1_ref.at[jnp.minimum(b_V + 1, num_seqs)],
+                          b_V < num_seqs, num_tokens)
+    tiles_V = _div(stop_V - start_V + block_q - 1, block_q)
+    tile_end_V = jnp.cumsum(tiles_V)
+    seq = jnp.sum((tile_end_V <= tile).astype(jnp.int32))
+    this_V = b_V == seq
+    first_tile = jnp.sum(jnp.where(this_V, tile_end_V - tiles_V, 0))
+    q_start = jnp.sum(jnp.where(this_V, start_V, 0)) + (tile - first_tile) * block_q
+    q_stop = jnp.sum(jnp.where(this_V, stop_V, 0))
+    q_count = jnp.where(seq <= num_seqs, jnp.clip(q_stop - q_start, 0, block_q), 0)
+    return seq, q_start, q_count
 
 
 def _div(x, d: int):
@@ -300,7 +307,6 @@ def _rem(x, d: int):
 
 
 def _attention_kernel(
-    tiles_3I_ref,     # [3, I] int32: per q tile (sequence, first row of q, rows; 0 = idle)
     kv_lens_B_ref,    # [B] int32
     cu_q_lens_B1_ref, # [B+1] int32
     block_tables_BM_ref,  # [B, M] int32
@@ -308,12 +314,13 @@ def _attention_kernel(
     k_ZKH_ref,        # [P*S, K, H]: cache with blocks and slots flattened
     v_ZKH_ref,        # [P*S, K, H]
     *out_refs,        # o [T*N, H] (one split) or o [X, T*N, H] f32 and lse [X, T*N] f32
-    num_seqs, num_q_heads, group, block_m, block_n, block_size, scale_log2, sliding_window,
-    num_splits,
+    num_seqs, num_q_heads, group, block_m, block_q, block_n, block_size, scale_log2,
+    sliding_window, num_splits,
 ):
     tile, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    seq, q_start, q_count = tiles_3I_ref[0, tile], tiles_3I_ref[1, tile], tiles_3I_ref[2, tile]
     head_dim = q_XH_ref.shape[1]
+    seq, q_start, q_count = _tile_of_program(
+        cu_q_lens_B1_ref, tile, num_seqs, q_XH_ref.shape[0] // num_q_heads, block_q)
     h_1H = jnp.arange(head_dim, dtype=jnp.int32)[None, :]
     r_R = jnp.arange(block_m, dtype=jnp.int32)
     tok_R = _div(r_R, group)
@@ -437,7 +444,6 @@ def _kernel_impl(q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, block_tables_BM, 
     cfg = _choose_config(num_tokens, num_seqs, num_q_heads, num_kv_heads, head_dim,
                          max_blocks * block_size, on_gpu=not interpret and _on_gpu(),
                          **(config or {}))
-    tiles_3I = _tile_metadata(cu_q_lens_B1, num_tokens, cfg["block_q"], cfg["num_tiles"])
     num_splits = cfg["num_splits"]
     rows = num_tokens * num_q_heads
     if num_splits == 1:
@@ -447,7 +453,7 @@ def _kernel_impl(q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, block_tables_BM, 
                      jax.ShapeDtypeStruct((num_splits, rows), jnp.float32))
     kernel = functools.partial(
         _attention_kernel, num_seqs=num_seqs, num_q_heads=num_q_heads, group=num_q_heads // num_kv_heads,
-        block_m=cfg["block_m"], block_n=cfg["block_n"], block_size=block_size,
+        block_m=cfg["block_m"], block_q=cfg["block_q"], block_n=cfg["block_n"], block_size=block_size,
         scale_log2=float(sm_scale) * _LOG2E, sliding_window=sliding_window,
         num_splits=num_splits)
     outs = pl.pallas_call(
@@ -457,7 +463,7 @@ def _kernel_impl(q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, block_tables_BM, 
         compiler_params=_triton_compiler_params(cfg["num_warps"], cfg["num_stages"]),
         interpret=interpret,
         name="ragged_paged_attention",
-    )(tiles_3I, kv_lens_B, cu_q_lens_B1, block_tables_BM,
+    )(kv_lens_B, cu_q_lens_B1, block_tables_BM,
       q_TNH.reshape(rows, head_dim),
       k_cache_PSKH.reshape(num_blocks * block_size, num_kv_heads, head_dim),
       v_cache_PSKH.reshape(num_blocks * block_size, num_kv_heads, head_dim))

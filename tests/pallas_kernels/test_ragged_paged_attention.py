@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import pallas as pl
 
 from pallas_kernels import ragged_paged_attention as rpa
 from rpa_cases import dense_attention, make_case, rel_err
@@ -99,14 +100,22 @@ def test_auto_on_cpu_is_reference():
     np.testing.assert_array_equal(np.asarray(auto), np.asarray(ref))
 
 
-def test_tile_metadata_covers_every_row_once():
+def test_tiles_cover_every_row_once():
     cu_B1 = jnp.asarray([0, 1, 1, 9, 10, 30, 30], jnp.int32)
-    num_tokens, block_q, num_tiles = 35, 4, 13
-    seq_I, start_I, count_I = np.asarray(rpa._tile_metadata(cu_B1, num_tokens, block_q, num_tiles))
-    rows = [r for s, c in zip(start_I, count_I) for r in range(s, s + c)]
+    num_seqs, num_tokens, block_q = 6, 35, 4
+    num_tiles = (num_tokens + (num_seqs + 1) * (block_q - 1)) // block_q
+
+    def kernel(cu_ref, out_ref):
+        tile = pl.program_id(0)
+        seq, start, count = rpa._tile_of_program(cu_ref, tile, num_seqs, num_tokens, block_q)
+        out_ref[tile, 0], out_ref[tile, 1], out_ref[tile, 2] = seq, start, count
+
+    tiles = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((num_tiles, 3), jnp.int32),
+                           grid=(num_tiles,), interpret=True)(cu_B1)
+    rows = [r for _, s, c in np.asarray(tiles) for r in range(s, s + c)]
     assert sorted(rows) == list(range(num_tokens))
     bounds = list(np.asarray(cu_B1)) + [num_tokens]  # padding rows: pseudo-sequence B
-    for s, c, b in zip(start_I, count_I, seq_I):
+    for b, s, c in np.asarray(tiles):
         if c:
             assert bounds[b] <= s and s + c <= bounds[b + 1]
 
