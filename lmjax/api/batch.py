@@ -2,6 +2,7 @@
 engine to completion (every request validated before any is queued, results in input order)."""
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Sequence
 
 from tqdm.auto import tqdm
@@ -11,6 +12,7 @@ from lmjax.engine.engine import LLMEngine
 from lmjax.engine.request import Request
 
 Messages = list[dict]
+logger = logging.getLogger("lmjax.engine")
 
 
 def encode_text(tokenizer, text: str) -> list[int]:
@@ -56,6 +58,7 @@ def run_to_completion(engine: LLMEngine, requests: list[Request], use_tqdm: bool
         raise
     finally:
         bar.close()
+    logger.info("batch done: %s", engine.stats())
     return requests
 
 

@@ -101,6 +101,14 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def stats(self) -> dict:
+        """Counters worth logging and exporting: compilations, prefix-cache hits, preemptions, cache use."""
+        b = self.blocks
+        return {"num_compilations": self.runner.num_compilations, "prefix_cache_queries": b.prefix_cache_queries,
+                "prefix_cache_hits": b.prefix_cache_hits, "prefix_cache_hit_rate": b.hit_rate,
+                "num_preemptions": self.scheduler.num_preemptions, "kv_cache_usage": b.usage,
+                "num_running": self.scheduler.num_running, "num_waiting": self.scheduler.num_waiting}
+
     # ------------------------------------------------------------------ one step
     def step(self) -> list[Request]:
         """Advance every running request by one step; returns the requests that changed."""

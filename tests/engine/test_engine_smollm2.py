@@ -83,7 +83,7 @@ def test_prefix_caching_same_tokens_and_hits(smollm2_gguf, llm):
     rest = cached.generate(prompts[1:], GREEDY, use_tqdm=False)
     reference = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in first + rest] == [o.outputs[0].token_ids for o in reference]
-    assert cached.llm_engine.blocks.prefix_cache_hits > 0
+    assert cached.llm_engine.stats()["prefix_cache_hits"] > 0
     assert all(o.num_cached_tokens >= 16 * 4 for o in rest)
 
 
