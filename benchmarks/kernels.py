@@ -332,6 +332,33 @@ def bench_prefill(mm_rate, seq=2048, models=("llama3-8b", "llama3.2-1b")):
     return rows
 
 
+# ---------------------------------------------------------------- rope
+def bench_rope(copy_bw, num_tokens=(32, 2048, 8192), model="llama3-8b"):
+    """RoPE on q and k: our kernel (one launch) vs the jnp reference under XLA."""
+    from pallas_kernels import rope, rope_kernel
+    n, k, h = HEADS[model]
+    spec = rope.RopeSpec(rotary_dim=h, theta=500000.0)
+    rows = []
+    for t in num_tokens:
+        keys = jax.random.split(jax.random.key(t), 2)
+        q = jax.random.normal(keys[0], (t, n, h), jnp.bfloat16)
+        kk = jax.random.normal(keys[1], (t, k, h), jnp.bfloat16)
+        pos = jnp.arange(t, dtype=jnp.int32)
+        inv = rope.inv_freq_TF(spec, pos + 1)
+        nbytes = 2 * (q.nbytes + kk.nbytes) + inv.nbytes + pos.nbytes
+        ours_fn = jax.jit(functools.partial(rope_kernel.apply_rope_qk, impl="kernel"))
+        ref_fn = jax.jit(functools.partial(rope_kernel.apply_rope_qk, impl="reference"))
+        err = max(rel_err(a, b) for a, b in zip(ours_fn(q, kk, pos, inv), ref_fn(q, kk, pos, inv)))
+        row = dict(tokens=t, bytes=nbytes, err=err, ours_s=bench(ours_fn, q, kk, pos, inv),
+                   xla_s=bench(ref_fn, q, kk, pos, inv))
+        rows.append(row)
+        print(f"rope {model} T={t}: ours {row['ours_s'] * 1e6:.1f} us "
+              f"({100 * nbytes / row['ours_s'] / copy_bw:.0f}% bw)  xla reference "
+              f"{row['xla_s'] * 1e6:.1f} us ({100 * nbytes / row['xla_s'] / copy_bw:.0f}% bw)  "
+              f"err {err:.1e}", flush=True)
+    RESULTS["rope"] = rows
+
+
 # ---------------------------------------------------------------- sweeps
 def sweep(name, args, scale, grid, denom_fn):
     results = []
@@ -371,7 +398,7 @@ def run_sweeps(copy_bw, mm_rate):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--sections", default="ceilings,decode,prefill")
+    parser.add_argument("--sections", default="decode,prefill,rope")
     parser.add_argument("--json", default=None)
     opts = parser.parse_args()
     sections = opts.sections.split(",")
@@ -382,7 +409,8 @@ def main():
     for section, fn in (("sweep", lambda: run_sweeps(copy_bw, mm_rate)),
                         ("decode", lambda: bench_decode(copy_bw)),
                         ("prefill", lambda: (bench_prefill(mm_rate),
-                                             bench_dense_yardsticks(mm_rate)))):
+                                             bench_dense_yardsticks(mm_rate))),
+                        ("rope", lambda: bench_rope(copy_bw))):
         if section in sections:
             try:
                 fn()
