@@ -10,6 +10,7 @@ padding tokens write into block 0, which the block manager never hands out.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
@@ -38,8 +39,14 @@ def write_kv(k_cache_PSKH, v_cache_PSKH, k_TKH, v_TKH, slot_mapping_T):
 
 
 def paged_attention(q_TNH, k_cache_PSKH, v_cache_PSKH, meta: AttentionMetadata, *, sm_scale: float,
-                    sliding_window: int | None = None, impl: str = "auto"):
-    """Causal attention of this step's queries over each sequence's cached context."""
+                    sliding_window: int | None = None, impl: str | None = None):
+    """Causal attention of this step's queries over each sequence's cached context.
+
+    impl: "auto" (Pallas kernel on GPU, jnp reference elsewhere), "kernel" or "reference"; by default
+    the LMJAX_ATTENTION_IMPL environment variable, read at trace time, so kernel-vs-reference runs of
+    the same engine need no code change.
+    """
+    impl = impl or os.environ.get("LMJAX_ATTENTION_IMPL", "auto")
     return ragged_paged_attention(
         q_TNH, k_cache_PSKH, v_cache_PSKH, meta.kv_lens_B, meta.block_tables_BM, meta.cu_q_lens_B1,
         sm_scale=sm_scale, sliding_window=sliding_window, impl=impl,
