@@ -6,8 +6,11 @@ Shape letters (used as suffixes of every array name in this module):
   H  head dim                            P  cache blocks
   S  block size (tokens per block)       B  sequences (padded)
   M  max blocks per sequence             L  max context (M * S)
-  I  q tiles (grid axis 0)               X  kv splits (grid axis 2)
-  R  rows of a q tile (BLOCK_M)          C  keys of a kv tile (BLOCK_N)
+  V  kv splits (grid axis 2)             X  rows of q flattened (T * N)
+  Z  cache slots flattened (P * S)       R  rows of a q tile (block_m)
+  C  keys of a kv tile (block_n)         Q  tokens of a q tile (block_q)
+  A  sequences and the padding pseudo-sequence (B + 1), padded to a power of two
+  1  a broadcast axis of size one
 
 Sequence b owns query rows cu_q_lens[b] .. cu_q_lens[b+1]-1 of q. Its context
 after this step is kv_lens[b] tokens; query i of the sequence sits at absolute
@@ -237,8 +240,8 @@ def _choose_config(num_tokens, num_seqs, num_q_heads, num_kv_heads, head_dim,
 
     Rows of a q tile are (token, head-of-group) pairs, so GQA groups share one
     K/V stream. The expected query rows per sequence (T / B) sizes the tile:
-    decode batches (T ~ B) get small tiles, prefill chunks 128-row tiles that
-    keep the tensor cores busy. `overrides` (keys in TUNABLES) replace the
+    decode batches (T ~ B) get 16-row tiles, prefill chunks 64-row tiles (or
+    more when one GQA group is wider). `overrides` (keys in TUNABLES) replace the
     heuristic choices; the derived fields follow from them.
     """
     require(set(overrides) <= set(TUNABLES), f"config keys={sorted(overrides)} must be in {TUNABLES}")
@@ -280,18 +283,18 @@ def _tile_of_program(cu_q_lens_B1_ref, tile, num_seqs, num_tokens, block_q):
     cumsum over a few hundred lanes) instead of by separate XLA kernels, whose
     launches cost more than this on the decode path.
     """
-    b_V = jnp.arange(_next_pow2(num_seqs + 1), dtype=jnp.int32)
-    in_V = b_V <= num_seqs
-    start_V = _masked_load(cu_q_lens_B1_ref.at[jnp.minimum(b_V, num_seqs)], in_V, num_tokens)
-    stop_V = _masked_load(cu_q_lens_B1_ref.at[jnp.minimum(b_V + 1, num_seqs)],
-                          b_V < num_seqs, num_tokens)
-    tiles_V = _div(stop_V - start_V + block_q - 1, block_q)
-    tile_end_V = jnp.cumsum(tiles_V)
-    seq = jnp.sum((tile_end_V <= tile).astype(jnp.int32))
-    this_V = b_V == seq
-    first_tile = jnp.sum(jnp.where(this_V, tile_end_V - tiles_V, 0))
-    q_start = jnp.sum(jnp.where(this_V, start_V, 0)) + (tile - first_tile) * block_q
-    q_stop = jnp.sum(jnp.where(this_V, stop_V, 0))
+    b_A = jnp.arange(_next_pow2(num_seqs + 1), dtype=jnp.int32)
+    in_A = b_A <= num_seqs
+    start_A = _masked_load(cu_q_lens_B1_ref.at[jnp.minimum(b_A, num_seqs)], in_A, num_tokens)
+    stop_A = _masked_load(cu_q_lens_B1_ref.at[jnp.minimum(b_A + 1, num_seqs)],
+                          b_A < num_seqs, num_tokens)
+    tiles_A = _div(stop_A - start_A + block_q - 1, block_q)
+    tile_end_A = jnp.cumsum(tiles_A)
+    seq = jnp.sum((tile_end_A <= tile).astype(jnp.int32))
+    this_A = b_A == seq
+    first_tile = jnp.sum(jnp.where(this_A, tile_end_A - tiles_A, 0))
+    q_start = jnp.sum(jnp.where(this_A, start_A, 0)) + (tile - first_tile) * block_q
+    q_stop = jnp.sum(jnp.where(this_A, stop_A, 0))
     q_count = jnp.where(seq <= num_seqs, jnp.clip(q_stop - q_start, 0, block_q), 0)
     return seq, q_start, q_count
 
@@ -418,7 +421,7 @@ def _attention_kernel(
             _masked_store(o_XH_ref.at[row_R[:, None], h_1H], out_RH.astype(o_XH_ref.dtype),
                           row_valid_R[:, None])
         else:
-            o_VXH_ref, lse_VX_ref = out_refs  # V: splits
+            o_VXH_ref, lse_VX_ref = out_refs
             lse_R = jnp.where(has_keys_R, max_R + jnp.log2(jnp.where(has_keys_R, denom_R, 1.0)),
                               -jnp.inf)
             _masked_store(o_VXH_ref.at[split, row_R[:, None], h_1H], out_RH, row_valid_R[:, None])
