@@ -23,7 +23,7 @@ import json, time, numpy as np
 from lmjax import LLM, SamplingParams
 rng = np.random.default_rng(0)
 prompts = [rng.integers(10, {vocab}, int(n)).tolist() for n in rng.integers(16, {args.max_prompt}, {args.num_prompts})]
-llm = LLM({model_dir!r}, dtype="bfloat16", max_model_len=2048, max_num_seqs=64)
+llm = LLM({model_dir!r}, dtype={args.dtype!r}, max_model_len=2048, max_num_seqs=64)
 params = SamplingParams(temperature=0, max_tokens={args.max_tokens}, ignore_eos=True)
 t = time.perf_counter(); llm.generate(prompts[:2], params, use_tqdm=False); warm = time.perf_counter() - t
 t = time.perf_counter(); outs = llm.generate(prompts, params, use_tqdm=False); run = time.perf_counter() - t
@@ -42,19 +42,20 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--max-prompt", type=int, default=512)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--impls", default="kernel,reference", help="two attention impls to compare")
     args = parser.parse_args()
     sys.path.insert(0, os.path.dirname(__file__))
     from random_model import SHAPES, write_random_checkpoint  # noqa: E402
 
     with tempfile.TemporaryDirectory() as tmp:
-        write_random_checkpoint(args.shape, tmp, dtype="bfloat16")
+        write_random_checkpoint(args.shape, tmp, dtype=args.dtype)
         vocab = SHAPES[args.shape]["vocab_size"]
         results = {impl: run_impl(tmp, impl, args, vocab) for impl in args.impls.split(",")}
         k, r = (results[i]["tokens"] for i in args.impls.split(","))
     same_seq = sum(a == b for a, b in zip(k, r))
     first_diff = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(k, r)]
-    print(json.dumps({"shape": args.shape, "identical_sequences": f"{same_seq}/{len(k)}",
+    print(json.dumps({"shape": args.shape, "dtype": args.dtype, "identical_sequences": f"{same_seq}/{len(k)}",
                       "mean_tokens_before_divergence": float(np.mean(first_diff)),
                       **{f"{impl}_{key}": v for impl, res in results.items() for key, v in res.items() if key != "tokens"}}))
 
