@@ -7,6 +7,7 @@ Requests come in through `add_request` (validated before any work), leave throug
 """
 from __future__ import annotations
 
+import bisect
 import logging
 import random
 
@@ -17,7 +18,7 @@ from lmjax.engine.detokenizer import IncrementalDetokenizer
 from lmjax.engine.model_runner import ModelRunner, StepOutput, bucket
 from lmjax.engine.request import Completion, Request, new_request_id
 from lmjax.engine.scheduler import ScheduledBatch, Scheduler
-from lmjax.engine.sequence import Sequence
+from lmjax.engine.sequence import Sequence, SequenceStatus
 from lmjax.engine.stop import StopStringMatcher
 from lmjax.layers.sampler import SamplingRow, row_banned_ids, tokenize_bad_words
 from lmjax.loader.model_loader import load_model
@@ -45,6 +46,9 @@ class LLMEngine:
         self._by_seq: dict[int, tuple[Request, Completion]] = {}
         self._seq_ids = iter(range(1 << 62))
         self.requests: dict[str, Request] = {}
+        self.sessions: dict = {}  # session id -> its finished Sequence (tokens, kept KV blocks)
+        self._session_of: dict[int, object] = {}  # seq_id -> session id, for turns that keep their KV
+        self.num_prefill_tokens = self.num_generated_tokens = 0  # prompt tokens computed, tokens sampled
         logger.info("engine ready: %s, %d KV blocks of %d tokens, session_len=%d", loaded.path, num_blocks,
                     config.block_size, self.session_len)
 
@@ -107,12 +111,67 @@ class LLMEngine:
         return {"num_compilations": self.runner.num_compilations, "prefix_cache_queries": b.prefix_cache_queries,
                 "prefix_cache_hits": b.prefix_cache_hits, "prefix_cache_hit_rate": b.hit_rate,
                 "num_preemptions": self.scheduler.num_preemptions, "kv_cache_usage": b.usage,
-                "num_running": self.scheduler.num_running, "num_waiting": self.scheduler.num_waiting}
+                "num_running": self.scheduler.num_running, "num_waiting": self.scheduler.num_waiting,
+                "num_free_blocks": b.num_free_blocks, "num_usable_blocks": b.num_usable_blocks,
+                "num_prefill_tokens": self.num_prefill_tokens, "num_generated_tokens": self.num_generated_tokens,
+                "num_sessions": len(self.sessions)}
+
+    # ------------------------------------------------------------------ interactive sessions
+    def add_session_request(self, session_id, prompt_token_ids: list[int], params: SamplingParams,
+                            sequence_start: bool = True, sequence_end: bool = True, prompt: str | None = None,
+                            request_id: str | None = None) -> Request:
+        """One turn of an interactive session (LMDeploy's semantics).
+
+        `sequence_start=False` appends `prompt_token_ids` to the session's tokens (its previous turns, their
+        outputs included) and reuses their KV cache: only the new tokens are prefilled. `sequence_end=False`
+        keeps this turn's tokens and KV blocks for the next turn (until `end_session`); True ends the session.
+        The whole session is bounded by session_len, like any prompt.
+        """
+        if params.n != 1:
+            raise ValueError(f"a session turn generates one completion, got n={params.n}")
+        kept = None if sequence_start else self.sessions.get(session_id)
+        if not sequence_start and kept is None:
+            raise ValueError(f"session {session_id} has no history: start it with sequence_start=True")
+        history = kept.token_ids if kept is not None else []
+        req = self.add_request(history + list(prompt_token_ids), params, prompt, request_id)  # validates first
+        if kept is None:
+            self.end_session(session_id)  # a new start drops any earlier history
+        else:
+            del self.sessions[session_id]  # this turn owns the history now
+        seq, s = req.completions[0].seq, self.scheduler
+        if kept is not None and kept.block_table and s.num_running < s.max_batch_size:
+            s.waiting.remove(seq)  # resume it as running, its first num_computed_tokens already in the cache
+            seq.block_table, kept.block_table = kept.block_table, []
+            seq.num_computed_tokens = req.num_cached_tokens = kept.num_computed_tokens
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(s.running, seq, key=lambda q: q.arrival)
+        elif kept is not None:
+            self.blocks.free(kept)  # no batch slot to resume into: recompute (prefix caching may still hit)
+        if not sequence_end:
+            self._session_of[seq.seq_id] = session_id
+        return req
+
+    def end_session(self, session_id) -> None:
+        """Forget a session's history and free its KV blocks (a running turn is not touched)."""
+        seq = self.sessions.pop(session_id, None)
+        if seq is not None:
+            self.blocks.free(seq)
+
+    def _evict_idle_session(self) -> bool:
+        """Free the KV blocks of the least recently used idle session (its tokens stay: a later turn
+        recomputes them). Returns False when no idle session holds blocks."""
+        for seq in self.sessions.values():
+            if seq.block_table:
+                self.blocks.free(seq)
+                return True
+        return False
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[Request]:
         """Advance every running request by one step; returns the requests that changed."""
         batch = self.scheduler.schedule()
+        while not batch.items and self.scheduler.num_waiting and self._evict_idle_session():
+            batch = self.scheduler.schedule()  # idle sessions' KV gave way to a request that could not fit
         changed: dict[str, Request] = {}
         for seq in batch.failed:
             req, comp = self._by_seq[seq.seq_id]
@@ -126,6 +185,9 @@ class LLMEngine:
         if out.prompt is not None:
             self._record_prompt_logprobs(batch, out)
         sampled = {it.seq.seq_id: int(out.token_ids[i]) for i, it in enumerate(batch.items) if it.samples}
+        self.num_generated_tokens += len(sampled)
+        self.num_prefill_tokens += sum(max(0, min(it.start_pos + it.num_new_tokens, it.seq.num_prompt_tokens)
+                                           - it.start_pos) for it in batch.items)
         self.scheduler.update(batch, sampled)
         for i, it in enumerate(batch.items):
             if it.samples and it.seq.seq_id in self._by_seq:
@@ -191,8 +253,15 @@ class LLMEngine:
             tail = comp.stops.feed(comp.detokenizer.flush())
             comp.text += tail.text + comp.stops.flush()
         comp.finish_reason = reason
+        session_id = self._session_of.pop(comp.seq.seq_id, None)
         if not comp.seq.is_finished:
+            blocks = comp.seq.block_table
+            if session_id is not None:
+                comp.seq.block_table = []  # a session turn keeps its KV blocks: finish frees none of them
             self.scheduler.finish(comp.seq, reason)
+            comp.seq.block_table = blocks
+        if session_id is not None:
+            self.sessions[session_id] = comp.seq
         self._by_seq.pop(comp.seq.seq_id, None)
         if req.finished:
             self.requests.pop(req.request_id, None)
