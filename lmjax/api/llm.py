@@ -46,8 +46,6 @@ class LLM:
                               num_gpu_blocks=num_gpu_blocks_override or 0,
                               max_prefill_token_num=max_num_batched_tokens or 8192,
                               enable_prefix_caching=enable_prefix_caching)
-        if config.tp != 1:
-            raise NotImplementedError(f"tensor_parallel_size={tensor_parallel_size} is not supported yet (only 1)")
         self.llm_engine = LLMEngine(model, config, tokenizer)
 
     def get_tokenizer(self):

@@ -34,8 +34,6 @@ def _engine_config(backend_config, tp: int | None) -> EngineConfig:
                         f"got {type(backend_config).__name__}")
     if tp is not None and tp != config.tp:
         config = dataclasses.replace(config, tp=tp)
-    if config.tp != 1:
-        raise NotImplementedError(f"tp={config.tp} is not supported yet (only 1)")
     return config
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from lmjax import parallel
 from lmjax.config import EngineConfig
 from lmjax.models.config import ModelConfig
 
@@ -13,12 +14,15 @@ from lmjax.models.config import ModelConfig
 CPU_CACHE_BUDGET_BYTES = 2 << 30
 
 
-def bytes_per_block(model: ModelConfig, block_size: int, dtype) -> int:
-    return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * jnp.dtype(dtype).itemsize
+def bytes_per_block(model: ModelConfig, block_size: int, dtype, tp: int = 1) -> int:
+    """Bytes one block takes on each device: with tp > 1 the cache is sharded on KV heads (each KV head
+    repeated when tp does not divide them, see lmjax.parallel.kv_cache_heads)."""
+    heads = parallel.kv_cache_heads(model.num_kv_heads, tp) // tp if tp > 1 else model.num_kv_heads
+    return 2 * model.num_layers * block_size * heads * model.head_dim * jnp.dtype(dtype).itemsize
 
 
 def free_device_bytes() -> int:
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = jax.local_devices()[0].memory_stats() or {}
     if "bytes_limit" in stats:
         return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
     return CPU_CACHE_BUDGET_BYTES
@@ -26,9 +30,13 @@ def free_device_bytes() -> int:
 
 def kv_cache_blocks(cfg: EngineConfig, model: ModelConfig, dtype, session_len: int) -> int:
     """Block count, block 0 (the padding sink) included."""
-    per_block = bytes_per_block(model, cfg.block_size, dtype)
+    per_block = bytes_per_block(model, cfg.block_size, dtype, cfg.tp)
     requested = cfg.num_gpu_blocks or cfg.cache_max_entry_count > 1
     blocks = cfg.num_blocks(free_device_bytes(), per_block)
+    if jax.process_count() > 1:  # every process must allocate the same cache (one SPMD program)
+        from jax.experimental import multihost_utils
+
+        blocks = int(multihost_utils.process_allgather(jnp.int32(blocks)).min())
     if not requested:  # a fraction: never more than every sequence at full session length needs
         blocks = min(blocks, 1 + cfg.max_batch_size * -(-session_len // cfg.block_size))
     if blocks < 2:

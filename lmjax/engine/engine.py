@@ -31,7 +31,7 @@ _GREEDY_ROW = SamplingRow(SamplingParams(temperature=0.0), seed=0)
 class LLMEngine:
     def __init__(self, model: str | None = None, config: EngineConfig | None = None, tokenizer: str | None = None):
         self.config = config = config or EngineConfig()
-        loaded = load_model(model, config.dtype, rope_scaling_factor=config.rope_scaling_factor,
+        loaded = load_model(model, config.dtype, tp=config.tp, rope_scaling_factor=config.rope_scaling_factor,
                             use_dynamic_ntk=config.use_dynamic_ntk, use_logn_attn=config.use_logn_attn)
         self.model_path, self.model_config = loaded.path, loaded.config
         self.tokenizer = load_tokenizer(loaded.path, tokenizer)

@@ -6,6 +6,11 @@ logits of each scheduled sequence's last token -> on-device sampling. Inputs are
 buckets of tokens (T), sequences (B) and block-table width (M), so compilations are bounded; each new
 compilation is counted and logged. The KV cache is donated to the step and updated in place.
 
+Tensor parallelism comes from the parameters: when they are sharded over a mesh (`load_model(tp=...)`,
+`lmjax.parallel`), the cache is created sharded on KV heads, the step inputs are replicated, the step
+runs under that mesh (attention in shard_map, XLA's all-reduces elsewhere) and sampling reads
+replicated logits, so every device (and every process) draws the same tokens.
+
 Shape letters: T tokens, B sequences, M blocks per sequence, V vocab, K top logprobs.
 """
 from __future__ import annotations
@@ -17,7 +22,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
+from lmjax import parallel
 from lmjax.engine.block_manager import BlockManager
 from lmjax.engine.scheduler import ScheduledBatch
 from lmjax.layers.attention import AttentionMetadata
@@ -66,7 +73,8 @@ class ModelRunner:
         self.graphdef, self.state = nnx.split(model)
         self.config = model.config
         self.block_size = block_size
-        self.caches = make_kv_caches(model.config, num_blocks, block_size, kv_dtype)
+        self.mesh = parallel.mesh_of(self.state)  # None on one device
+        self.caches = make_kv_caches(model.config, num_blocks, block_size, kv_dtype, self.mesh)
         self.max_T = bucket(max_tokens_per_step, 16)
         self.max_B = bucket(max_batch_size, 4)
         self.max_M = bucket(max_blocks_per_seq, 1)
@@ -81,11 +89,17 @@ class ModelRunner:
                     flags, num_prompt_logprobs)
         model = nnx.merge(self.graphdef, state)
         hidden_TD, caches = model(inputs.ids_T, inputs.positions_T, caches, inputs.attn)
-        out = sample(model.compute_logits(hidden_TD[inputs.last_rows_B]), smeta, **flags._asdict())
+        out = sample(self._logits(model, hidden_TD[inputs.last_rows_B]), smeta, **flags._asdict())
         prompt = None
         if num_prompt_logprobs >= 0:
-            prompt = _prompt_logprobs(model.compute_logits(hidden_TD), inputs.next_ids_T, num_prompt_logprobs)
+            prompt = _prompt_logprobs(self._logits(model, hidden_TD), inputs.next_ids_T, num_prompt_logprobs)
         return out, prompt, caches
+
+    def _logits(self, model, hidden_XD):
+        logits_XV = model.compute_logits(hidden_XD)
+        if self.mesh is not None:  # vocab-parallel lm_head: gather once, sample on replicated logits
+            logits_XV = jax.lax.with_sharding_constraint(logits_XV, NamedSharding(self.mesh, PartitionSpec()))
+        return logits_XV
 
     def build_inputs(self, batch: ScheduledBatch, blocks: BlockManager) -> StepInputs:
         """Padded numpy inputs for the scheduled items (host work: O(new tokens))."""
@@ -120,8 +134,11 @@ class ModelRunner:
         """Run one step; `rows` has one SamplingRow per item (used only for items that sample)."""
         inputs = self.build_inputs(batch, blocks)
         smeta, flags = build_sampling_metadata(rows, pad_to=inputs.last_rows_B.shape[0])
-        out, prompt, self.caches = self._step(self.state, self.caches, inputs, smeta,
-                                              flags=flags, num_prompt_logprobs=num_prompt_logprobs)
+        if self.mesh is not None:
+            inputs, smeta = parallel.replicate((inputs, smeta), self.mesh)
+        with parallel.use_mesh(self.mesh):
+            out, prompt, self.caches = self._step(self.state, self.caches, inputs, smeta,
+                                                  flags=flags, num_prompt_logprobs=num_prompt_logprobs)
         n = len(batch.items)
         host = jax.device_get((out, prompt))
         (tokens, logprobs, top_ids, top_lp), prompt = host

@@ -6,6 +6,11 @@ S block size, B sequences (padded), M max blocks per sequence.
 
 The cache of one layer is a pair (k_PSKH, v_PSKH). Slot s of the cache is block s // S, offset s % S;
 padding tokens write into block 0, which the block manager never hands out.
+
+Tensor parallelism stays out of the model: when the step runs under a mesh with a "tp" axis
+(`lmjax.parallel.use_mesh`), `paged_attention` wraps the op in shard_map over the head axis, so each
+device attends its own query heads over its own KV-cache heads. A cache may store each KV head r times
+(r = cache heads / K, see `lmjax.parallel.kv_cache_heads`); `write_kv` repeats K/V to match.
 """
 from __future__ import annotations
 
@@ -15,6 +20,9 @@ import os
 import jax
 import jax.numpy as jnp
 
+from jax.sharding import PartitionSpec
+
+from lmjax import parallel
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
 
@@ -33,6 +41,9 @@ class AttentionMetadata:
 def write_kv(k_cache_PSKH, v_cache_PSKH, k_TKH, v_TKH, slot_mapping_T):
     """Scatter this step's K/V into their slots (in place when the cache is donated to the step)."""
     P, S, K, H = k_cache_PSKH.shape
+    if K != k_TKH.shape[1]:  # the cache repeats each KV head K / k_TKH.shape[1] times
+        repeats = K // k_TKH.shape[1]
+        k_TKH, v_TKH = jnp.repeat(k_TKH, repeats, axis=1), jnp.repeat(v_TKH, repeats, axis=1)
     k_flat = k_cache_PSKH.reshape(P * S, K, H).at[slot_mapping_T].set(k_TKH.astype(k_cache_PSKH.dtype))
     v_flat = v_cache_PSKH.reshape(P * S, K, H).at[slot_mapping_T].set(v_TKH.astype(v_cache_PSKH.dtype))
     return k_flat.reshape(P, S, K, H), v_flat.reshape(P, S, K, H)
@@ -47,10 +58,25 @@ def paged_attention(q_TNH, k_cache_PSKH, v_cache_PSKH, meta: AttentionMetadata, 
     the same engine need no code change.
     """
     impl = impl or os.environ.get("LMJAX_ATTENTION_IMPL", "auto")
-    return ragged_paged_attention(
-        q_TNH, k_cache_PSKH, v_cache_PSKH, meta.kv_lens_B, meta.block_tables_BM, meta.cu_q_lens_B1,
-        sm_scale=sm_scale, sliding_window=sliding_window, impl=impl,
-    )
+
+    def attend(q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, block_tables_BM, cu_q_lens_B1):
+        return ragged_paged_attention(q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, block_tables_BM,
+                                      cu_q_lens_B1, sm_scale=sm_scale, sliding_window=sliding_window, impl=impl)
+
+    args = (q_TNH, k_cache_PSKH, v_cache_PSKH, meta.kv_lens_B, meta.block_tables_BM, meta.cu_q_lens_B1)
+    mesh = jax.sharding.get_abstract_mesh()
+    tp = 0 if mesh.empty or parallel.TP_AXIS not in mesh.axis_names else mesh.shape[parallel.TP_AXIS]
+    if tp <= 1:
+        return attend(*args)
+    N, K = q_TNH.shape[1], k_cache_PSKH.shape[2]
+    if N % tp or K % tp:
+        raise ValueError(f"under a mesh with tp={tp}, q heads N={N} and KV-cache heads K={K} must both be "
+                         "divisible by tp (build caches with lmjax.parallel.make_kv_caches)")
+    heads = parallel.TP_AXIS
+    q_spec, cache_spec = PartitionSpec(None, heads, None), PartitionSpec(None, None, heads, None)
+    sharded = parallel.shard_map(attend, mesh, in_specs=(q_spec, cache_spec, cache_spec) + (PartitionSpec(),) * 3,
+                                 out_specs=q_spec)
+    return sharded(*args)
 
 
 def contiguous_metadata(lengths: list[int], block_size: int, num_blocks: int,

@@ -1,7 +1,8 @@
 """load_model: any supported checkpoint (HF directory or GGUF file) -> a ready Flax model.
 
 Path resolution -> HF config dict -> ModelConfig (with engine overrides) -> tensors renamed to HF Llama
-names by the architecture's weight map -> parameters filled one tensor at a time.
+names by the architecture's weight map -> parameters filled one tensor at a time. With tp > 1 (or a
+mesh), each tensor goes straight into its shards (`lmjax.parallel.make_placer`).
 """
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
+from lmjax import parallel
 from lmjax.loader.gguf import load_gguf
 from lmjax.loader.resolve import resolve_model_path
 from lmjax.loader.safetensors_loader import iter_tensors, read_config
@@ -32,6 +35,7 @@ class LoadedModel:
     hf_config: dict
     path: str
     dtype: jnp.dtype
+    mesh: Mesh | None = None  # the tp mesh the parameters are sharded over (None: one device)
 
 
 def resolve_dtype(dtype: str, hf_config: dict, is_gguf: bool = False):
@@ -58,15 +62,26 @@ def _checkpoint(path: str):
     raise ValueError(f"model path {path!r} is neither a checkpoint directory nor a .gguf file")
 
 
-def load_model(model: str | None = None, dtype: str = "auto", *, placer: Placer | None = None,
-               **overrides) -> LoadedModel:
-    """Load a model. `overrides`: TurboMind's rope_scaling_factor, use_dynamic_ntk, use_logn_attn."""
+def load_model(model: str | None = None, dtype: str = "auto", *, placer: Placer | None = None, tp: int = 1,
+               mesh: Mesh | None = None, **overrides) -> LoadedModel:
+    """Load a model. `overrides`: TurboMind's rope_scaling_factor, use_dynamic_ntk, use_logn_attn.
+
+    tp > 1 builds a mesh over the first tp devices (`mesh` gives one instead) and loads every tensor
+    straight into its shards by `lmjax.parallel`'s rules; `placer` overrides the placement.
+    """
     path = resolve_model_path(model)
     hf_config, tensors, source = _checkpoint(path)
     cfg = parse_config(hf_config, **overrides)
+    if mesh is None and tp > 1:
+        parallel.check_tp(cfg, tp)  # before touching devices: a clear error for heads that do not fit
+        mesh = parallel.make_mesh(tp)
+    elif mesh is not None:
+        parallel.check_tp(cfg, parallel.tp_size(mesh))
     jdtype = resolve_dtype(dtype, hf_config, path.endswith(".gguf"))
     arch = ARCHITECTURES[cfg.architecture]
+    if placer is None and mesh is not None:
+        placer = parallel.make_placer(mesh, cfg)
     kwargs = {"placer": placer} if placer is not None else {}
     net = load_params(lambda: arch.model_cls(cfg, dtype=jdtype), arch.tensor_map(tensors(), cfg),
                       jnp.dtype(jdtype), source, **kwargs)
-    return LoadedModel(net, cfg, hf_config, path, jdtype)
+    return LoadedModel(net, cfg, hf_config, path, jdtype, mesh)

@@ -10,14 +10,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from lmjax import parallel
 from lmjax.layers.attention import AttentionMetadata, contiguous_metadata
 from lmjax.models.config import ModelConfig
 
 
-def make_kv_caches(cfg: ModelConfig, num_blocks: int, block_size: int, dtype) -> list[tuple[jax.Array, jax.Array]]:
-    """Zeroed per-layer (k_PSKH, v_PSKH) caches."""
-    shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-    return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers)]
+def make_kv_caches(cfg: ModelConfig, num_blocks: int, block_size: int, dtype,
+                   mesh=None) -> list[tuple[jax.Array, jax.Array]]:
+    """Zeroed per-layer (k_PSKH, v_PSKH) caches; under a tp mesh, sharded on KV heads."""
+    return parallel.make_kv_caches(cfg, num_blocks, block_size, dtype, mesh)
 
 
 @nnx.jit
@@ -31,11 +32,13 @@ def prompt_logits(model, prompts: list[list[int]], block_size: int = 16) -> list
     lengths = [len(p) for p in prompts]
     num_blocks = 1 + sum(-(-n // block_size) for n in lengths)
     dtype = model.embed_tokens.embedding[...].dtype
-    caches = make_kv_caches(model.config, num_blocks, block_size, dtype)
+    mesh = parallel.mesh_of(model)
+    caches = make_kv_caches(model.config, num_blocks, block_size, dtype, mesh)
     meta = contiguous_metadata(lengths, block_size, num_blocks)
     ids_T = jnp.asarray(np.concatenate(prompts), jnp.int32)
     positions_T = jnp.asarray(np.concatenate([np.arange(n) for n in lengths]), jnp.int32)
-    logits_TV, _ = _forward_all(model, ids_T, positions_T, caches, meta)
+    with parallel.use_mesh(mesh):
+        logits_TV, _ = _forward_all(model, ids_T, positions_T, caches, meta)
     return np.split(np.asarray(logits_TV), np.cumsum(lengths)[:-1])
 
 
@@ -64,7 +67,13 @@ def greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, block_
     """
     lengths = [len(p) + max_new_tokens for p in prompts]
     num_blocks = 1 + sum(-(-n // block_size) for n in lengths)
-    caches = make_kv_caches(model.config, num_blocks, block_size, model.embed_tokens.embedding[...].dtype)
+    mesh = parallel.mesh_of(model)  # a model sharded by lmjax.parallel runs tensor-parallel
+    caches = make_kv_caches(model.config, num_blocks, block_size, model.embed_tokens.embedding[...].dtype, mesh)
+    with parallel.use_mesh(mesh):
+        return _greedy_loop(model, prompts, max_new_tokens, block_size, num_blocks, lengths, caches)
+
+
+def _greedy_loop(model, prompts, max_new_tokens, block_size, num_blocks, lengths, caches):
     prompt_lens = np.array([len(p) for p in prompts])
     # Each sequence owns blocks for its whole output from the start.
     prefill = contiguous_metadata(list(prompt_lens), block_size, num_blocks, capacity=lengths)
