@@ -1,0 +1,274 @@
+"""LMDeploy's `AsyncEngine`: many asyncio tasks (and threads) share one synchronous LLMEngine.
+
+Data flow: a caller encodes its prompt and sends an *add* command, with a sink for its outputs, over a
+thread-safe queue to ONE engine thread (`_EngineLoop`), the only thread that ever touches the LLMEngine.
+That thread runs pending commands (add, abort, end session) between steps, steps the engine while it has
+work, and after each step pushes every changed request's new text and tokens (`Completion.take_delta()`)
+as `GenOut`s into the request's sink: an asyncio queue fed through `loop.call_soon_threadsafe` for
+`generate`, a plain queue for the synchronous `batch_infer`. A `None` in the sink ends the request.
+A generator that is cancelled or abandoned (a client that disconnects) sends an abort, which frees the
+request's KV blocks.
+
+Sessions (`session_id`, `sequence_start`, `sequence_end`) map onto `LLMEngine.add_session_request`: a turn
+with `sequence_end=False` keeps its KV cache, and the next turn with `sequence_start=False` prefills only
+its new tokens. `step` is accepted for LMDeploy compatibility; the engine tracks the session length itself.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import itertools
+import logging
+import os
+import queue
+from collections.abc import AsyncIterator, Iterator
+
+from lmjax.api.batch import encode_chat, encode_text
+from lmjax.api.engine_thread import EngineThread, GenOut
+from lmjax.api.outputs import Response
+from lmjax.api.pipeline import _LEGACY_ARGS, _engine_config
+from lmjax.config import ChatTemplateConfig, GenerationConfig, SamplingParams
+from lmjax.engine.engine import LLMEngine
+
+__all__ = ["AsyncEngine", "GenOut"]
+_PROBE_USER, _PROBE_REPLY = "\x01", "\x02"
+
+
+class AsyncEngine:
+    """`generate` (async), `stop_session`, `end_session`, `get_generator`, `batch_infer` / `__call__`."""
+
+    def __init__(self, model_path: str | None = None, model_name: str | None = None, backend: str | None = None,
+                 backend_config=None, chat_template_config: ChatTemplateConfig | None = None,
+                 tp: int | None = None, log_level: str = "ERROR", **kwargs):
+        logging.getLogger("lmjax").setLevel(log_level)
+        if backend not in (None, "turbomind", "pytorch"):
+            raise ValueError(f"backend must be 'turbomind' or 'pytorch', got {backend!r}")
+        kwargs.pop("instance_num", None)  # LMDeploy's instance count: one engine serves every request here
+        if kwargs:
+            raise TypeError(f"AsyncEngine got unexpected arguments {sorted(kwargs)}")
+        self.engine = LLMEngine(model_path, _engine_config(backend_config, tp))
+        self.tokenizer = self.engine.tokenizer
+        self.session_len = self.engine.session_len
+        self.model_name = model_name or _default_name(self.engine.model_path)
+        self.chat_template = chat_template_config or ChatTemplateConfig(model_name=model_name)
+        self._thread = EngineThread(self.engine)
+        self.id2step = self._thread.id2step  # session id -> tokens in its kept history (LMDeploy's name)
+        self._session_ids = itertools.count(1 << 40)
+
+    # ------------------------------------------------------------------ requests
+    def sampling_params(self, gen_config=None, **legacy) -> SamplingParams:
+        """GenerationConfig (LMDeploy) or SamplingParams (vLLM) plus legacy keywords -> SamplingParams,
+        with the chat template's stop words added."""
+        if isinstance(gen_config, SamplingParams):
+            if legacy:
+                raise TypeError(f"{sorted(legacy)} cannot be combined with a SamplingParams gen_config")
+            params = dataclasses.replace(gen_config)
+        else:
+            overrides = {_LEGACY_ARGS[k]: v for k, v in legacy.items() if k in _LEGACY_ARGS and v is not None}
+            if legacy.get("stop_words") is not None:
+                overrides["stop_words"] = legacy["stop_words"]
+            unknown = set(legacy) - set(_LEGACY_ARGS) - {"stop_words"}
+            if unknown:
+                raise TypeError(f"unexpected arguments {sorted(unknown)}; pass sampling settings in gen_config")
+            params = dataclasses.replace(gen_config or GenerationConfig(), **overrides).to_sampling_params()
+        extra = [w for w in self.chat_template.stop_words or [] if w not in (params.stop or [])]
+        if extra:
+            params.stop = list(params.stop or []) + extra
+        return params
+
+    def encode(self, messages, sequence_start: bool = True, do_preprocess: bool = True,
+               chat_template_config: ChatTemplateConfig | None = None) -> tuple[str, list[int]]:
+        """Prompt text and ids of one turn. A later turn of a session (`sequence_start=False`) gets only the
+        template text that follows the previous reply (no system prompt, no BOS), as LMDeploy does."""
+        template = chat_template_config or self.chat_template
+        if not do_preprocess:
+            if not isinstance(messages, str):
+                raise TypeError(f"with do_preprocess=False a prompt must be a str, got {type(messages).__name__}")
+            ids = encode_text(self.tokenizer, messages) if sequence_start else \
+                self.tokenizer(messages, add_special_tokens=False)["input_ids"]
+            return messages, ids
+        if sequence_start:
+            return encode_chat(self.tokenizer, messages, template)
+        text = self._continuation(messages, template)
+        return text, self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def _continuation(self, messages, template: ChatTemplateConfig) -> str:
+        """Render a probe conversation with and without `messages` after a reply; keep what follows the
+        reply, minus the end-of-reply marker the model already generated (its EOS token)."""
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        probe = [{"role": "user", "content": _PROBE_USER}, {"role": "assistant", "content": _PROBE_REPLY}]
+        full = template.messages2prompt(probe + list(messages), self.tokenizer)
+        tail = full[full.rindex(_PROBE_REPLY) + 1:]
+        for marker in (template.eoa, getattr(self.tokenizer, "eos_token", None)):
+            if marker and tail.startswith(marker):
+                return tail[len(marker):]
+        return tail
+
+    async def generate(self, messages, session_id: int, gen_config=None, chat_template_config=None,
+                       stream_response: bool = True, sequence_start: bool = True, sequence_end: bool = True,
+                       step: int = 0, do_preprocess: bool = True, input_ids: list[int] | None = None,
+                       stop: bool | str | list[str] | None = None, **legacy) -> AsyncIterator[GenOut]:
+        """Yield GenOuts: with `stream_response`, one per step carrying the new text (`response`) and
+        `token_ids`; otherwise one per completion at the end, with the whole text. Raises ValueError
+        (before any work) for a bad prompt or setting, e.g. one over session_len."""
+        if isinstance(stop, bool):  # LMDeploy's old `stop=True`: stop the session's running turn
+            if stop:
+                await self.stop_session(session_id)
+                return
+        elif stop is not None:
+            legacy["stop_words"] = [stop] if isinstance(stop, str) else list(stop)
+        params = self.sampling_params(gen_config, **legacy)
+        if input_ids is not None:
+            text, ids = None, list(input_ids)
+        else:
+            text, ids = self.encode(messages, sequence_start, do_preprocess, chat_template_config)
+        async for out in self._run(session_id, ids, params, text, sequence_start, sequence_end, stream_response):
+            yield out
+
+    async def _run(self, session_id, ids, params, text, sequence_start, sequence_end, stream) -> AsyncIterator[GenOut]:
+        loop, items = asyncio.get_running_loop(), asyncio.Queue()
+        sink = lambda item: loop.call_soon_threadsafe(items.put_nowait, item)  # noqa: E731
+        request_id = self._thread.submit(session_id, ids, params, text, sequence_start, sequence_end, sink)
+        finished, whole = False, {}
+        try:
+            while (item := await items.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                if stream:
+                    yield item
+                else:
+                    whole[item.index] = _merge(whole.get(item.index), item)
+            finished = True
+            for index in sorted(whole):
+                yield whole[index]
+        finally:
+            if not finished:  # cancelled, disconnected or abandoned: free its blocks
+                self._thread.abort(request_id)
+
+    def stop_session(self, session_id: int) -> _Done:
+        """Stop the session's running turn (its history so far is kept). Await the result, or
+        `.result()` it, to wait until the engine has done it."""
+        return _Done.of(self._thread.call(lambda: self._thread.stop_session(session_id)))
+
+    def end_session(self, session_id: int) -> _Done:
+        """Stop the session's running turn and forget its history, freeing its KV cache."""
+        return _Done.of(self._thread.call(lambda: self._thread.end_session(session_id)))
+
+    def get_generator(self, stop: bool, session_id: int) -> SessionGenerator:
+        """A handle bound to one session (`stop=True` first stops its running turn)."""
+        if stop:
+            self.stop_session(session_id)
+        return SessionGenerator(self, session_id)
+
+    # ------------------------------------------------------------------ synchronous batch
+    def batch_infer(self, prompts, gen_config=None, do_preprocess: bool = True, **legacy) -> Response | list[Response]:
+        """Run a batch to completion from synchronous code (any thread; not inside the engine thread)."""
+        single = isinstance(prompts, str) or (bool(prompts) and isinstance(prompts[0], dict))
+        batch = [prompts] if single else list(prompts)
+        configs = gen_config if isinstance(gen_config, (list, tuple)) else [gen_config] * len(batch)
+        if len(configs) != len(batch):
+            raise ValueError(f"gen_config has {len(configs)} entries for {len(batch)} prompts")
+        encoded = [self.encode(p, True, do_preprocess) for p in batch]
+        params = [self.sampling_params(g, **legacy) for g in configs]
+        sinks = [queue.SimpleQueue() for _ in batch]
+        self._thread.call(lambda: self._thread.add_many(
+            [(next(self._session_ids), ids, p, text, s.put) for (text, ids), p, s in zip(encoded, params, sinks)]
+        )).result()
+        out = [r for s in sinks for r in _drain(s)]
+        return out[0] if single and len(out) == 1 else out
+
+    __call__ = batch_infer
+
+    def stream_infer(self, prompts, gen_config=None, do_preprocess: bool = True, **legacy) -> Iterator[Response]:
+        """Synchronous streaming of one prompt's completions: Responses carrying the new text."""
+        text, ids = self.encode(prompts, True, do_preprocess)
+        sink: queue.SimpleQueue = queue.SimpleQueue()
+        rid = self._thread.submit(next(self._session_ids), ids, self.sampling_params(gen_config, **legacy), text,
+                                  True, True, sink.put)
+        done = False
+        try:
+            while (item := sink.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                yield _response(item)
+            done = True
+        finally:
+            if not done:
+                self._thread.abort(rid)
+
+    def stats(self) -> dict:
+        """The engine's counters (read without locking: a snapshot, good for metrics)."""
+        return self.engine.stats()
+
+    def close(self) -> None:
+        self._thread.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class SessionGenerator:
+    """What `get_generator` returns: `generate`, `stop` and `end` bound to one session."""
+
+    def __init__(self, engine: AsyncEngine, session_id: int):
+        self.engine, self.session_id = engine, session_id
+
+    def generate(self, messages, **kwargs) -> AsyncIterator[GenOut]:
+        return self.engine.generate(messages, self.session_id, **kwargs)
+
+    def stop(self):
+        return self.engine.stop_session(self.session_id)
+
+    def end(self):
+        return self.engine.end_session(self.session_id)
+
+
+class _Done(concurrent.futures.Future):
+    """A Future that can also be awaited (LMDeploy's stop/end_session are coroutines in newer versions)."""
+
+    @classmethod
+    def of(cls, future: concurrent.futures.Future) -> _Done:
+        done = cls()
+        future.add_done_callback(lambda f: done.set_exception(f.exception()) if f.exception()
+                                 else done.set_result(f.result()))
+        return done
+
+    def __await__(self):
+        return asyncio.wrap_future(self).__await__()
+
+
+def _merge(acc: GenOut | None, item: GenOut) -> GenOut:
+    if acc is None:
+        return dataclasses.replace(item, token_ids=list(item.token_ids),
+                                   logprobs=None if item.logprobs is None else list(item.logprobs))
+    acc.response += item.response
+    acc.token_ids += item.token_ids
+    if acc.logprobs is not None and item.logprobs:
+        acc.logprobs += item.logprobs
+    acc.generate_token_len, acc.finish_reason = item.generate_token_len, item.finish_reason
+    return acc
+
+
+def _response(out: GenOut, session_id: int | None = None) -> Response:
+    return Response(out.response, out.generate_token_len, out.input_token_len, out.finish_reason,
+                    list(out.token_ids), out.logprobs, out.index, session_id)
+
+
+def _drain(sink: queue.SimpleQueue) -> list[Response]:
+    whole: dict[int, GenOut] = {}
+    while (item := sink.get()) is not None:
+        if isinstance(item, BaseException):
+            raise item
+        whole[item.index] = _merge(whole.get(item.index), item)
+    return [_response(whole[i]) for i in sorted(whole)]
+
+
+def _default_name(path: str) -> str:
+    name = os.path.basename(os.path.normpath(path))
+    return name[:-5] if name.endswith(".gguf") else name
+

@@ -1,0 +1,196 @@
+"""The one thread that owns an LLMEngine (which is synchronous and single-threaded) for `AsyncEngine`.
+
+Other threads never call the engine: they put commands (plain callables) on a thread-safe queue. The
+thread runs every pending command between two engine steps, steps the engine while it has unfinished
+requests, and sleeps on the queue when it has none. After each step it pushes each changed request's
+new output as `GenOut`s into that request's sink (a callable that must not block: it hands the item to
+an asyncio loop or a plain queue); `None` marks the end, an exception a failure.
+
+Session bookkeeping lives here too: which request is running for a session id (one at a time), and
+`id2step` (the token count of each session's kept history, LMDeploy's name).
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import queue
+import threading
+from collections.abc import Callable
+
+from lmjax.config import SamplingParams
+from lmjax.engine.engine import LLMEngine
+from lmjax.engine.request import Request
+
+logger = logging.getLogger("lmjax.engine")
+Sink = Callable[[object], None]
+
+
+@dataclasses.dataclass
+class GenOut:
+    """One step's output of one completion (LMDeploy's GenOut, plus `index` and `cached_token_len`).
+
+    `response` is the new text and `token_ids` the new tokens (the whole of them when not streaming);
+    `input_token_len` counts this turn's prompt tokens, `history_token_len` the session's earlier tokens,
+    `cached_token_len` the prompt tokens whose KV cache was reused instead of prefilled."""
+
+    response: str
+    history_token_len: int
+    input_token_len: int
+    generate_token_len: int
+    finish_reason: str | None = None
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    index: int = 0
+    cached_token_len: int = 0
+
+
+@dataclasses.dataclass(eq=False)
+class _Live:
+    req: Request
+    sink: Sink
+    session_id: object
+    history: int
+    keep: bool
+    done: set[int] = dataclasses.field(default_factory=set)
+
+
+class EngineThread:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self.id2step: dict = {}
+        self._running: dict = {}  # session id -> request id of its running turn
+        self._live: dict[str, _Live] = {}
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name="lmjax-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ any thread
+    def call(self, fn: Callable[[], object]) -> concurrent.futures.Future:
+        """Run `fn()` on the engine thread; its result or exception lands in the returned Future."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def command():
+            try:
+                future.set_result(fn())
+            except BaseException as e:  # noqa: BLE001  (handed to the caller)
+                future.set_exception(e)
+        self._commands.put(command)
+        return future
+
+    def submit(self, session_id, ids: list[int], params: SamplingParams, text: str | None, sequence_start: bool,
+               sequence_end: bool, sink: Sink) -> str:
+        """Queue one request; errors (a prompt over session_len, a busy session) arrive in the sink."""
+        request_id = f"{session_id}-{next(_ids)}"
+
+        def command():
+            try:
+                self._add(request_id, session_id, ids, params, text, sequence_start, sequence_end, sink)
+            except Exception as e:  # noqa: BLE001  (ValueError for a bad prompt; the caller raises it)
+                sink(e)
+                sink(None)
+        self._commands.put(command)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(lambda: self._abort(request_id))
+
+    def close(self) -> None:
+        self._commands.put(None)
+        self._thread.join(timeout=10)
+
+    # ------------------------------------------------------------------ engine thread only
+    def add_many(self, batch: list[tuple]) -> None:
+        """(session id, ids, params, text, sink) each: every prompt validated before any is queued."""
+        for _, ids, _, _, _ in batch:
+            self.engine.validate_prompt(ids)
+        for session_id, ids, params, text, sink in batch:
+            self._add(f"{session_id}-{next(_ids)}", session_id, ids, params, text, True, True, sink)
+
+    def stop_session(self, session_id) -> None:
+        request_id = self._running.get(session_id)
+        if request_id is not None:
+            self._abort(request_id)
+
+    def end_session(self, session_id) -> None:
+        self.stop_session(session_id)
+        self.engine.end_session(session_id)
+        self.id2step.pop(session_id, None)
+
+    def _add(self, request_id, session_id, ids, params, text, sequence_start, sequence_end, sink) -> None:
+        if session_id in self._running:
+            raise ValueError(f"session {session_id} is busy with another request")
+        history = 0 if sequence_start else len(self.engine.sessions[session_id].token_ids) \
+            if session_id in self.engine.sessions else 0
+        if sequence_start and sequence_end:
+            req = self.engine.add_request(ids, params, text, request_id)
+            self.end_session(session_id)
+        else:
+            req = self.engine.add_session_request(session_id, ids, params, sequence_start, sequence_end, text,
+                                                  request_id)
+        self.id2step.pop(session_id, None)
+        self._running[session_id] = request_id
+        self._live[request_id] = _Live(req, sink, session_id, history, not sequence_end)
+
+    def _abort(self, request_id: str) -> None:
+        live = self._live.get(request_id)
+        if live is not None:
+            self.engine.abort(request_id)
+            self._deliver(live)
+
+    def _loop(self) -> None:
+        while True:
+            block = not self.engine.has_unfinished()
+            while True:
+                try:
+                    command = self._commands.get(block=block)
+                except queue.Empty:
+                    break
+                if command is None:
+                    return
+                try:
+                    command()
+                except Exception:  # noqa: BLE001  (a command's own failure must not stop the engine thread)
+                    logger.exception("engine command failed")
+                block = False
+            if self.engine.has_unfinished():
+                self._step()
+
+    def _step(self) -> None:
+        try:
+            changed = self.engine.step()
+        except Exception as e:  # noqa: BLE001  (a device failure: fail every request, keep serving)
+            logger.exception("engine step failed")
+            for live in list(self._live.values()):
+                live.sink(RuntimeError(f"engine step failed: {e}"))
+                self._abort(live.req.request_id)
+            return
+        for req in changed:
+            live = self._live.get(req.request_id)
+            if live is not None:
+                self._deliver(live)
+
+    def _deliver(self, live: _Live) -> None:
+        req = live.req
+        for c in req.completions:
+            if c.index in live.done:
+                continue
+            text, ids = c.take_delta()
+            if not (text or ids or c.finished):
+                continue
+            end = len(c.token_ids)
+            logprobs = None if c.logprobs is None else c.logprobs[end - len(ids):end]
+            live.sink(GenOut(text, live.history, len(req.prompt_token_ids) - live.history, end, c.finish_reason,
+                             ids, logprobs, c.index, req.num_cached_tokens))
+            if c.finished:
+                live.done.add(c.index)
+        if req.finished:
+            del self._live[req.request_id]
+            self._running.pop(live.session_id, None)
+            kept = self.engine.sessions.get(live.session_id) if live.keep else None
+            if kept is not None:
+                self.id2step[live.session_id] = kept.num_tokens
+            live.sink(None)
+
+
+_ids = iter(range(1, 1 << 62))
