@@ -63,14 +63,22 @@ def iter_tensors(model_dir: str) -> Iterator[tuple[str, np.ndarray]]:
     by_file: dict[str, list[str]] = {}
     for name, path in shard_map_of(model_dir).items():
         by_file.setdefault(path, []).append(name)
-    cpu = jax.devices("cpu")[0]
     for path, names in by_file.items():
-        with jax.default_device(cpu), _open(path) as f:
+        with _open(path) as f:
             present = set(f.keys())
             for name in names:
                 if name not in present:
                     raise CheckpointError(f"tensor {name!r} listed in the index is missing from {path}")
-                try:
-                    yield name, np.asarray(f.get_tensor(name))
-                except (SafetensorError, OSError, ValueError) as e:
-                    raise CheckpointError(f"cannot read tensor {name!r} from {path}: {e}") from e
+                yield name, _read(f, name, path)
+
+
+def _read(f, name: str, path: str) -> np.ndarray:
+    # The CPU default device must not stay set across `yield`: a generator's `with` stays active while
+    # it is suspended, and the caller would then place its arrays on the host (measured: a GPU engine
+    # copying all weights to the device every step).
+    cpu = jax.local_devices(backend="cpu")[0]  # this process's own (multi-process: devices()[0] may not be)
+    with jax.default_device(cpu):
+        try:
+            return np.asarray(f.get_tensor(name))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise CheckpointError(f"cannot read tensor {name!r} from {path}: {e}") from e

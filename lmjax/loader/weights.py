@@ -38,7 +38,8 @@ def _target(name: str, params: dict) -> tuple[tuple, bool]:
 
 
 def _default_placer(path: tuple, array: np.ndarray) -> jax.Array:
-    return jax.device_put(array)
+    # An explicit device: never whatever default-device context the caller happens to be in.
+    return jax.device_put(array, jax.local_devices()[0])
 
 
 def load_params(model_fn: Callable[[], nnx.Module], tensors: Iterable[tuple[str, np.ndarray]], dtype,

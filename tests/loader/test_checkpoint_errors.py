@@ -112,3 +112,15 @@ def test_model_id_resolves_through_hf_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path))
     assert os.path.samefile(resolve_model_path("acme/tiny"), snapshot)
+
+
+def test_weights_land_on_the_default_backend_device(ckpt):
+    """Regression: the safetensors reader's CPU context once leaked into placement, leaving weights on
+    the host of a GPU machine (copied to the device at every step)."""
+    import jax
+    from flax import nnx
+
+    model = load_model(str(ckpt), dtype="float32").model
+    devices = {d for leaf in jax.tree.leaves(nnx.state(model)) for d in leaf.devices()}
+    assert devices == {jax.devices()[0]}
+    assert jax.config.jax_default_device is None
