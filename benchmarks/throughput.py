@@ -113,17 +113,19 @@ def run_lmjax(path: str, requests: list[Request], args) -> tuple[Result, list[li
     kwargs = {k: v for k, v in (("max_num_seqs", args.max_num_seqs),
                                 ("max_num_batched_tokens", args.max_num_batched_tokens)) if v}
     llm = LLM(path, dtype=args.dtype, max_model_len=longest, **kwargs)
+    load_compile_s, load_n = clock.snapshot()
     start = time.perf_counter()
     _lmjax_generate(llm, requests, cap=args.warmup_tokens)
     warm_s, (warm_compile_s, warm_n) = time.perf_counter() - start, clock.snapshot()
-    profile = StepProfile(llm.llm_engine) if args.breakdown else None
+    profile = StepProfile(llm.llm_engine, clock) if args.breakdown else None
     start = time.perf_counter()
     outputs = _lmjax_generate(llm, requests)
     elapsed = time.perf_counter() - start
     compile_s, compile_n = clock.snapshot()
     tokens = [o.outputs[0].token_ids for o in outputs]
     _check_counts("lmjax", tokens, requests)
-    extra = {"warmup_s": warm_s, "warmup_compile_s": warm_compile_s, "warmup_compilations": warm_n,
+    extra = {"warmup_s": warm_s, "warmup_compile_s": warm_compile_s - load_compile_s,
+             "warmup_compilations": warm_n - load_n,
              "compile_s_in_timed_pass": compile_s - warm_compile_s, "compilations_in_timed_pass": compile_n - warm_n,
              "preemptions": llm.llm_engine.scheduler.num_preemptions}
     if profile:
@@ -152,14 +154,16 @@ class StepProfile:
     PARTS = ("step", "schedule", "sampling_rows", "build_inputs", "sampling_metadata", "dispatch", "execute",
              "postprocess")
 
-    def __init__(self, engine):
+    def __init__(self, engine, clock: CompileClock):
         import lmjax.engine.model_runner as model_runner
 
+        self.clock, self._compile_at_start, self._compile_base = clock, 0.0, clock.seconds
         self.t = dict.fromkeys(self.PARTS, 0.0)
         self.steps, self.real_T, self.padded_T, self.real_B, self.padded_B = 0, 0, 0, 0, 0
-        self.buckets: dict[str, int] = {}
+        self.buckets: dict[str, tuple[int, float]] = {}
+        self._key = None
         runner = engine.runner
-        self._wrap(engine, "step", engine.step, count=True)
+        self._wrap(engine, "step", engine.step, on_result=self._record_step)
         self._wrap(engine.scheduler, "schedule", engine.scheduler.schedule)
         self._wrap(engine, "sampling_rows", engine._row, attr="_row")
         self._wrap(runner, "build_inputs", runner.build_inputs, on_result=self._record_shapes)
@@ -169,39 +173,51 @@ class StepProfile:
         self._wrap(model_runner, "sampling_metadata", model_runner.build_sampling_metadata,
                    attr="build_sampling_metadata")
 
-    def _wrap(self, owner, part, fn, attr=None, count=False, on_result=None):
+    def _wrap(self, owner, part, fn, attr=None, on_result=None):
         def timed(*a, **kw):
+            if part == "step":
+                self._compile_at_start = self.clock.seconds
             start = time.perf_counter()
             out = fn(*a, **kw)
-            self.t[part] += time.perf_counter() - start
-            self.steps += count
+            seconds = time.perf_counter() - start
+            self.t[part] += seconds
             if on_result:
-                on_result(a, out)
+                on_result(a, out, seconds)
             return out
         setattr(owner, attr or part, timed)
 
-    def _record_shapes(self, args, inputs) -> None:
+    def _record_step(self, args, out, seconds) -> None:
+        self.steps += 1
+        compiling = self.clock.seconds - self._compile_at_start
+        if self._key and not compiling:  # model steps, compilation excluded: time per (T, B, M) bucket
+            n, total = self.buckets.get(self._key, (0, 0.0))
+            self.buckets[self._key] = (n + 1, total + seconds)
+        self._key = None
+
+    def _record_shapes(self, args, inputs, _) -> None:
         batch = args[0]
         T, B, M = inputs.ids_T.shape[0], inputs.last_rows_B.shape[0], inputs.attn.block_tables_BM.shape[1]
         self.real_T += batch.num_tokens
         self.padded_T += T
         self.real_B += len(batch.items)
         self.padded_B += B
-        key = f"T{T}/B{B}/M{M}"
-        self.buckets[key] = self.buckets.get(key, 0) + 1
+        self._key = f"T{T}/B{B}/M{M}"
 
     def report(self, elapsed: float) -> dict:
         t = self.t
+        compile_s = self.clock.seconds - self._compile_base  # jit compiles inside dispatch: split them out
         device_wait = t["execute"] - t["build_inputs"] - t["sampling_metadata"] - t["dispatch"]
         host_other = t["step"] - t["schedule"] - t["sampling_rows"] - t["execute"] - t["postprocess"]
         parts = {"schedule": t["schedule"], "sampling_rows": t["sampling_rows"], "build_inputs": t["build_inputs"],
-                 "sampling_metadata": t["sampling_metadata"], "dispatch": t["dispatch"], "device_wait": device_wait,
+                 "sampling_metadata": t["sampling_metadata"], "compile": compile_s,
+                 "dispatch": t["dispatch"] - compile_s, "device_wait": device_wait,
                  "postprocess": t["postprocess"], "step_other": host_other, "outside_step": elapsed - t["step"]}
         return {"steps": self.steps, "ms_per_step": 1e3 * t["step"] / max(self.steps, 1),
                 "seconds": {k: round(v, 3) for k, v in parts.items()},
                 "token_padding_ratio": self.padded_T / max(self.real_T, 1),
                 "batch_padding_ratio": self.padded_B / max(self.real_B, 1),
-                "buckets": dict(sorted(self.buckets.items(), key=lambda kv: -kv[1]))}
+                "buckets_steps_ms": {k: [n, round(1e3 * sec / n, 1)]
+                                     for k, (n, sec) in sorted(self.buckets.items(), key=lambda kv: -kv[1][1])}}
 
 
 # ------------------------------------------------------------------ transformers
