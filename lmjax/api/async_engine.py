@@ -78,7 +78,7 @@ class AsyncEngine:
         return params
 
     def encode(self, messages, sequence_start: bool = True, do_preprocess: bool = True,
-               chat_template_config: ChatTemplateConfig | None = None) -> tuple[str, list[int]]:
+               chat_template_config: ChatTemplateConfig | None = None, session_id=None) -> tuple[str, list[int]]:
         """Prompt text and ids of one turn. A later turn of a session (`sequence_start=False`) gets only the
         template text that follows the previous reply (no system prompt, no BOS), as LMDeploy does."""
         template = chat_template_config or self.chat_template
@@ -90,19 +90,24 @@ class AsyncEngine:
             return messages, ids
         if sequence_start:
             return encode_chat(self.tokenizer, messages, template)
-        text = self._continuation(messages, template)
+        text = self._continuation(messages, template, self._reply_closed(session_id))
         return text, self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    def _continuation(self, messages, template: ChatTemplateConfig) -> str:
-        """Render a probe conversation with and without `messages` after a reply; keep what follows the
-        reply, minus the end-of-reply marker the model already generated (its EOS token)."""
+    def _reply_closed(self, session_id) -> bool:
+        """Whether the session's last reply ended with an EOS token (not cut by max_new_tokens)."""
+        seq = self.engine.sessions.get(session_id)  # an idle session: the engine thread leaves it alone
+        return seq is None or bool(seq.output_token_ids) and seq.output_token_ids[-1] in self.engine.eos_token_ids
+
+    def _continuation(self, messages, template: ChatTemplateConfig, reply_closed: bool = True) -> str:
+        """Render a probe conversation with `messages` after a reply; keep what follows the reply, minus
+        the end-of-reply marker when the model already generated it (as its EOS token)."""
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
         probe = [{"role": "user", "content": _PROBE_USER}, {"role": "assistant", "content": _PROBE_REPLY}]
         full = template.messages2prompt(probe + list(messages), self.tokenizer)
         tail = full[full.rindex(_PROBE_REPLY) + 1:]
         for marker in (template.eoa, getattr(self.tokenizer, "eos_token", None)):
-            if marker and tail.startswith(marker):
+            if reply_closed and marker and tail.startswith(marker):
                 return tail[len(marker):]
         return tail
 
@@ -123,7 +128,7 @@ class AsyncEngine:
         if input_ids is not None:
             text, ids = None, list(input_ids)
         else:
-            text, ids = self.encode(messages, sequence_start, do_preprocess, chat_template_config)
+            text, ids = self.encode(messages, sequence_start, do_preprocess, chat_template_config, session_id)
         async for out in self._run(session_id, ids, params, text, sequence_start, sequence_end, stream_response):
             yield out
 
@@ -201,6 +206,10 @@ class AsyncEngine:
     def stats(self) -> dict:
         """The engine's counters (read without locking: a snapshot, good for metrics)."""
         return self.engine.stats()
+
+    def finished_reasons(self) -> dict[str, int]:
+        """How many completions finished with each finish reason (stop, length, abort, error)."""
+        return dict(self._thread.finished)
 
     def close(self) -> None:
         self._thread.close()

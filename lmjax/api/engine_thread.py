@@ -11,6 +11,7 @@ Session bookkeeping lives here too: which request is running for a session id (o
 """
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import logging
@@ -59,6 +60,7 @@ class EngineThread:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
         self.id2step: dict = {}
+        self.finished: collections.Counter = collections.Counter()  # finish reason -> completions
         self._running: dict = {}  # session id -> request id of its running turn
         self._live: dict[str, _Live] = {}
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -184,6 +186,7 @@ class EngineThread:
                              ids, logprobs, c.index, req.num_cached_tokens))
             if c.finished:
                 live.done.add(c.index)
+                self.finished[c.finish_reason] += 1
         if req.finished:
             del self._live[req.request_id]
             self._running.pop(live.session_id, None)

@@ -1,0 +1,218 @@
+"""OpenAI-compatible HTTP server (FastAPI + uvicorn) over one AsyncEngine.
+
+Routes: `GET /v1/models`, `POST /v1/chat/completions`, `POST /v1/completions` (streaming over SSE or not),
+`POST /v1/chat/interactive` (LMDeploy's session endpoint: newline-delimited JSON when streaming),
+`GET /health`, `GET /metrics` (Prometheus text). `/v1/*` needs `Authorization: Bearer KEY` when the
+server has API keys. Errors are OpenAI-style bodies `{"error": {"message", "type", "param", "code"}}`:
+400 for a malformed or out-of-range request (FastAPI's 422 becomes 400), 401 for a bad key, 404 for an
+unknown model.
+
+A request is validated and its first output awaited before the response starts, so a prompt over
+session_len is a 400 even when streaming. A client that disconnects cancels its generator, which aborts
+the engine request and frees its KV blocks (non-streaming requests poll for a disconnect).
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import time
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from lmjax.api.async_engine import AsyncEngine
+from lmjax.serve import responses as R
+from lmjax.serve.metrics import render_metrics
+from lmjax.serve.protocol import ChatCompletionRequest, CompletionRequest, InteractiveRequest
+from lmjax.serve.streams import first_and_rest, merge, until_disconnect
+
+logger = logging.getLogger("lmjax.serve")
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", code=None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.code = status, message, type_, code
+
+
+def _validation_message(exc: RequestValidationError) -> str:
+    parts = []
+    for e in exc.errors():
+        where = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
+        parts.append(f"{where}: {e.get('msg')}" if where else str(e.get("msg")))
+    return "; ".join(parts) or "invalid request"
+
+
+def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_name: str | None = None,
+               model_aliases: tuple[str, ...] = ()) -> FastAPI:
+    app = FastAPI(title="lmjax", docs_url=None, redoc_url=None)
+    name = model_name or engine.model_name
+    names = {name, *model_aliases}
+    keys = {f"Bearer {k}" for k in api_keys or ()}
+    session_ids = itertools.count(1 << 48)  # ids of OpenAI requests, clear of /v1/chat/interactive's
+    decode = lambda tid: engine.tokenizer.decode([tid])  # noqa: E731
+
+    @app.exception_handler(APIError)
+    async def _api_error(_, exc: APIError):
+        return JSONResponse(R.error_body(exc.message, exc.type, exc.code), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_, exc: RequestValidationError):
+        return JSONResponse(R.error_body(_validation_message(exc)), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_, exc: StarletteHTTPException):
+        return JSONResponse(R.error_body(str(exc.detail), "invalid_request_error", exc.status_code),
+                            status_code=exc.status_code)
+
+    def authorize(request: Request) -> None:
+        if keys and request.headers.get("authorization") not in keys:
+            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                           "authentication_error", "invalid_api_key")
+
+    def check_model(model: str) -> None:
+        if model not in names:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {name!r}",
+                           "invalid_request_error", "model_not_found")
+
+    async def start(prompts: list[tuple[str | None, list[int]]], params):
+        """Validate, submit every prompt and wait for the first output: (first, rest) of (prompt, GenOut)s."""
+        try:
+            for _, ids in prompts:
+                engine.engine.validate_prompt(ids)
+            gens = [engine.generate(None, next(session_ids), params, input_ids=ids) for _, ids in prompts]
+            return await first_and_rest(merge(gens))
+        except (ValueError, TypeError) as e:
+            raise APIError(400, str(e)) from None
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(render_metrics(engine), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models", dependencies=[Depends(authorize)])
+    async def models():
+        card = {"id": name, "object": "model", "created": int(time.time()), "owned_by": "lmjax", "root": name,
+                "max_model_len": engine.session_len}
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
+    async def chat_completions(req: ChatCompletionRequest, raw: Request):
+        check_model(req.model)
+        try:
+            params = req.sampling_params()
+            prompt = engine.encode(req.message_dicts())
+        except (ValueError, TypeError) as e:
+            raise APIError(400, str(e)) from None
+        rid, k, choices = R.new_id("chatcmpl"), req.top_logprobs or 0, R.Choices(req.n)
+        first, rest = await start([prompt], params)
+        if not req.stream:
+            await until_disconnect(raw, _consume(first, rest, choices))
+            return R.chat_body(rid, name, choices, k, decode)
+
+        async def events():
+            async for p, out in _chain(first, rest):
+                new = choices.index(p, out) not in choices.outs
+                i = choices.add(p, out)
+                delta = {"role": "assistant", "content": out.response} if new else {"content": out.response}
+                yield R.sse(R.chat_chunk(rid, name, i, delta, out.finish_reason, R.chat_logprobs(out, k, decode)))
+            if req.include_usage:
+                yield R.sse(R.usage_chunk(rid, name, "chat.completion.chunk", choices))
+            yield R.sse("[DONE]")
+        return StreamingResponse(_guarded(events()), media_type="text/event-stream")
+
+    @app.post("/v1/completions", dependencies=[Depends(authorize)])
+    async def completions(req: CompletionRequest, raw: Request):
+        check_model(req.model)
+        try:
+            params = req.sampling_params()
+            prompts = [engine.encode(p, do_preprocess=False) if isinstance(p, str) else (None, list(p))
+                       for p in req.prompts()]
+        except (ValueError, TypeError) as e:
+            raise APIError(400, str(e)) from None
+        echo = [t if t is not None else engine.tokenizer.decode(ids) for t, ids in prompts] if req.echo else None
+        rid, k, choices = R.new_id("cmpl"), req.logprobs or 0, R.Choices(req.n)
+        first, rest = await start(prompts, params)
+        if not req.stream:
+            await until_disconnect(raw, _consume(first, rest, choices))
+            return R.completion_body(rid, name, choices, k, decode, echo)
+
+        async def events():
+            async for p, out in _chain(first, rest):
+                before = choices.outs.get(choices.index(p, out))
+                offset = len(before.response) + (len(echo[p]) if echo else 0) if before else 0
+                i = choices.add(p, out)
+                text = (echo[p] if echo and before is None else "") + out.response
+                yield R.sse(R.completion_chunk(rid, name, i, text, out.finish_reason,
+                                               R.completion_logprobs(out, k, decode, offset)))
+            if req.include_usage:
+                yield R.sse(R.usage_chunk(rid, name, "text_completion", choices))
+            yield R.sse("[DONE]")
+        return StreamingResponse(_guarded(events()), media_type="text/event-stream")
+
+    @app.post("/v1/chat/interactive", dependencies=[Depends(authorize)])
+    async def chat_interactive(req: InteractiveRequest, raw: Request):
+        sid = req.session_id if req.session_id != -1 else next(session_ids)
+        history = engine.id2step.get(sid, 0)
+        if req.cancel or (not req.interactive_mode and history and req.prompt == ""):
+            await (engine.stop_session(sid) if req.cancel else engine.end_session(sid))
+            return {"text": "", "tokens": 0, "input_tokens": 0, "history_tokens": history,
+                    "finish_reason": "abort" if req.cancel else "stop", "session_id": sid}
+        try:
+            gen = engine.generate(req.prompt, sid, req.gen_config(), sequence_start=history == 0,
+                                  sequence_end=not req.interactive_mode)
+            first, rest = await first_and_rest(merge([gen]))
+        except (ValueError, TypeError) as e:
+            raise APIError(400, str(e)) from None
+        choices = R.Choices(1)
+
+        def line(out, text) -> dict:
+            return {"text": text, "tokens": out.generate_token_len, "input_tokens": out.input_token_len,
+                    "history_tokens": out.history_token_len, "finish_reason": out.finish_reason, "session_id": sid}
+        if not req.stream:
+            await until_disconnect(raw, _consume(first, rest, choices))
+            return line(choices.outs[0], choices.outs[0].response)
+
+        async def lines():
+            async for _, out in _chain(first, rest):
+                yield json.dumps(line(out, out.response), ensure_ascii=False) + "\n"
+        return StreamingResponse(_guarded(lines()), media_type="application/x-ndjson")
+
+    return app
+
+
+async def _chain(first, rest):
+    yield first
+    async for item in rest:
+        yield item
+
+
+async def _consume(first, rest, choices: R.Choices) -> None:
+    async for p, out in _chain(first, rest):
+        choices.add(p, out)
+
+
+async def _guarded(events):
+    """A failure after the response started can only be reported in the stream itself."""
+    try:
+        async for e in events:
+            yield e
+    except (ValueError, RuntimeError) as e:
+        logger.warning("stream failed: %s", e)
+        yield R.sse(R.error_body(str(e), "server_error"))
+
+
+def run_server(engine: AsyncEngine, server_name: str = "127.0.0.1", server_port: int = 23333,
+               api_keys: list[str] | None = None, model_name: str | None = None, log_level: str = "info",
+               model_aliases: tuple[str, ...] = ()) -> None:
+    import uvicorn
+
+    app = create_app(engine, api_keys, model_name, model_aliases)
+    uvicorn.run(app, host=server_name, port=server_port, log_level=log_level.lower(), timeout_keep_alive=30)
+    engine.close()

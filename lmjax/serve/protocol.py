@@ -1,0 +1,133 @@
+"""Request bodies of the HTTP API (pydantic, strict: `"5"` is not an int and `true` is not a number) and
+their mapping onto the engine's SamplingParams. Field names and defaults follow OpenAI's API (with vLLM's
+extensions `top_k`, `repetition_penalty`, `ignore_eos`, `min_tokens`, `skip_special_tokens`) and, for
+`/v1/chat/interactive`, LMDeploy's `GenerateRequest`. Unknown fields are ignored, as OpenAI does.
+Out-of-range values are caught by SamplingParams / GenerationConfig, whose ValueError names the value.
+Responses are plain dicts built in `responses.py`.
+"""
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from lmjax.config import GenerationConfig, SamplingParams
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class ChatMessage(_Strict):
+    role: str
+    content: str | list[dict] | None = None
+
+    def text(self) -> str:
+        """The message's text: a string, or the text parts of a content list."""
+        if isinstance(self.content, list):
+            return "".join(p.get("text", "") for p in self.content if p.get("type") == "text")
+        return self.content or ""
+
+
+class _Sampling(_Strict):
+    model: str
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+    def _params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """SamplingParams of this request; raises ValueError (-> HTTP 400) for out-of-range values."""
+        if max_tokens is not None and max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+        return SamplingParams(n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                              min_p=self.min_p, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
+                              presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                              repetition_penalty=self.repetition_penalty, ignore_eos=self.ignore_eos,
+                              max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs,
+                              skip_special_tokens=self.skip_special_tokens)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def sampling_params(self) -> SamplingParams:
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
+            raise ValueError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}")
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return self._params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+
+    def message_dicts(self) -> list[dict]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+
+    def sampling_params(self) -> SamplingParams:
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        return self._params(self.max_tokens, self.logprobs)
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: a string or a list of token ids."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        if not p:
+            raise ValueError("prompt must not be empty")
+        return list(p)
+
+
+class InteractiveRequest(_Strict):
+    """LMDeploy's `/v1/chat/interactive` body. With `interactive_mode` the session keeps its history
+    (and KV cache) for the next request with the same `session_id`; without it the session ends."""
+
+    prompt: str | list[dict]
+    session_id: int = -1
+    interactive_mode: bool = False
+    stream: bool = False
+    stop: str | list[str] | None = None
+    request_output_len: int | None = None
+    top_p: float = 0.8
+    top_k: int = 40
+    temperature: float = 0.8
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    cancel: bool = False
+    seed: int | None = None
+
+    def gen_config(self) -> GenerationConfig:
+        if self.request_output_len is not None and self.request_output_len < 1:
+            raise ValueError(f"request_output_len must be at least 1, got {self.request_output_len}")
+        return GenerationConfig(max_new_tokens=self.request_output_len, top_p=self.top_p, top_k=self.top_k,
+                                temperature=self.temperature, repetition_penalty=self.repetition_penalty,
+                                ignore_eos=self.ignore_eos, stop_words=self.stop, random_seed=self.seed,
+                                skip_special_tokens=self.skip_special_tokens)

@@ -1,0 +1,51 @@
+"""`lmjax chat`: a streaming multi-turn chat in the terminal over one AsyncEngine session.
+
+Each turn is `generate(..., sequence_start=<first turn>, sequence_end=False)`: the session keeps its KV
+cache, so a turn prefills only its own message. 'end' starts a new session, 'exit' (or EOF) quits.
+A turn that would overflow session_len ends the session with a notice.
+"""
+from __future__ import annotations
+
+import asyncio
+import sys
+
+from lmjax.api.async_engine import AsyncEngine
+
+
+async def _turn(engine: AsyncEngine, text: str, session_id: int, first: bool, gen_config, out) -> None:
+    async for piece in engine.generate(text, session_id, gen_config, sequence_start=first, sequence_end=False):
+        out.write(piece.response)
+        out.flush()
+    out.write("\n")
+
+
+def run_chat(engine: AsyncEngine, gen_config, stdin=None, out=None) -> None:
+    """Read turns from `stdin` until 'exit' or EOF, streaming each reply to `out`."""
+    stdin, out = stdin or sys.stdin, out or sys.stdout
+    session_id, first = 1, True
+    out.write(f"lmjax chat: {engine.model_name} (session_len={engine.session_len}). "
+              "Type 'end' for a new session, 'exit' to quit.\n")
+    try:
+        while True:
+            out.write("\n>>> ")
+            out.flush()
+            line = stdin.readline()
+            if not line or line.strip() == "exit":
+                break
+            text = line.rstrip("\n")
+            if text.strip() == "end":
+                engine.end_session(session_id).result()
+                session_id, first = session_id + 1, True
+                out.write("(new session)\n")
+                continue
+            if not text.strip():
+                continue
+            try:
+                asyncio.run(_turn(engine, text, session_id, first, gen_config, out))
+                first = False
+            except ValueError as e:  # e.g. the session no longer fits session_len
+                out.write(f"\n({e}; starting a new session)\n")
+                engine.end_session(session_id).result()
+                session_id, first = session_id + 1, True
+    except KeyboardInterrupt:
+        out.write("\n")
