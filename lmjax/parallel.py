@@ -105,15 +105,11 @@ def mesh_of(tree) -> Mesh | None:
 # ---------------------------------------------------------------- heads
 def check_tp(cfg, tp: int) -> None:
     """Raise ValueError, naming the numbers, when the model's heads cannot be split over tp devices."""
-    N, K = cfg.num_heads, cfg.num_kv_heads
+    N = cfg.num_heads
     if N % tp:
         raise ValueError(f"num_attention_heads={N} is not divisible by tp={tp}: choose tp among "
                          f"{[d for d in range(1, N + 1) if N % d == 0]}")
-    heads = kv_cache_heads(K, tp)
-    if N % heads:
-        raise ValueError(f"num_key_value_heads={K} cannot be spread over tp={tp} devices with "
-                         f"num_attention_heads={N}: each device needs whole KV groups "
-                         f"(lcm(K, tp)={heads} must divide N={N})")
+    # K divides N (config) and tp divides N, so lcm(K, tp) divides N too: the KV cache heads fit.
 
 
 def kv_cache_heads(num_kv_heads: int, tp: int) -> int:
@@ -135,7 +131,8 @@ def logical_axes(path: tuple | str) -> tuple[str | None, ...] | None:
 def logical_to_spec(axes: Sequence[str | None] | None, shape: Sequence[int], mesh: Mesh,
                     rules: Rules = DEFAULT_RULES) -> PartitionSpec:
     """PartitionSpec for `shape`: each logical axis through `rules`; a dimension the mesh axis does
-    not divide (or a mesh axis used twice) is replicated."""
+    not divide (or a mesh axis used twice) is replicated. Trailing replicated dims are dropped, so
+    a fully replicated parameter gets PartitionSpec()."""
     if axes is None:
         return PartitionSpec()
     spec, used = [], set()
@@ -147,6 +144,8 @@ def logical_to_spec(axes: Sequence[str | None] | None, shape: Sequence[int], mes
         else:
             spec.append(mesh_axis)
             used.add(mesh_axis)
+    while spec and spec[-1] is None:
+        spec.pop()
     return PartitionSpec(*spec)
 
 

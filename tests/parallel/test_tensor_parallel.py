@@ -1,0 +1,158 @@
+"""Tensor parallelism on CPU with forced host devices: greedy tokens at tp in {1, 2, 4, 8} (tiny
+checkpoints, KV heads fewer than tp included) and tp = 3 on SmolLM2 equal tp = 1's; each device holds
+1/tp of the sharded parameters; two processes joined by jax.distributed give the same tokens as one.
+
+Forced devices must be set before jax is imported, so every multi-device check runs
+tests/parallel/tp_driver.py in a subprocess (this pytest process has imported jax already).
+"""
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+import transformers
+
+from conftest import smollm2_gguf_path
+
+DRIVER = os.path.join(os.path.dirname(__file__), "tp_driver.py")
+PROMPTS = [list(range(3, 12)), list(range(20, 61)), [7]]  # 41 tokens: prefilled in two chunks
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, head_dim=16,
+            max_position_embeddings=256, rms_norm_eps=1e-5)
+CHECKPOINTS = {
+    # 8 q heads over 2 KV heads: tp 4 and 8 repeat KV heads in the cache.
+    "llama-kv2": (transformers.LlamaConfig, dict(num_attention_heads=8, num_key_value_heads=2)),
+    # q/k/v biases, tied embeddings (vocab-parallel logits through the embedding), K == N.
+    "qwen2-tied": (transformers.Qwen2Config, dict(num_attention_heads=8, num_key_value_heads=8,
+                                                  tie_word_embeddings=True)),
+}
+
+
+def _write_tokenizer(vocab_size: int, out_dir: str) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t2"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="t0", bos_token="t1",
+                                         unk_token="t2").save_pretrained(out_dir)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, str]:
+    paths = {}
+    for name, (cfg_cls, overrides) in CHECKPOINTS.items():
+        path = str(tmp_path_factory.mktemp(name))
+        torch.manual_seed(0)
+        config = cfg_cls(**TINY, **overrides, bos_token_id=1, eos_token_id=0)
+        transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
+        _write_tokenizer(TINY["vocab_size"], path)
+        paths[name] = path
+    return paths
+
+
+def _drive(spec: dict, env: dict | None = None, timeout: int = 300) -> dict:
+    proc = subprocess.run([sys.executable, DRIVER, json.dumps(spec)], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _check_param_bytes(run: dict, tp: int) -> None:
+    """Every device holds replicated pieces whole and 1/tp of everything else."""
+    sharded = run["total_bytes"] - run["replicated_bytes"]
+    assert run["device_bytes"] == [sharded // tp + run["replicated_bytes"]] * tp
+    assert run["replicated_bytes"] < 0.2 * run["total_bytes"], run
+
+
+@pytest.mark.parametrize("name", sorted(CHECKPOINTS))
+def test_tiny_engine_tp_matches_tp1(checkpoints, name):
+    out = _drive({"model": checkpoints[name], "tp": [1, 2, 4, 8], "prompts": PROMPTS})
+    runs = {int(tp): run for tp, run in out["runs"].items()}
+    for tp, run in runs.items():
+        assert run["tokens"] == runs[1]["tokens"], f"{name} tp={tp}"
+        if tp > 1:
+            _check_param_bytes(run, tp)
+
+
+def test_notebook_shard_model_runs_same_step(checkpoints):
+    """The public rules applied to an already built model (lmjax.parallel.shard_model), run through
+    lmjax.models.forward.greedy_generate: the researcher's path."""
+    out = _drive({"model": checkpoints["llama-kv2"], "tp": [1, 4], "prompts": PROMPTS, "mode": "notebook"})
+    assert out["runs"]["4"]["tokens"] == out["runs"]["1"]["tokens"]
+    _check_param_bytes(out["runs"]["4"], 4)
+
+
+def test_smollm2_tp3_matches_tp1():
+    """9 q heads, 3 KV heads, tied 49152-token vocabulary: tp = 3 (real weights)."""
+    tokenizer_prompts = [[504, 3575, 282, 4649, 314], [1029, 28860, 30, 94, 46, 1]]
+    out = _drive({"model": smollm2_gguf_path(), "tp": [1, 3], "prompts": tokenizer_prompts, "max_tokens": 16,
+                  "devices": 3})
+    assert out["runs"]["3"]["tokens"] == out["runs"]["1"]["tokens"]
+    _check_param_bytes(out["runs"]["3"], 3)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_match_one(checkpoints):
+    """Two processes of 2 CPU devices each, joined by jax.distributed (LMJAX_* environment), run tp = 4
+    over all four devices and produce the tokens one process produces at tp = 1."""
+    path = checkpoints["llama-kv2"]
+    single = _drive({"model": path, "tp": [1], "prompts": PROMPTS, "devices": 1})
+    spec = json.dumps({"model": path, "tp": [4], "prompts": PROMPTS, "devices": 2})
+    common = {**os.environ, "LMJAX_COORDINATOR_ADDRESS": f"127.0.0.1:{_free_port()}", "LMJAX_NUM_PROCESSES": "2"}
+    procs = [subprocess.Popen([sys.executable, DRIVER, spec], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env={**common, "LMJAX_PROCESS_ID": str(i)}) for i in range(2)]
+    results = []
+    for proc in procs:
+        try:
+            stdout, stderr = proc.communicate(timeout=300)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        assert proc.returncode == 0, stderr[-4000:]
+        results.append(json.loads(stdout.strip().splitlines()[-1]))
+    assert sorted(r["process"] for r in results) == [0, 1]
+    for r in results:
+        assert r["devices"] == 4
+        assert r["runs"]["4"]["tokens"] == single["runs"]["1"]["tokens"]
+
+
+def test_head_count_that_does_not_fit_is_a_clear_error(checkpoints):
+    from lmjax import LLM
+
+    with pytest.raises(ValueError, match=r"num_attention_heads=8 is not divisible by tp=3"):
+        LLM(checkpoints["llama-kv2"], tensor_parallel_size=3, dtype="float32")
+
+
+def test_rules_are_public_and_kept_apart_from_the_model():
+    from jax.sharding import AbstractMesh, PartitionSpec as P
+
+    from lmjax import parallel
+    from lmjax.models.config import ModelConfig
+
+    mesh = AbstractMesh((4,), ("tp",))
+    assert parallel.param_spec(("layers", 0, "self_attn", "q_proj", "kernel"), (64, 128), mesh) == P(None, "tp")
+    assert parallel.param_spec(("layers", 0, "self_attn", "o_proj", "kernel"), (128, 64), mesh) == P("tp")
+    assert parallel.param_spec(("layers", 0, "mlp", "down_proj", "kernel"), (128, 64), mesh) == P("tp")
+    assert parallel.param_spec(("layers", 0, "mlp", "up_proj", "kernel"), (64, 128), mesh) == P(None, "tp")
+    assert parallel.param_spec(("embed_tokens", "embedding"), (256, 64), mesh) == P("tp")
+    assert parallel.param_spec(("lm_head", "kernel"), (64, 256), mesh) == P(None, "tp")
+    assert parallel.param_spec(("norm", "weight"), (64,), mesh) == P()
+    assert parallel.param_spec(("embed_tokens", "embedding"), (257, 64), mesh) == P()  # uneven: replicated
+    cfg = ModelConfig("LlamaForCausalLM", 256, 64, 128, 2, num_heads=8, num_kv_heads=2, head_dim=16,
+                      rms_norm_eps=1e-5, rope=None, max_position_embeddings=256)
+    k_path = ("layers", 0, "self_attn", "k_proj", "kernel")
+    assert parallel.param_spec(k_path, (64, 32), mesh, cfg) == P()  # 2 KV heads < tp: replicated
+    assert parallel.kv_cache_heads(2, 4) == 4 and parallel.kv_cache_heads(8, 4) == 8
+    custom = {**parallel.DEFAULT_RULES, "mlp": None}  # a notebook's own rules
+    assert parallel.param_spec(("layers", 0, "mlp", "up_proj", "kernel"), (64, 128), mesh, rules=custom) == P()
+    parallel.check_tp(cfg, 8)
+    with pytest.raises(ValueError, match=r"num_attention_heads=8 is not divisible by tp=6.*\[1, 2, 4, 8\]"):
+        parallel.check_tp(cfg, 6)

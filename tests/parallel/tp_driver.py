@@ -1,0 +1,69 @@
+"""Run greedy generation at several tensor-parallel sizes in a fresh process and print JSON.
+
+The device count must be forced before jax is imported, so the tests in this folder run this script
+in a subprocess:
+
+    python tests/parallel/tp_driver.py '{"model": DIR, "tp": [1, 2], "devices": 8, "prompts": [[1, 2]]}'
+
+Spec keys: model, tp (list), devices (forced host devices), prompts (token-id lists), max_tokens,
+mode ("engine": LLM.generate; "notebook": load at tp=1, then lmjax.parallel.shard_model and
+lmjax.models.forward.greedy_generate). With LMJAX_COORDINATOR_ADDRESS & co. set, the processes join
+through jax.distributed first. Prints one JSON line: {"runs": {tp: {"tokens", "device_bytes",
+"replicated_bytes", "total_bytes"}}, "process": i, "devices": n}.
+"""
+import json
+import os
+import sys
+
+SPEC = json.loads(sys.argv[1])
+os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={SPEC.get('devices', 8)}"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from lmjax import LLM, SamplingParams, parallel  # noqa: E402
+
+
+def _bytes(model, mesh) -> dict:
+    """Per-device parameter bytes, and the bytes of parameters the rules leave replicated."""
+    state = nnx.state(model)
+    per_device = parallel.per_device_bytes(state)
+    replicated = sum(v[...].nbytes for _, v in nnx.to_flat_state(state)
+                     if mesh is None or v[...].sharding.is_fully_replicated)
+    total = sum(v[...].nbytes for _, v in nnx.to_flat_state(state))
+    return {"device_bytes": sorted(per_device.values()), "replicated_bytes": int(replicated), "total_bytes": int(total)}
+
+
+def run_engine(tp: int) -> dict:
+    llm = LLM(SPEC["model"], tensor_parallel_size=tp, dtype="float32", max_model_len=256, max_num_seqs=4,
+              block_size=8, max_num_batched_tokens=32)  # small steps: chunked prefill, mixed batches
+    outs = llm.generate([{"prompt_token_ids": p} for p in SPEC["prompts"]],
+                        SamplingParams(temperature=0, max_tokens=SPEC.get("max_tokens", 8), ignore_eos=True),
+                        use_tqdm=False)
+    runner = llm.llm_engine.runner
+    return {"tokens": [o.outputs[0].token_ids for o in outs],
+            **_bytes(nnx.merge(runner.graphdef, runner.state), runner.mesh)}
+
+
+def run_notebook(tp: int) -> dict:
+    from lmjax.loader.model_loader import load_model
+    from lmjax.models.forward import greedy_generate
+
+    model = load_model(SPEC["model"], dtype="float32").model
+    mesh = parallel.make_mesh(tp) if tp > 1 else None
+    if mesh is not None:
+        parallel.shard_model(model, mesh)
+    tokens = greedy_generate(model, SPEC["prompts"], SPEC.get("max_tokens", 8), block_size=8)
+    return {"tokens": tokens, **_bytes(model, mesh)}
+
+
+def main() -> None:
+    parallel.initialize_distributed()
+    run = {"engine": run_engine, "notebook": run_notebook}[SPEC.get("mode", "engine")]
+    runs = {tp: run(tp) for tp in SPEC["tp"]}
+    print(json.dumps({"runs": runs, "process": jax.process_index(), "devices": jax.device_count()}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
