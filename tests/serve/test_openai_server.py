@@ -1,0 +1,247 @@
+"""`lmjax serve api_server` as a real process on 127.0.0.1 (a free port) with SmolLM2, driven by the
+official `openai` client, raw httpx and lmjax's APIClient. Offline references come from `LLM.generate`
+in this process (greedy, float32 on both sides). One server for the whole module; max_tokens stays small."""
+import asyncio
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+
+KEY = "sk-test-key"
+SESSION_LEN = 2048
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4,"]
+CHAT = [{"role": "user", "content": "What is the tallest mountain in the world?"}]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_gguf):
+    port = _free_port()
+    cmd = [sys.executable, "-m", "lmjax.cli", "serve", "api_server", smollm2_gguf, "--server-port", str(port),
+           "--session-len", str(SESSION_LEN), "--dtype", "float32", "--api-keys", KEY, "--log-level", "WARNING"]
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            assert proc.poll() is None, f"server exited: {proc.stderr.read()}"
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(1)
+        else:
+            pytest.fail("server did not become healthy")
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.fixture(scope="module")
+def model_id(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=KEY).models.list().data[0].id
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2_gguf):
+    from lmjax import LLM
+
+    return LLM(smollm2_gguf, max_model_len=SESSION_LEN, dtype="float32")
+
+
+def _greedy(max_tokens=12):
+    from lmjax import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=max_tokens)
+
+
+def _metrics(url) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics").text
+    return {m[1]: float(m[2]) for m in re.finditer(r"^([a-z_]+(?:\{[^}]*\})?) (\S+)$", text, re.M)}
+
+
+def test_health_models_and_binding(server, model_id):
+    assert server.startswith("http://127.0.0.1:")
+    assert httpx.get(f"{server}/health").status_code == 200
+    assert model_id.startswith("SmolLM2")
+    m = _metrics(server)
+    assert m["lmjax_kv_cache_free_blocks"] == m["lmjax_kv_cache_total_blocks"] > 0
+
+
+def test_openai_client_matches_offline_generate(server, model_id, llm):
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key=KEY)
+    want = llm.generate(PROMPTS[:2], _greedy(), use_tqdm=False)
+    for prompt, ref in zip(PROMPTS[:2], want):
+        got = client.completions.create(model=model_id, prompt=prompt, max_tokens=12, temperature=0)
+        assert got.choices[0].text == ref.outputs[0].text
+        assert got.usage.completion_tokens == len(ref.outputs[0].token_ids)
+        stream = client.completions.create(model=model_id, prompt=prompt, max_tokens=12, temperature=0, stream=True)
+        assert "".join(c.choices[0].text for c in stream) == ref.outputs[0].text
+    ref = llm.chat(CHAT, _greedy(), use_tqdm=False)[0].outputs[0].text
+    got = client.chat.completions.create(model=model_id, messages=CHAT, max_tokens=12, temperature=0)
+    assert got.choices[0].message.content == ref and got.choices[0].finish_reason == "length"
+    stream = client.chat.completions.create(model=model_id, messages=CHAT, max_tokens=12, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref
+    assert chunks[-1].usage.completion_tokens == 12
+
+
+def test_sampling_fields_n_seed_logprobs_stop(server, model_id, llm):
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key=KEY)
+    kw = dict(model=model_id, messages=CHAT, max_tokens=8, temperature=0.9, top_p=0.9, seed=7, n=2)
+    a = client.chat.completions.create(**kw, extra_body={"top_k": 20})
+    b = client.chat.completions.create(**kw, extra_body={"top_k": 20})
+    assert len(a.choices) == 2 and [c.message.content for c in a.choices] == [c.message.content for c in b.choices]
+    got = client.chat.completions.create(model=model_id, messages=CHAT, max_tokens=4, temperature=0, logprobs=True,
+                                         top_logprobs=2)
+    content = got.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
+    full = llm.generate(PROMPTS[0], _greedy(), use_tqdm=False)[0].outputs[0].text
+    stop = full.split()[1]  # a word the greedy text contains
+    got = client.completions.create(model=model_id, prompt=PROMPTS[0], max_tokens=12, temperature=0, stop=[stop])
+    assert got.choices[0].text == full[:full.index(stop)] and got.choices[0].finish_reason == "stop"
+
+
+def test_64_concurrent_streams_each_get_their_text(server, model_id, llm):
+    prompts = [f"{PROMPTS[i % 4]} {i}" for i in range(64)]
+    want = [r.outputs[0].text for r in llm.generate(prompts, _greedy(6), use_tqdm=False)]
+
+    async def one(client, prompt):
+        stream = await client.completions.create(model=model_id, prompt=prompt, max_tokens=6, temperature=0,
+                                                 stream=True)
+        return "".join([c.choices[0].text async for c in stream])
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key=KEY, timeout=600)
+        return await asyncio.gather(*[one(client, p) for p in prompts])
+    assert asyncio.run(main()) == want
+
+
+def test_disconnect_mid_stream_frees_blocks(server, model_id):
+    idle = _metrics(server)
+    body = {"model": model_id, "prompt": PROMPTS[2], "max_tokens": 1000, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                      timeout=60) as resp:
+        lines = resp.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+        assert _metrics(server)["lmjax_kv_cache_free_blocks"] < idle["lmjax_kv_cache_free_blocks"]
+    aborted = 'lmjax_request_finished_total{finished_reason="abort"}'
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        now = _metrics(server)
+        if now["lmjax_kv_cache_free_blocks"] == idle["lmjax_kv_cache_free_blocks"]:
+            break
+        time.sleep(0.2)
+    assert now["lmjax_kv_cache_free_blocks"] == idle["lmjax_kv_cache_free_blocks"]
+    assert now.get(aborted, 0) == idle.get(aborted, 0) + 1  # aborted, not run to its 1000 tokens
+    assert now["lmjax_generation_tokens_total"] - idle["lmjax_generation_tokens_total"] < 1000
+
+
+def _post(server, path, body, key=KEY, raw=None):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    if raw is not None:
+        return httpx.post(f"{server}{path}", content=raw, headers={**headers, "Content-Type": "application/json"})
+    return httpx.post(f"{server}{path}", json=body, headers=headers, timeout=60)
+
+
+@pytest.mark.parametrize("path, body, raw, key, status", [
+    ("/v1/completions", None, b'{"model": "m", "prompt": ', KEY, 400),  # malformed JSON
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "five"}, None, KEY, 400),
+    ("/v1/chat/completions", {"messages": "hi"}, None, KEY, 400),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, None, KEY, 400),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, None, KEY, 400),
+    ("/v1/chat/completions", {"messages": CHAT, "top_p": 2}, None, KEY, 400),
+    ("/v1/completions", {"prompt": "hi", "model": "no-such-model"}, None, KEY, 404),
+    ("/v1/completions", {"prompt": "hi " * 3000}, None, KEY, 400),  # over session_len
+    ("/v1/completions", {"prompt": "hi " * 3000, "stream": True}, None, KEY, 400),
+    ("/v1/chat/interactive", {"prompt": "hi " * 3000, "session_id": 99}, None, KEY, 400),
+    ("/v1/completions", {"prompt": "hi"}, None, None, 401),
+    ("/v1/completions", {"prompt": "hi"}, None, "sk-wrong", 401),
+    ("/v1/models", None, None, "sk-wrong", 401),
+])
+def test_bad_requests_get_openai_errors_and_server_keeps_serving(server, model_id, path, body, raw, key, status):
+    if body is not None and "model" not in body and path != "/v1/chat/interactive":
+        body = {"model": model_id, **body}
+    resp = httpx.get(f"{server}{path}", headers={"Authorization": f"Bearer {key}"}) if body is None and raw is None \
+        else _post(server, path, body, key, raw)
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert error["message"] and error["type"]
+    good = _post(server, "/v1/completions", {"model": model_id, "prompt": "Hi", "max_tokens": 2})
+    assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 2
+
+
+def test_openai_client_raises_typed_errors(server, model_id):
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{server}/v1", api_key="bad").models.list()
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key=KEY)
+    with pytest.raises(openai.BadRequestError, match="top_p"):
+        client.completions.create(model=model_id, prompt="hi", top_p=2)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="hi")
+
+
+def test_interactive_session_reuses_kv_and_matches_whole_history(server, llm):
+    from lmjax.serve import APIClient
+
+    tok = llm.get_tokenizer()
+    api = APIClient(server, api_key=KEY)
+    greedy = dict(temperature=0, top_k=1, request_output_len=10)
+    one = next(api.chat_interactive_v1("Hi, my name is Bob.", session_id=7, interactive_mode=True, **greedy))
+    before = _metrics(server)["lmjax_prompt_tokens_total"]
+    pieces = list(api.chat_interactive_v1("What is my name?", session_id=7, interactive_mode=True, stream=True,
+                                          **greedy))
+    prefilled = _metrics(server)["lmjax_prompt_tokens_total"] - before
+    two = "".join(p["text"] for p in pieces)
+    assert pieces[-1]["history_tokens"] == one["input_tokens"] + one["tokens"]
+    assert prefilled == pieces[-1]["input_tokens"] + 1 < pieces[-1]["history_tokens"]  # + the reply's last token
+
+    # The same conversation as one request holding the whole history, offline.
+    first_ids = tok.apply_chat_template([{"role": "user", "content": "Hi, my name is Bob."}], tokenize=True,
+                                        add_generation_prompt=True, return_dict=True)["input_ids"]
+    reply = llm.generate({"prompt_token_ids": first_ids}, _greedy(10), use_tqdm=False)[0].outputs[0]
+    assert reply.text == one["text"]
+    closed = reply.token_ids[-1] == tok.eos_token_id
+    turn = ("" if closed else "<|im_end|>") + "\n<|im_start|>user\nWhat is my name?<|im_end|>\n<|im_start|>assistant\n"
+    history = first_ids + reply.token_ids + tok(turn, add_special_tokens=False)["input_ids"]
+    assert len(history) == pieces[-1]["history_tokens"] + pieces[-1]["input_tokens"]
+    assert llm.generate({"prompt_token_ids": history}, _greedy(10), use_tqdm=False)[0].outputs[0].text == two
+
+    end = next(api.chat_interactive_v1("", session_id=7, interactive_mode=False))
+    assert end["finish_reason"] == "stop" and _metrics(server)["lmjax_num_sessions"] == 0
+
+
+def test_api_client_endpoints(server, model_id):
+    from lmjax.serve import APIClient, APIClientError
+
+    api = APIClient(server, api_key=KEY)
+    assert api.available_models == [model_id]
+    whole = next(api.chat_completions_v1(model_id, CHAT, temperature=0, max_tokens=5))
+    streamed = "".join(c["choices"][0]["delta"].get("content") or ""
+                       for c in api.chat_completions_v1(model_id, CHAT, temperature=0, max_tokens=5, stream=True))
+    assert whole["choices"][0]["message"]["content"] == streamed
+    whole = next(api.completions_v1(model_id, PROMPTS[0], temperature=0, max_tokens=5))
+    streamed = "".join(c["choices"][0]["text"]
+                       for c in api.completions_v1(model_id, PROMPTS[0], temperature=0, max_tokens=5, stream=True))
+    assert whole["choices"][0]["text"] == streamed
+    with pytest.raises(APIClientError, match="401"):
+        APIClient(server).available_models
