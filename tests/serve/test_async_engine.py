@@ -1,0 +1,128 @@
+"""AsyncEngine in process on SmolLM2 (float32, greedy, a few tokens): sessions reuse their KV cache and
+match one request holding the whole history; many tasks share the engine; cancelling frees blocks;
+LMDeploy's methods (stop_session, end_session, get_generator, batch_infer, __call__); `lmjax chat`."""
+import asyncio
+import io
+
+import pytest
+
+from lmjax.config import GenerationConfig, SamplingParams, TurbomindEngineConfig
+
+GREEDY = GenerationConfig(max_new_tokens=8)  # LMDeploy's default top_k=1: greedy
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2_gguf):
+    from lmjax.api.async_engine import AsyncEngine
+
+    e = AsyncEngine(smollm2_gguf, backend_config=TurbomindEngineConfig(session_len=1024, dtype="float32"))
+    yield e
+    e.close()
+
+
+def _free(engine) -> int:
+    return engine.stats()["num_free_blocks"]
+
+
+async def _run(engine, *args, **kwargs):
+    outs = [o async for o in engine.generate(*args, **kwargs)]
+    return "".join(o.response for o in outs), [t for o in outs for t in o.token_ids], outs[-1]
+
+
+def test_session_turn_prefills_only_new_tokens_and_matches_whole_history(engine):
+    idle = _free(engine)
+
+    async def main():
+        text1, ids1, last1 = await _run(engine, "Hi, my name is Bob.", 1, GREEDY, sequence_end=False)
+        assert engine.id2step[1] == last1.input_token_len + len(ids1)
+        _, turn2 = engine.encode("What is my name?", sequence_start=False, session_id=1)
+        prefilled = engine.stats()["num_prefill_tokens"]
+        text2, ids2, last2 = await _run(engine, "What is my name?", 1, GREEDY, sequence_start=False,
+                                        sequence_end=False)
+        prefilled = engine.stats()["num_prefill_tokens"] - prefilled
+        assert last2.history_token_len == engine.id2step[1] - last2.input_token_len - len(ids2)
+        assert prefilled == last2.input_token_len + 1  # the new turn + the previous reply's last token
+        assert last2.cached_token_len == last2.history_token_len - 1
+        _, prompt1 = engine.encode("Hi, my name is Bob.")
+        whole = prompt1 + ids1 + turn2  # one request holding the whole history
+        _, ids_whole, _ = await _run(engine, None, 2, GREEDY, input_ids=whole)
+        assert ids_whole == ids2
+        await engine.end_session(1)
+    asyncio.run(main())
+    assert _free(engine) == idle and engine.stats()["num_sessions"] == 0
+
+
+def test_session_is_bounded_by_session_len(engine):
+    async def main():
+        await _run(engine, "Hello", 3, GREEDY, sequence_end=False)
+        with pytest.raises(ValueError, match="session_len"):
+            await _run(engine, "word " * 1100, 3, GREEDY, sequence_start=False, sequence_end=False)
+        with pytest.raises(ValueError, match="no history"):
+            await _run(engine, "Hi", 4, GREEDY, sequence_start=False)
+        await engine.end_session(3)
+    asyncio.run(main())
+
+
+def test_many_tasks_share_the_engine(engine):
+    prompts = [f"Count to {i}" for i in range(12)]
+    want = [r.text for r in engine(prompts, GREEDY)]  # batch_infer / __call__
+
+    async def main():
+        return await asyncio.gather(*[_run(engine, p, 100 + i, GREEDY) for i, p in enumerate(prompts)])
+    assert [text for text, _, _ in asyncio.run(main())] == want
+
+
+def test_cancelled_and_stopped_requests_free_their_blocks(engine):
+    idle = _free(engine)
+    long = GenerationConfig(max_new_tokens=500, ignore_eos=True)
+
+    async def main():
+        gen = engine.generate("Tell me a story", 20, long)
+        first = await anext(gen)
+        assert first.generate_token_len == 1 and _free(engine) < idle
+        await gen.aclose()  # an abandoned stream (a disconnected client)
+
+        task = asyncio.create_task(_run(engine, "Tell me a story", 21, long))
+        await asyncio.sleep(0.5)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+        async def stopped():
+            return await _run(engine, "Tell me a story", 22, long)
+        task = asyncio.create_task(stopped())
+        while 22 not in engine._thread._running:
+            await asyncio.sleep(0.05)
+        await engine.stop_session(22)
+        _, ids, last = await task
+        assert last.finish_reason == "abort" and len(ids) < 500
+    asyncio.run(main())
+    for _ in range(100):
+        if _free(engine) == idle:
+            break
+        asyncio.run(asyncio.sleep(0.05))
+    assert _free(engine) == idle
+
+
+def test_non_streaming_n_stop_words_and_get_generator(engine):
+    async def main():
+        outs = [o async for o in engine.generate("Say hi.", 30, SamplingParams(n=2, temperature=0.8, seed=3,
+                                                                               max_tokens=6), stream_response=False)]
+        assert [o.index for o in outs] == [0, 1] and all(o.generate_token_len == 6 for o in outs)
+        text, _, _ = await _run(engine, "Say hi.", 31, GREEDY)
+        word = text.split()[0]
+        stopped, _, last = await _run(engine, "Say hi.", 31, GREEDY, stop_words=[word])
+        assert stopped == text[:text.index(word)] and last.finish_reason == "stop"
+        gen = engine.get_generator(False, 32)
+        assert "".join([o.response async for o in gen.generate("Say hi.", gen_config=GREEDY)]) == text
+    asyncio.run(main())
+
+
+def test_terminal_chat_keeps_the_session(engine):
+    from lmjax.serve.terminal_chat import run_chat
+
+    out = io.StringIO()
+    run_chat(engine, GenerationConfig(max_new_tokens=6), io.StringIO("Hi, I am Bob.\nWho am I?\nend\nexit\n"), out)
+    text = out.getvalue()
+    assert text.count(">>> ") == 4 and "(new session)" in text
+    assert engine.stats()["num_sessions"] == 0
