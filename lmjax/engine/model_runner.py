@@ -97,7 +97,13 @@ class ModelRunner:
 
     def _logits(self, model, hidden_XD):
         logits_XV = model.compute_logits(hidden_XD)
-        if self.mesh is not None:  # vocab-parallel lm_head: gather once, sample on replicated logits
+        if self.mesh is not None:
+            # Vocab-parallel lm_head: pin its output to vocab shards (else XLA may all-gather the whole
+            # tied embedding to meet the constraint below), then gather the logits once and sample them
+            # replicated.
+            if logits_XV.shape[-1] % parallel.tp_size(self.mesh) == 0:
+                vocab_sharded = PartitionSpec(None, parallel.TP_AXIS)
+                logits_XV = jax.lax.with_sharding_constraint(logits_XV, NamedSharding(self.mesh, vocab_sharded))
             logits_XV = jax.lax.with_sharding_constraint(logits_XV, NamedSharding(self.mesh, PartitionSpec()))
         return logits_XV
 
