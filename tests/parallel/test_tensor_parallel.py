@@ -84,6 +84,17 @@ def test_notebook_shard_model_runs_same_step(checkpoints):
     _check_param_bytes(out["runs"]["4"], 4)
 
 
+def test_step_communicates_activations_only(checkpoints):
+    """The compiled engine step at tp = 4 (tied embedding, vocab-parallel logits) all-reduces [T, D]
+    activations (embedding, then o_proj and down_proj per layer) and gathers only the [B, V] logits:
+    no collective ever moves a weight."""
+    out = _drive({"model": checkpoints["qwen2-tied"], "tp": [4], "prompts": PROMPTS, "mode": "collectives"})
+    collectives = out["runs"]["4"]["collectives"]
+    T, B, D, V = 16, 4, TINY["hidden_size"], TINY["vocab_size"]
+    assert sorted(collectives) == sorted([["all-reduce", T * D]] * (1 + 2 * TINY["num_hidden_layers"])
+                                         + [["all-gather", B * V]]), collectives
+
+
 def test_smollm2_tp3_matches_tp1():
     """9 q heads, 3 KV heads, tied 49152-token vocabulary: tp = 3 (real weights)."""
     tokenizer_prompts = [[504, 3575, 282, 4649, 314], [1029, 28860, 30, 94, 46, 1]]

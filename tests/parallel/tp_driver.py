@@ -7,7 +7,7 @@ in a subprocess:
 
 Spec keys: model, tp (list), devices (forced host devices), prompts (token-id lists), max_tokens,
 mode ("engine": LLM.generate; "notebook": load at tp=1, then lmjax.parallel.shard_model and
-lmjax.models.forward.greedy_generate). With LMJAX_COORDINATOR_ADDRESS & co. set, the processes join
+lmjax.models.forward.greedy_generate; "collectives": the collectives in the compiled engine step). With LMJAX_COORDINATOR_ADDRESS & co. set, the processes join
 through jax.distributed first. Prints one JSON line: {"runs": {tp: {"tokens", "device_bytes",
 "replicated_bytes", "total_bytes"}}, "process": i, "devices": n}.
 """
@@ -20,6 +20,7 @@ os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={SPEC.get('de
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from lmjax import LLM, SamplingParams, parallel  # noqa: E402
@@ -58,9 +59,33 @@ def run_notebook(tp: int) -> dict:
     return {"tokens": tokens, **_bytes(model, mesh)}
 
 
+def run_collectives(tp: int) -> dict:
+    """The collectives XLA put in the engine's compiled decode step: [op, element count] each."""
+    import re
+
+    from lmjax.config import SamplingParams as SP
+    from lmjax.engine.model_runner import ModelRunner, StepInputs
+    from lmjax.layers.attention import contiguous_metadata
+    from lmjax.layers.sampler import SamplingRow, build_sampling_metadata
+    from lmjax.loader.model_loader import load_model
+
+    loaded = load_model(SPEC["model"], dtype="float32", tp=tp)
+    runner = ModelRunner(loaded.model, 8, 8, 16, 4, 4, loaded.dtype)
+    attn = contiguous_metadata([3, 5, 8, 0], 8, 8)
+    inputs = StepInputs(ids_T=np.zeros(16, np.int32), positions_T=np.zeros(16, np.int32), attn=attn,
+                        last_rows_B=np.zeros(4, np.int32), next_ids_T=np.full(16, -1, np.int32))
+    smeta, flags = build_sampling_metadata([SamplingRow(SP(temperature=0), seed=0)], pad_to=4)
+    inputs, smeta = parallel.replicate((inputs, smeta), runner.mesh)
+    with parallel.use_mesh(runner.mesh):
+        hlo = runner._step.lower(runner.state, runner.caches, inputs, smeta, flags=flags,
+                                 num_prompt_logprobs=-1).compile().as_text()
+    found = re.findall(r"= \w+\[([\d,]*)\][^ ]* (all-reduce|all-gather|reduce-scatter|all-to-all)(?:-start)?\(", hlo)
+    return {"collectives": [[op, int(np.prod([int(d) for d in dims.split(",") if d]))] for dims, op in found]}
+
+
 def main() -> None:
     parallel.initialize_distributed()
-    run = {"engine": run_engine, "notebook": run_notebook}[SPEC.get("mode", "engine")]
+    run = {"engine": run_engine, "notebook": run_notebook, "collectives": run_collectives}[SPEC.get("mode", "engine")]
     runs = {tp: run(tp) for tp in SPEC["tp"]}
     print(json.dumps({"runs": runs, "process": jax.process_index(), "devices": jax.device_count()}), flush=True)
 
