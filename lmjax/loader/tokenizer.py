@@ -27,6 +27,17 @@ def _has_tokenizer_files(directory: str) -> bool:
     return any(os.path.exists(os.path.join(directory, n)) for n in names)
 
 
+def _gguf(path: str, auto_tokenizer):
+    """transformers' own GGUF path needs torch; without torch, the same converter through `gguf`."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        from lmjax.loader.gguf_tokenizer import gguf_tokenizer
+
+        return gguf_tokenizer(path)
+    return auto_tokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+
+
 @functools.lru_cache(maxsize=8)
 def _load(path: str):
     from transformers import AutoTokenizer  # heavy import, only when a tokenizer is needed
@@ -37,7 +48,7 @@ def _load(path: str):
         if os.path.isdir(path):
             return AutoTokenizer.from_pretrained(path)
         if path.endswith(".gguf"):
-            return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+            return _gguf(path, AutoTokenizer)
     except Exception as e:  # transformers raises many types; the caller needs the path above all
         raise TokenizerLoadError(f"could not load a tokenizer from {path}: {type(e).__name__}: {e}") from e
     raise TokenizerLoadError(f"could not load a tokenizer from {path}: expected a directory or a .gguf file")
