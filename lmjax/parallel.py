@@ -21,7 +21,11 @@ sharded over tp), so each device keeps only the heads its query heads read: memo
 that of K == tp, not a full replica. q head n still reads KV head n // (N / K) (see `kv_cache_heads`).
 
 Across hosts: `initialize_distributed()` (flags or LMJAX_/JAX_ environment variables) joins the
-processes before the mesh is built over all their devices; every process runs the same program.
+processes before the mesh is built over all their devices. Then either every process runs the same
+engine calls (deterministic scheduling: same requests, same steps), or one scheduler drives them all:
+process 0 calls `ModelRunner.lead()` and runs the engine, which sends each step's inputs
+(`send_step`), while the other processes sit in `ModelRunner.follow()` (`receive_step`) running the
+same SPMD step, until process 0 calls `release_followers()`.
 """
 from __future__ import annotations
 
@@ -282,6 +286,56 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
     logger.info("process %d of %d joined %s: %d devices in all", jax.process_index(), jax.process_count(),
                 coordinator_address, jax.device_count())
     return True
+
+
+# One scheduler, many processes: process 0 (the leader) runs the engine and sends each step's host
+# inputs to the others (followers), which run the same jitted step on their devices. A step goes as a
+# fixed-size int32 header (command, the caller's static ints, every leaf's shape) then the leaves.
+_HEADER_LEN = 256
+_CMD_STOP, _CMD_STEP = 0, 1
+
+
+def _broadcast(tree):
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.broadcast_one_to_all(tree)
+
+
+def send_step(tree, static: Sequence[int]) -> None:
+    """Leader: send one step's numpy inputs `tree` and its static ints to every follower."""
+    leaves = [np.asarray(x) for x in jax.tree.leaves(tree)]
+    header = [_CMD_STEP, len(static), *static, len(leaves)]
+    for leaf in leaves:
+        if leaf.ndim > 2:
+            raise ValueError(f"step inputs must have rank <= 2, got shape {leaf.shape}")
+        header += [leaf.ndim, *leaf.shape, *[0] * (2 - leaf.ndim)]
+    if len(header) > _HEADER_LEN:
+        raise ValueError(f"step header of {len(header)} ints exceeds {_HEADER_LEN}")
+    _broadcast(np.array(header + [0] * (_HEADER_LEN - len(header)), np.int32))
+    _broadcast(leaves)
+
+
+def send_stop() -> None:
+    """Leader: release the followers from `receive_step` (their loop ends)."""
+    _broadcast(np.zeros(_HEADER_LEN, np.int32))
+
+
+def receive_step(template):
+    """Follower: the next step as (tree shaped like `template`, static ints), or None on stop."""
+    header = [int(x) for x in _broadcast(np.zeros(_HEADER_LEN, np.int32))]
+    if header[0] == _CMD_STOP:
+        return None
+    n_static = header[1]
+    static, pos = header[2:2 + n_static], 2 + n_static
+    leaves, treedef = jax.tree.flatten(template)
+    if header[pos] != len(leaves):
+        raise ValueError(f"leader sent {header[pos]} step inputs, this follower expects {len(leaves)}")
+    zeros = []
+    for i, leaf in enumerate(leaves):
+        ndim, d0, d1 = header[pos + 1 + 3 * i:pos + 4 + 3 * i]
+        zeros.append(np.zeros((d0, d1)[:ndim], np.asarray(leaf).dtype))
+    received = [np.asarray(x) for x in _broadcast(zeros)]
+    return jax.tree.unflatten(treedef, received), static
 
 
 def add_distributed_arguments(parser: argparse.ArgumentParser) -> None:

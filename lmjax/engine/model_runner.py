@@ -25,6 +25,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from lmjax import parallel
+from lmjax.config import SamplingParams
 from lmjax.engine.block_manager import BlockManager
 from lmjax.engine.scheduler import ScheduledBatch
 from lmjax.layers.attention import AttentionMetadata
@@ -79,6 +80,7 @@ class ModelRunner:
         self.max_B = bucket(max_batch_size, 4)
         self.max_M = bucket(max_blocks_per_seq, 1)
         self.num_compilations = 0
+        self.leading = False  # process 0 driving follower processes (see lead / follow)
         self._step = jax.jit(self._step_fn, donate_argnums=(1,), static_argnames=("flags", "num_prompt_logprobs"))
 
     def _step_fn(self, state, caches, inputs: StepInputs, smeta, *, flags: SamplingFlags, num_prompt_logprobs):
@@ -140,12 +142,43 @@ class ModelRunner:
         """Run one step; `rows` has one SamplingRow per item (used only for items that sample)."""
         inputs = self.build_inputs(batch, blocks)
         smeta, flags = build_sampling_metadata(rows, pad_to=inputs.last_rows_B.shape[0])
+        if self.leading:
+            parallel.send_step((inputs, smeta), [*map(int, flags), num_prompt_logprobs])
+        out, prompt = self._run(inputs, smeta, flags, num_prompt_logprobs)
+        n = len(batch.items)
+        host = jax.device_get((out, prompt))
+        (tokens, logprobs, top_ids, top_lp), prompt = host
+        return StepOutput(tokens[:n], logprobs[:n], top_ids[:n], top_lp[:n], prompt)
+
+    def _run(self, inputs: StepInputs, smeta, flags: SamplingFlags, num_prompt_logprobs: int):
         if self.mesh is not None:
             inputs, smeta = parallel.replicate((inputs, smeta), self.mesh)
         with parallel.use_mesh(self.mesh):
             out, prompt, self.caches = self._step(self.state, self.caches, inputs, smeta,
                                                   flags=flags, num_prompt_logprobs=num_prompt_logprobs)
-        n = len(batch.items)
-        host = jax.device_get((out, prompt))
-        (tokens, logprobs, top_ids, top_lp), prompt = host
-        return StepOutput(tokens[:n], logprobs[:n], top_ids[:n], top_lp[:n], prompt)
+        return out, prompt
+
+    # ------------------------------------------------------------------ one scheduler, many processes
+    def lead(self) -> None:
+        """On process 0: send every step's inputs to the processes in `follow()` (lmjax.parallel)."""
+        self.leading = True
+
+    def release_followers(self) -> None:
+        """On the leader, when done: end the followers' `follow()` loops."""
+        if self.leading:
+            parallel.send_stop()
+            self.leading = False
+
+    def follow(self) -> int:
+        """On processes other than the leader: run the leader's steps until it releases us; returns
+        how many steps ran. The results are the leader's to read (they are replicated)."""
+        smeta, flags = build_sampling_metadata([SamplingRow(SamplingParams(temperature=0.0), seed=0)], pad_to=1)
+        one, table = np.zeros(1, np.int32), np.zeros((1, 1), np.int32)
+        inputs = StepInputs(one, one, AttentionMetadata(one, one, one, table, one), one, one)
+        steps = 0
+        while (step := parallel.receive_step((inputs, smeta))) is not None:
+            (step_inputs, step_smeta), static = step
+            step_flags = SamplingFlags(*(type(f)(v) for f, v in zip(flags, static[:-1])))
+            self._run(step_inputs, step_smeta, step_flags, static[-1])
+            steps += 1
+        return steps

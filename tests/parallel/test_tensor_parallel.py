@@ -110,12 +110,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_match_one(checkpoints):
+@pytest.fixture(scope="module")
+def one_process_tokens(checkpoints):
+    return _drive({"model": checkpoints["llama-kv2"], "tp": [1], "prompts": PROMPTS, "devices": 1})["runs"]["1"]["tokens"]
+
+
+@pytest.mark.parametrize("leader", [False, True], ids=["same-program", "one-scheduler"])
+def test_two_processes_match_one(checkpoints, one_process_tokens, leader):
     """Two processes of 2 CPU devices each, joined by jax.distributed (LMJAX_* environment), run tp = 4
-    over all four devices and produce the tokens one process produces at tp = 1."""
+    over all four devices and produce the tokens one process produces at tp = 1: either both run the
+    same engine calls, or process 0's scheduler drives process 1 (ModelRunner.lead / follow)."""
     path = checkpoints["llama-kv2"]
-    single = _drive({"model": path, "tp": [1], "prompts": PROMPTS, "devices": 1})
-    spec = json.dumps({"model": path, "tp": [4], "prompts": PROMPTS, "devices": 2})
+    spec = json.dumps({"model": path, "tp": [4], "prompts": PROMPTS, "devices": 2, "leader": leader})
     common = {**os.environ, "LMJAX_COORDINATOR_ADDRESS": f"127.0.0.1:{_free_port()}", "LMJAX_NUM_PROCESSES": "2"}
     procs = [subprocess.Popen([sys.executable, DRIVER, spec], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True, env={**common, "LMJAX_PROCESS_ID": str(i)}) for i in range(2)]
@@ -129,10 +135,13 @@ def test_two_processes_match_one(checkpoints):
                     p.kill()
         assert proc.returncode == 0, stderr[-4000:]
         results.append(json.loads(stdout.strip().splitlines()[-1]))
-    assert sorted(r["process"] for r in results) == [0, 1]
-    for r in results:
-        assert r["devices"] == 4
-        assert r["runs"]["4"]["tokens"] == single["runs"]["1"]["tokens"]
+    assert [r["process"] for r in results] == [0, 1]
+    assert all(r["devices"] == 4 for r in results)
+    assert results[0]["runs"]["4"]["tokens"] == one_process_tokens
+    if leader:
+        assert results[1]["runs"]["4"]["followed_steps"] >= 8
+    else:
+        assert results[1]["runs"]["4"]["tokens"] == one_process_tokens
 
 
 def test_head_count_that_does_not_fit_is_a_clear_error(checkpoints):

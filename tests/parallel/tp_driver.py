@@ -7,7 +7,8 @@ in a subprocess:
 
 Spec keys: model, tp (list), devices (forced host devices), prompts (token-id lists), max_tokens,
 mode ("engine": LLM.generate; "notebook": load at tp=1, then lmjax.parallel.shard_model and
-lmjax.models.forward.greedy_generate; "collectives": the collectives in the compiled engine step). With LMJAX_COORDINATOR_ADDRESS & co. set, the processes join
+lmjax.models.forward.greedy_generate; "collectives": the collectives in the compiled engine step),
+leader (with several processes: process 0 alone schedules and drives the others' steps). With LMJAX_COORDINATOR_ADDRESS & co. set, the processes join
 through jax.distributed first. Prints one JSON line: {"runs": {tp: {"tokens", "device_bytes",
 "replicated_bytes", "total_bytes"}}, "process": i, "devices": n}.
 """
@@ -39,10 +40,16 @@ def _bytes(model, mesh) -> dict:
 def run_engine(tp: int) -> dict:
     llm = LLM(SPEC["model"], tensor_parallel_size=tp, dtype="float32", max_model_len=256, max_num_seqs=4,
               block_size=8, max_num_batched_tokens=32)  # small steps: chunked prefill, mixed batches
+    runner = llm.llm_engine.runner
+    if SPEC.get("leader") and jax.process_index() > 0:  # one scheduler: process 0's drives this one
+        return {"tokens": None, "followed_steps": runner.follow(), **_bytes(nnx.merge(runner.graphdef, runner.state),
+                                                                            runner.mesh)}
+    if SPEC.get("leader"):
+        runner.lead()
     outs = llm.generate([{"prompt_token_ids": p} for p in SPEC["prompts"]],
                         SamplingParams(temperature=0, max_tokens=SPEC.get("max_tokens", 8), ignore_eos=True),
                         use_tqdm=False)
-    runner = llm.llm_engine.runner
+    runner.release_followers()
     return {"tokens": [o.outputs[0].token_ids for o in outs],
             **_bytes(nnx.merge(runner.graphdef, runner.state), runner.mesh)}
 
