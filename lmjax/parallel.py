@@ -339,8 +339,7 @@ def receive_step(template):
 
 
 def add_distributed_arguments(parser: argparse.ArgumentParser) -> None:
-    """--tp, --coordinator-address, --num-processes, --process-id (for `lmjax` subcommands)."""
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (devices of all processes)")
+    """--coordinator-address, --num-processes, --process-id (for `lmjax` subcommands; --tp is theirs)."""
     parser.add_argument("--coordinator-address", default=None,
                         help="host:port of process 0, to join several processes (LMJAX_COORDINATOR_ADDRESS)")
     parser.add_argument("--num-processes", type=int, default=None, help="processes in all (LMJAX_NUM_PROCESSES)")
@@ -348,4 +347,5 @@ def add_distributed_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def initialize_from_args(args: argparse.Namespace) -> bool:
+    """`initialize_distributed` from the flags of `add_distributed_arguments` (environment as fallback)."""
     return initialize_distributed(args.coordinator_address, args.num_processes, args.process_id)
