@@ -95,6 +95,11 @@ def test_step_communicates_activations_only(checkpoints):
                                          + [["all-gather", B * V]]), collectives
 
 
+def test_pallas_kernel_in_shard_map_matches_reference():
+    out = _drive({"tp": [4], "mode": "kernel", "devices": 4})
+    assert out["runs"]["4"]["max_abs_diff"] < 1e-5
+
+
 def test_smollm2_tp3_matches_tp1():
     """9 q heads, 3 KV heads, tied 49152-token vocabulary: tp = 3 (real weights)."""
     tokenizer_prompts = [[504, 3575, 282, 4649, 314], [1029, 28860, 30, 94, 46, 1]]
@@ -125,14 +130,14 @@ def test_two_processes_match_one(checkpoints, one_process_tokens, leader):
     common = {**os.environ, "LMJAX_COORDINATOR_ADDRESS": f"127.0.0.1:{_free_port()}", "LMJAX_NUM_PROCESSES": "2"}
     procs = [subprocess.Popen([sys.executable, DRIVER, spec], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True, env={**common, "LMJAX_PROCESS_ID": str(i)}) for i in range(2)]
+    try:
+        outputs = [proc.communicate(timeout=300) for proc in procs]
+    finally:
+        for proc in procs:  # a hung peer must not outlive the test
+            if proc.poll() is None:
+                proc.kill()
     results = []
-    for proc in procs:
-        try:
-            stdout, stderr = proc.communicate(timeout=300)
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
+    for proc, (stdout, stderr) in zip(procs, outputs):
         assert proc.returncode == 0, stderr[-4000:]
         results.append(json.loads(stdout.strip().splitlines()[-1]))
     assert [r["process"] for r in results] == [0, 1]

@@ -7,7 +7,8 @@ in a subprocess:
 
 Spec keys: model, tp (list), devices (forced host devices), prompts (token-id lists), max_tokens,
 mode ("engine": LLM.generate; "notebook": load at tp=1, then lmjax.parallel.shard_model and
-lmjax.models.forward.greedy_generate; "collectives": the collectives in the compiled engine step),
+lmjax.models.forward.greedy_generate; "collectives": the collectives in the compiled engine step;
+"kernel": the Pallas attention kernel in shard_map, interpret mode),
 leader (with several processes: process 0 alone schedules and drives the others' steps). With LMJAX_COORDINATOR_ADDRESS & co. set, the processes join
 through jax.distributed first. Prints one JSON line: {"runs": {tp: {"tokens", "device_bytes",
 "replicated_bytes", "total_bytes"}}, "process": i, "devices": n}.
@@ -90,9 +91,31 @@ def run_collectives(tp: int) -> dict:
     return {"collectives": [[op, int(np.prod([int(d) for d in dims.split(",") if d]))] for dims, op in found]}
 
 
+def run_kernel(tp: int) -> dict:
+    """The Pallas attention kernel (interpret mode) in lmjax.parallel.shard_map over heads vs the
+    unsharded jnp reference: the GPU path of the tp step, minus the GPU."""
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    from pallas_kernels.ragged_paged_attention import ragged_paged_attention, ragged_paged_attention_reference
+
+    rng = np.random.default_rng(0)
+    T, N, K, H, num_blocks, S = 8, 2 * tp, tp, 16, 6, 8
+    q = jnp.asarray(rng.standard_normal((T, N, H)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((num_blocks, S, K, H)), jnp.float32) for _ in range(2))
+    meta = (jnp.array([5, 12], jnp.int32), jnp.array([[1, 0], [2, 3]], jnp.int32), jnp.array([0, 5, 8], jnp.int32))
+    want = ragged_paged_attention_reference(q, k, v, *meta, sm_scale=0.25)
+    q_spec, cache_spec = P(None, "tp", None), P(None, None, "tp", None)
+    sharded = parallel.shard_map(
+        lambda *a: ragged_paged_attention(*a, sm_scale=0.25, impl="kernel", interpret=True),
+        parallel.make_mesh(tp), (q_spec, cache_spec, cache_spec, P(), P(), P()), q_spec)
+    return {"max_abs_diff": float(jnp.max(jnp.abs(jax.jit(sharded)(q, k, v, *meta) - want)))}
+
+
 def main() -> None:
     parallel.initialize_distributed()
-    run = {"engine": run_engine, "notebook": run_notebook, "collectives": run_collectives}[SPEC.get("mode", "engine")]
+    run = {"engine": run_engine, "notebook": run_notebook, "collectives": run_collectives,
+           "kernel": run_kernel}[SPEC.get("mode", "engine")]
     runs = {tp: run(tp) for tp in SPEC["tp"]}
     print(json.dumps({"runs": runs, "process": jax.process_index(), "devices": jax.device_count()}), flush=True)
 
