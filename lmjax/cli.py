@@ -82,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(subparsers)
     _add_chat(subparsers)
     _add_serve(subparsers)
+    _add_convert(subparsers)
     return parser
 
 
@@ -192,6 +193,44 @@ def _generate(args) -> int:
         return 0
     for prompt, resp in zip(args.prompts, pipe(args.prompts, gen_config=gen, do_preprocess=chat)):
         print(f">>> {prompt}\n{resp.text}", flush=True)
+    return 0
+
+
+def _add_convert(subparsers) -> None:
+    p = subparsers.add_parser(
+        "convert", help="convert an HF directory or GGUF file into a fast-loading Orbax directory",
+        description="Write SRC's weights as an Orbax checkpoint (optionally int8/int4 weight-only quantized) "
+                    "with its config, tokenizer and chat template into the directory OUT, which every lmjax "
+                    "command accepts as a model path. OUT appears only once complete.",
+        epilog="example: lmjax convert ./SmolLM2.gguf ./smollm2-w4 --quant w4 --group-size 128")
+    p.add_argument("src", metavar="SRC", help="HF checkpoint directory, .gguf file, or cached model id")
+    p.add_argument("out", metavar="OUT", help="directory to create")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="bfloat16",
+                   help="storage dtype of the float weights (default: bfloat16)")
+    p.add_argument("--tp", type=_bounded(int, "tp", 1), default=1,
+                   help="tensor-parallel size to lay the storage chunks out for (default: 1; any tp restores)")
+    p.add_argument("--quant", choices=("w8", "w4"), default=None,
+                   help="weight-only quantization: w8 = int8 per output channel, w4 = int4 in groups")
+    p.add_argument("--group-size", type=_bounded(int, "group-size", 1), default=128,
+                   help="input rows per int4 scale with --quant w4 (default: 128)")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    p.set_defaults(func=_convert)
+
+
+def _convert(args) -> int:
+    import os
+
+    if args.tp > 1 and "jax" not in sys.modules:  # one CPU device per shard: chunks written per shard
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                                   + f" --xla_force_host_platform_device_count={args.tp}").strip()
+    from convert import convert_checkpoint
+
+    try:
+        out = convert_checkpoint(args.src, args.out, dtype=args.dtype, tp=args.tp, quant=args.quant,
+                                 group_size=args.group_size, overwrite=args.overwrite)
+    except FileExistsError as e:  # reported like the other user errors (main catches ValueError)
+        raise ValueError(str(e)) from e
+    print(out)
     return 0
 
 

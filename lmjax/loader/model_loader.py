@@ -70,6 +70,10 @@ def load_model(model: str | None = None, dtype: str = "auto", *, placer: Placer 
     straight into its shards by `lmjax.parallel`'s rules; `placer` overrides the placement.
     """
     path = resolve_model_path(model)
+    from lmjax.loader import orbax_loader  # a directory written by `lmjax convert`
+
+    if orbax_loader.is_converted(path):
+        return orbax_loader.load_converted(path, dtype, placer=placer, tp=tp, mesh=mesh, **overrides)
     hf_config, tensors, source = _checkpoint(path)
     cfg = parse_config(hf_config, **overrides)
     if mesh is None and tp > 1:

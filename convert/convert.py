@@ -1,0 +1,135 @@
+"""HF directory or GGUF file -> a converted directory that restores fast, straight into device shards.
+
+Data flow of `convert_checkpoint`:
+  lmjax's own loader reads SRC into host (CPU-device) arrays of `dtype`, one tensor at a time
+  -> optional weight-only quantization (`lmjax.layers.quant.quantize_model`: w8 / w4)
+  -> with tp > 1, each array is laid out over tp CPU devices by `lmjax.parallel`'s rules, so Orbax
+     writes one storage chunk per tensor-parallel shard (a tp restore then reads whole chunks only)
+  -> written into a temporary directory beside OUT: lmjax_orbax/ (Orbax, OCDBT), config.json (with an
+     `lmjax` section: format, dtype, quant, tp, source), tokenizer files and chat template
+  -> renamed to OUT in one `os.rename`. An interrupted conversion leaves at most a `.OUT.tmp-*`
+     directory, never a loadable OUT (and removes even that when it can: on any exception).
+
+The reader is `lmjax.loader.orbax_loader` (lmjax never imports this package).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from lmjax import parallel
+from lmjax.layers.quant import QuantSpec, quantize_model
+from lmjax.loader.model_loader import load_model
+from lmjax.loader.orbax_loader import CONFIG_KEY, FORMAT_VERSION, ORBAX_SUBDIR, param_key
+from lmjax.loader.resolve import resolve_model_path
+
+logger = logging.getLogger("convert")
+
+DTYPES = ("float32", "bfloat16", "float16")
+# Files of an HF directory that travel with the weights (tokenizer, chat template, generation defaults).
+_SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+               "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
+               "generation_config.json")
+
+
+def convert_checkpoint(src: str, out: str, dtype: str = "bfloat16", tp: int = 1, quant: str | None = None,
+                       group_size: int = 128, overwrite: bool = False) -> str:
+    """Convert `src` (HF directory, .gguf file or model id) into the directory `out`; returns its path.
+
+    dtype: storage (and default compute) dtype of the float parameters. tp: the tensor-parallel size
+    the storage chunks are laid out for (restore works at any tp). quant: None, "w8" or "w4"
+    (`group_size` input rows per int4 scale)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not supported; choose one of {DTYPES}")
+    if tp < 1:
+        raise ValueError(f"tp={tp} must be >= 1")
+    spec = QuantSpec(quant, group_size) if quant else None
+    path = os.path.abspath(resolve_model_path(src))
+    out = os.path.abspath(os.path.expanduser(out))
+    if os.path.exists(out) and not overwrite:
+        raise FileExistsError(f"{out} already exists (pass overwrite=True / --overwrite to replace it)")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+
+    params, loaded = _read(path, dtype, tp, spec)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=os.path.dirname(out))
+    try:
+        _save_params(os.path.join(tmp, ORBAX_SUBDIR), params)
+        _write_config(tmp, loaded.hf_config, dict(format=FORMAT_VERSION, dtype=dtype, tp=tp, source=path,
+                                                  quant=spec.to_dict() if spec else None))
+        _write_tokenizer(tmp, path)
+        _commit(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    logger.info("converted %s -> %s (dtype=%s, tp=%d, quant=%s)", path, out, dtype, tp, quant)
+    return out
+
+
+def _read(path: str, dtype: str, tp: int, spec: QuantSpec | None):
+    """({key: array}, LoadedModel): parameters on CPU devices, quantized, laid out for tp."""
+    cpu = jax.local_devices(backend="cpu")
+    loaded = load_model(path, dtype, placer=lambda p, a: jax.device_put(a, cpu[0]))
+    quantize_model(loaded.model, spec)
+    flat = {p: v[...] for p, v in nnx.to_flat_state(nnx.state(loaded.model))}
+    if tp == 1:
+        return {param_key(p): a for p, a in flat.items()}, loaded
+    parallel.check_tp(loaded.config, tp)
+    if len(cpu) < tp:
+        logger.warning("tp=%d but only %d CPU device(s): storage chunks are not split per shard (set "
+                       "XLA_FLAGS=--xla_force_host_platform_device_count=%d; `lmjax convert` does)",
+                       tp, len(cpu), tp)
+        return {param_key(p): a for p, a in flat.items()}, loaded
+    mesh = Mesh(np.array(cpu[:tp]), (parallel.TP_AXIS,))
+    params = {}
+    for p, a in flat.items():
+        spec_ = parallel.param_spec(p, a.shape, mesh, loaded.config)
+        params[param_key(p)] = jax.device_put(a, NamedSharding(mesh, spec_))
+    return params, loaded
+
+
+def _save_params(directory: str, params: dict) -> None:
+    import orbax.checkpoint as ocp
+
+    with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as checkpointer:
+        checkpointer.save(directory, args=ocp.args.StandardSave(params))
+
+
+def _write_config(directory: str, hf_config: dict, info: dict) -> None:
+    config = {k: v for k, v in hf_config.items() if k != CONFIG_KEY}
+    config["torch_dtype"] = info["dtype"]  # `dtype="auto"` on an accelerator then means the stored dtype
+    config[CONFIG_KEY] = info
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+
+
+def _write_tokenizer(directory: str, path: str) -> None:
+    """Copy an HF directory's tokenizer files; save a GGUF's tokenizer (chat template included)."""
+    if os.path.isdir(path):
+        copied = [n for n in _SIDE_FILES if os.path.exists(os.path.join(path, n))]
+        for name in copied:
+            shutil.copy2(os.path.join(path, name), os.path.join(directory, name))
+        if not any(n.startswith(("tokenizer", "vocab")) for n in copied):
+            logger.warning("%s has no tokenizer files: the converted model needs a tokenizer path", path)
+        return
+    from lmjax.loader.tokenizer import load_tokenizer
+
+    load_tokenizer(path).save_pretrained(directory)
+
+
+def _commit(tmp: str, out: str) -> None:
+    """Move the finished conversion into place in one rename (an old OUT goes only after that)."""
+    if not os.path.exists(out):
+        os.rename(tmp, out)
+        return
+    old = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.old-", dir=os.path.dirname(out))
+    os.rename(out, os.path.join(old, "x"))
+    os.rename(tmp, out)
+    shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,167 @@
+"""Weight-only quantization: int8 per output channel and int4 in groups along the input dim.
+
+A `QuantLinear` stands where a `Linear` stood, with the same call signature and the same parameter
+path for its weights (`...q_proj.kernel`), so `lmjax.parallel`'s sharding rules apply unchanged:
+
+  w8  kernel int8  [I, O]          scale [O]          y = (x @ kernel) * scale
+  w4  kernel uint8 [I/2, O]        scale [ceil(I/G), O]
+      (two int4 per byte: row 2i in the low nibble, row 2i+1 in the high one, stored +8 so unsigned)
+      y = x @ (unpack(kernel) * repeat(scale, G)[:I])
+
+Both are symmetric (no zero point). Dequantization is plain jnp inside the jitted step; XLA fuses the
+unpack/scale into the matmul's operand, so on GPU the weights cross HBM at 1 or 0.5 bytes each.
+A last group shorter than G is allowed (SmolLM2's hidden size 576 is 4.5 groups of 128).
+
+The model code knows nothing of this: `quantize_model` swaps every `Linear` of a built model (the
+lm_head excepted) for a `QuantLinear`, from real weights (conversion) or abstractly inside
+`nnx.eval_shape` (restore of a converted checkpoint), like gpt-fast's quant handlers.
+Shape letters: T tokens, I input dim, O output dim, G group size.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from lmjax.layers.linear import Linear
+
+METHODS = ("w8", "w4")
+SKIPPED = ("lm_head",)  # left in float: small next to the body, and the logits are the most sensitive
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantSpec:
+    method: str  # "w8" (int8 per output channel) or "w4" (int4 in groups along the input dim)
+    group_size: int = 128  # w4 only
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"quant method {self.method!r} is not supported; choose one of {METHODS}")
+        if self.method == "w4" and self.group_size <= 0:
+            raise ValueError(f"group_size={self.group_size} must be positive")
+
+    def to_dict(self) -> dict:
+        return {"method": self.method, "group_size": self.group_size}
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> "QuantSpec | None":
+        return None if not d else cls(d["method"], int(d.get("group_size", 128)))
+
+
+# ---------------------------------------------------------------- quantize / dequantize (pure jnp)
+def quantize_w8(w_IO: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Symmetric int8 per output channel: (kernel int8 [I, O], scale float32 [O])."""
+    w = w_IO.astype(jnp.float32)
+    scale_O = jnp.max(jnp.abs(w), axis=0) / 127.0
+    scale_O = jnp.where(scale_O == 0, 1.0, scale_O)
+    q_IO = jnp.clip(jnp.round(w / scale_O), -127, 127).astype(jnp.int8)
+    return q_IO, scale_O
+
+
+def _group_rows(x_IO: jax.Array, group_size: int) -> jax.Array:
+    """[I, O] -> [ceil(I/G), G, O], the last group padded with zeros."""
+    I, O = x_IO.shape
+    groups = -(-I // group_size)
+    x = jnp.pad(x_IO, ((0, groups * group_size - I), (0, 0)))
+    return x.reshape(groups, group_size, O)
+
+
+def quantize_w4(w_IO: jax.Array, group_size: int) -> tuple[jax.Array, jax.Array]:
+    """Symmetric int4 per (group of G input rows, output column): (packed uint8 [I/2, O], scale [ceil(I/G), O])."""
+    I, O = w_IO.shape
+    if I % 2:
+        raise ValueError(f"int4 packing needs an even input dim, got {I=}")
+    w_gGO = _group_rows(w_IO.astype(jnp.float32), group_size)
+    scale_gO = jnp.max(jnp.abs(w_gGO), axis=1) / 7.0
+    scale_gO = jnp.where(scale_gO == 0, 1.0, scale_gO)
+    q_gGO = jnp.clip(jnp.round(w_gGO / scale_gO[:, None, :]), -8, 7)
+    u_IO = (q_gGO.reshape(-1, O)[:I] + 8).astype(jnp.uint8)  # 0..15
+    packed = u_IO[0::2] | (u_IO[1::2] << 4)
+    return packed, scale_gO
+
+
+def unpack_w4(packed_JO: jax.Array) -> jax.Array:
+    """uint8 [I/2, O] -> int8 values in [-8, 7], [I, O] (row 2i from the low nibble)."""
+    lo = (packed_JO & 0xF).astype(jnp.int8) - 8
+    hi = (packed_JO >> 4).astype(jnp.int8) - 8
+    J, O = packed_JO.shape
+    return jnp.stack([lo, hi], axis=1).reshape(2 * J, O)
+
+
+def dequantize_w4(packed_JO: jax.Array, scale_gO: jax.Array, group_size: int, dtype) -> jax.Array:
+    q_IO = unpack_w4(packed_JO)
+    scale_IO = jnp.repeat(scale_gO.astype(dtype), group_size, axis=0)[: q_IO.shape[0]]
+    return q_IO.astype(dtype) * scale_IO
+
+
+# ---------------------------------------------------------------- the layer
+class QuantLinear(nnx.Module):
+    """A Linear with int8 or packed-int4 weights; `Linear`'s call signature and kernel path."""
+
+    def __init__(self, in_dim: int, out_dim: int, spec: QuantSpec, *, bias: bool = False, dtype=jnp.float32):
+        self.spec, self.dtype = spec, dtype
+        if spec.method == "w8":
+            self.kernel = nnx.Param(jnp.zeros((in_dim, out_dim), jnp.int8))
+            self.scale = nnx.Param(jnp.zeros((out_dim,), dtype))
+        else:
+            if in_dim % 2:
+                raise ValueError(f"int4 packing needs an even input dim, got {in_dim=}")
+            self.kernel = nnx.Param(jnp.zeros((in_dim // 2, out_dim), jnp.uint8))
+            self.scale = nnx.Param(jnp.zeros((-(-in_dim // spec.group_size), out_dim), dtype))
+        self.bias = nnx.Param(jnp.zeros((out_dim,), dtype)) if bias else None
+
+    @classmethod
+    def from_linear(cls, linear: Linear, spec: QuantSpec) -> "QuantLinear":
+        w_IO = linear.kernel[...]
+        dtype = w_IO.dtype
+        layer = nnx.eval_shape(lambda: cls(*w_IO.shape, spec, bias=linear.bias is not None, dtype=dtype))
+        kernel, scale = quantize_w8(w_IO) if spec.method == "w8" else quantize_w4(w_IO, spec.group_size)
+        layer.kernel = nnx.Param(kernel)
+        layer.scale = nnx.Param(scale.astype(dtype))
+        if linear.bias is not None:
+            layer.bias = nnx.Param(linear.bias[...])
+        return layer
+
+    def __call__(self, x_TI: jax.Array) -> jax.Array:
+        dtype = x_TI.dtype
+        if self.spec.method == "w8":
+            y_TO = (x_TI @ self.kernel[...].astype(dtype)) * self.scale[...].astype(dtype)
+        else:
+            y_TO = x_TI @ dequantize_w4(self.kernel[...], self.scale[...], self.spec.group_size, dtype)
+        if self.bias is not None:
+            y_TO = y_TO + self.bias[...]
+        return y_TO
+
+
+# ---------------------------------------------------------------- model transform
+def _linears(model: nnx.Module):
+    """(parent, attribute name or list index, Linear) for every Linear of `model` not in SKIPPED."""
+    iter_modules = getattr(nnx, "iter_modules", None) or type(model).iter_modules
+    for path, module in iter_modules(model):
+        if isinstance(module, Linear) and path and not any(str(p) in SKIPPED for p in path):
+            parent = model
+            for p in path[:-1]:
+                parent = parent[p] if isinstance(p, int) else getattr(parent, p)
+            yield parent, path[-1], module
+
+
+def quantize_model(model: nnx.Module, spec: QuantSpec | None, abstract: bool = False) -> nnx.Module:
+    """Swap every Linear (lm_head excepted) for a QuantLinear, in place; returns the model.
+
+    abstract=True builds empty QuantLinears (for `nnx.eval_shape`, before restoring their values);
+    else each is quantized from the Linear's current weights."""
+    if spec is None:
+        return model
+    for parent, key, linear in list(_linears(model)):
+        if abstract:
+            I, O = linear.kernel.shape
+            new = QuantLinear(I, O, spec, bias=linear.bias is not None, dtype=linear.kernel.dtype)
+        else:
+            new = QuantLinear.from_linear(linear, spec)
+        if isinstance(key, int):
+            parent[key] = new
+        else:
+            setattr(parent, key, new)
+    return model

@@ -1,0 +1,110 @@
+"""Read a directory written by `lmjax convert` (the `convert` package): an Orbax checkpoint restored
+straight into device arrays with their target shardings.
+
+Layout of a converted directory:
+  config.json        the HF config, plus an `lmjax` section: {"format": 1, "dtype", "quant", "tp", "source"}
+  tokenizer files    tokenizer.json, tokenizer_config.json (chat template inside), ...
+  lmjax_orbax/       Orbax (OCDBT) checkpoint of one flat dict {"layers.0.self_attn.q_proj.kernel": array}
+                     keyed by the model's NNX parameter paths; quantized linears hold `kernel` + `scale`
+
+Data flow: config.json -> ModelConfig -> the model built abstractly (`nnx.eval_shape`, Linears swapped
+for QuantLinears when the `lmjax.quant` entry says so) -> one `jax.ShapeDtypeStruct(shape, dtype,
+sharding=...)` per parameter (a single device, or `lmjax.parallel`'s NamedSharding under tp) -> Orbax
+restores every parameter into exactly those shardings: TensorStore reads each device's slice and puts it
+on that device, so no full host copy of a sharded tensor is ever made. Float parameters are cast to the
+requested dtype while restoring; quantized kernels keep their integer dtype.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, SingleDeviceSharding
+
+from lmjax import parallel
+from lmjax.layers.quant import QuantSpec, quantize_model
+from lmjax.loader import model_loader
+from lmjax.loader.safetensors_loader import CheckpointError, read_config
+from lmjax.models.registry import ARCHITECTURES, parse_config
+
+ORBAX_SUBDIR = "lmjax_orbax"
+CONFIG_KEY = "lmjax"
+FORMAT_VERSION = 1
+
+
+def is_converted(path: str) -> bool:
+    """Whether `path` is a directory written by `lmjax convert`."""
+    return os.path.isdir(os.path.join(path, ORBAX_SUBDIR)) and os.path.exists(os.path.join(path, "config.json"))
+
+
+def param_key(path: tuple) -> str:
+    """NNX parameter path -> the flat key it is stored under ("layers.0.mlp.up_proj.kernel")."""
+    return ".".join(map(str, path))
+
+
+def build_abstract(hf_config: dict, dtype, **overrides):
+    """(ModelConfig, graphdef, {path: abstract Variable}) of the model a converted config describes."""
+    cfg = parse_config(hf_config, **overrides)
+    spec = QuantSpec.from_dict(hf_config.get(CONFIG_KEY, {}).get("quant"))
+    arch = ARCHITECTURES[cfg.architecture]
+    model = nnx.eval_shape(lambda: quantize_model(arch.model_cls(cfg, dtype=dtype), spec, abstract=True))
+    graphdef, state = nnx.split(model)
+    return cfg, graphdef, state
+
+
+def _target_dtype(var, dtype):
+    return var.dtype if jnp.issubdtype(var.dtype, jnp.integer) else jnp.dtype(dtype)
+
+
+def restore_params(path: str, targets: dict) -> dict:
+    """Restore the flat {key: jax.ShapeDtypeStruct(..., sharding=...)} from `path`/lmjax_orbax."""
+    import orbax.checkpoint as ocp  # optional dependency: `pip install lmjax[convert]`
+
+    ckpt = os.path.abspath(os.path.join(path, ORBAX_SUBDIR))
+    with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as checkpointer:
+        try:
+            return checkpointer.restore(ckpt, args=ocp.args.StandardRestore(targets))
+        except (ValueError, KeyError, FileNotFoundError) as e:
+            raise CheckpointError(f"cannot restore the converted checkpoint {ckpt}: {e}") from e
+
+
+def load_converted(path: str, dtype: str = "auto", *, placer=None, tp: int = 1, mesh=None,
+                   **overrides) -> "model_loader.LoadedModel":
+    """`load_model` for a converted directory: same arguments, same result."""
+    hf_config = read_config(path)
+    info = hf_config.get(CONFIG_KEY) or {}
+    if info.get("format", FORMAT_VERSION) > FORMAT_VERSION:
+        raise CheckpointError(f"{path} was converted by a newer lmjax (format {info['format']})")
+    cfg = parse_config(hf_config, **overrides)
+    if mesh is None and tp > 1:
+        parallel.check_tp(cfg, tp)
+        mesh = parallel.make_mesh(tp)
+    elif mesh is not None:
+        parallel.check_tp(cfg, parallel.tp_size(mesh))
+    jdtype = model_loader.resolve_dtype(dtype, hf_config)
+    cfg, graphdef, state = build_abstract(hf_config, jdtype, **overrides)
+    flat = dict(nnx.to_flat_state(state))
+    host = SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
+    device = SingleDeviceSharding(jax.local_devices()[0])
+
+    def sharding(p, var):
+        if placer is not None:
+            return host  # the caller places: restore on the host, then hand each array over
+        if mesh is None:
+            return device
+        return NamedSharding(mesh, parallel.param_spec(p, var.shape, mesh, cfg))
+
+    targets = {param_key(p): jax.ShapeDtypeStruct(v.shape, _target_dtype(v, jdtype), sharding=sharding(p, v))
+               for p, v in flat.items()}
+    restored = restore_params(path, targets)
+    for p, var in flat.items():
+        value = restored[param_key(p)]
+        if placer is not None:
+            value = placer(p, np.asarray(value))
+        var.set_value(value) if hasattr(var, "set_value") else setattr(var, "value", value)
+    model = nnx.merge(graphdef, nnx.from_flat_state(flat))
+    return model_loader.LoadedModel(model, cfg, hf_config, path, jdtype, mesh)

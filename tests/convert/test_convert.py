@@ -1,0 +1,144 @@
+"""`convert_checkpoint` / `lmjax convert`: HF or GGUF in, a converted (Orbax) directory out that loads
+like any model path, gives the same greedy tokens as its source, never exists half-written, and
+restores at tp = 4 straight into each device's shards."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import transformers
+
+import convert.convert as convert_module
+from convert import convert_checkpoint
+from lmjax.loader.model_loader import load_model
+from lmjax.loader.orbax_loader import ORBAX_SUBDIR, is_converted
+from lmjax.models.forward import greedy_generate
+
+DRIVER = os.path.join(os.path.dirname(__file__), "tp_restore_driver.py")
+TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+            num_key_value_heads=4, head_dim=8, max_position_embeddings=128, rms_norm_eps=1e-5,
+            bos_token_id=1, eos_token_id=0)
+PROMPTS = [[1, 5, 9, 13, 17], [1, 40, 41], [1] + list(range(50, 80))]
+
+
+def _write_tokenizer(vocab_size: int, out_dir: str) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t2"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="t0", bos_token="t1", unk_token="t2")
+    fast.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    fast.save_pretrained(out_dir)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("tiny-hf"))
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY)).save_pretrained(path)
+    _write_tokenizer(TINY["vocab_size"], path)
+    return path
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_converted_tiny_gives_the_same_greedy_tokens(tiny, tmp_path, dtype):
+    out = convert_checkpoint(tiny, tmp_path / "out", dtype=dtype)
+    assert is_converted(out) and not is_converted(tiny)
+    info = json.loads(open(os.path.join(out, "config.json")).read())["lmjax"]
+    assert info["dtype"] == dtype and info["quant"] is None
+    original, converted = load_model(tiny, dtype), load_model(out, dtype)
+    assert converted.dtype == original.dtype and converted.config == original.config
+    assert greedy_generate(converted.model, PROMPTS, 12) == greedy_generate(original.model, PROMPTS, 12)
+
+
+def test_facades_accept_the_converted_directory(tiny, tmp_path):
+    import lmjax
+
+    out = convert_checkpoint(tiny, tmp_path / "out", dtype="float32")
+    assert sorted(f for f in os.listdir(out) if f.startswith("tokenizer"))  # tokenizer files travel with it
+    params = lmjax.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    kwargs = dict(dtype="float32", max_model_len=64, max_num_seqs=4)
+    got = [o.outputs[0].token_ids for o in lmjax.LLM(out, **kwargs).generate(
+        [{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)]
+    want = [o.outputs[0].token_ids for o in lmjax.LLM(tiny, **kwargs).generate(
+        [{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)]
+    assert got == want
+
+
+def test_interrupted_conversion_leaves_nothing_loadable(tiny, tmp_path, monkeypatch):
+    def crash(*args, **kwargs):  # after the weights are written, before the config and tokenizer
+        raise KeyboardInterrupt("simulated interruption")
+
+    monkeypatch.setattr(convert_module, "_write_config", crash)
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        convert_checkpoint(tiny, out, dtype="float32")
+    assert not out.exists() and os.listdir(tmp_path) == []  # no OUT, no temporary left behind
+    with pytest.raises(FileNotFoundError):
+        load_model(str(out), "float32")
+
+
+def test_out_is_never_silently_replaced(tiny, tmp_path):
+    out = convert_checkpoint(tiny, tmp_path / "out", dtype="float32")
+    with pytest.raises(FileExistsError, match="out"):
+        convert_checkpoint(tiny, out, dtype="float32")
+    convert_checkpoint(tiny, out, dtype="bfloat16", overwrite=True)
+    assert json.load(open(os.path.join(out, "config.json")))["lmjax"]["dtype"] == "bfloat16"
+    assert sorted(os.listdir(tmp_path)) == ["out"]
+
+
+def _tp_restore(spec: dict) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run([sys.executable, DRIVER, json.dumps(spec)], capture_output=True, text=True,
+                          timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("quant", [None, "w4"])
+def test_tp4_restore_places_each_shard_on_its_device(tiny, tmp_path, quant):
+    run = _tp_restore({"src": tiny, "out": str(tmp_path / "out"), "tp": 4, "devices": 8, "quant": quant,
+                       "group_size": 16, "prompts": PROMPTS})
+    assert run["devices"] == 8
+    params = run["params"]
+    assert all(p["sharding_ok"] and p["devices_ok"] and p["shard_shapes_ok"] for p in params), params
+    assert sum(p["sharded"] for p in params) >= 5 * TINY["num_hidden_layers"]  # q, k, v, o, gate, up, down...
+    # No sharded tensor ever went to a device whole: every host->device copy was one shard (or a
+    # replicated tensor, which each device holds whole anyway).
+    legit = {tuple(p["shape"] if not p["sharded"] else p["shard_shape"]) for p in params}
+    whole = {tuple(p["shape"]) for p in params if p["sharded"]} - legit
+    assert whole and run["device_put_shapes"] and not whole & {tuple(s) for s in run["device_put_shapes"]}
+    assert run["tokens"] == run["tokens_tp1"]
+
+
+def test_cli_convert(tiny, tmp_path):
+    from lmjax.cli import main
+
+    out = tmp_path / "cli-out"
+    assert main(["convert", tiny, str(out), "--dtype", "float32", "--quant", "w8"]) == 0
+    info = json.load(open(out / "config.json"))["lmjax"]
+    assert info["quant"] == {"method": "w8", "group_size": 128} and (out / ORBAX_SUBDIR).is_dir()
+
+
+# ---------------------------------------------------------------- SmolLM2 (GGUF source)
+@pytest.fixture(scope="module")
+def smollm2_bf16(smollm2_gguf, tmp_path_factory) -> str:
+    return convert_checkpoint(smollm2_gguf, tmp_path_factory.mktemp("smollm2") / "bf16", dtype="bfloat16")
+
+
+def test_smollm2_converted_gives_the_same_greedy_tokens(smollm2_gguf, smollm2_bf16, smollm2_tokenizer):
+    prompts = [smollm2_tokenizer.encode(p) for p in ("The capital of France is", "def fibonacci(n):")]
+    original, converted = load_model(smollm2_gguf, "bfloat16"), load_model(smollm2_bf16, "bfloat16")
+    assert greedy_generate(converted.model, prompts, 8) == greedy_generate(original.model, prompts, 8)
+
+
+def test_smollm2_converted_keeps_tokenizer_and_chat_template(smollm2_bf16, smollm2_tokenizer):
+    from lmjax.loader.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(smollm2_bf16)
+    assert tok.chat_template and tok.chat_template == smollm2_tokenizer.chat_template
+    chat = [{"role": "user", "content": "Hi there"}]
+    assert tok.apply_chat_template(chat, tokenize=False) == smollm2_tokenizer.apply_chat_template(chat, tokenize=False)
+    assert tok.encode("Hello, world") == smollm2_tokenizer.encode("Hello, world")
