@@ -20,7 +20,7 @@ import time
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lmjax.api.async_engine import AsyncEngine
@@ -113,7 +113,8 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
         rid, k, choices = R.new_id("chatcmpl"), req.top_logprobs or 0, R.Choices(req.n)
         first, rest = await start([prompt], params)
         if not req.stream:
-            await until_disconnect(raw, _consume(first, rest, choices))
+            if not await until_disconnect(raw, _consume(first, rest, choices)):
+                return Response(status_code=499)  # the client is gone: nobody reads this
             return R.chat_body(rid, name, choices, k, decode)
 
         async def events():
@@ -140,7 +141,8 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
         rid, k, choices = R.new_id("cmpl"), req.logprobs or 0, R.Choices(req.n)
         first, rest = await start(prompts, params)
         if not req.stream:
-            await until_disconnect(raw, _consume(first, rest, choices))
+            if not await until_disconnect(raw, _consume(first, rest, choices)):
+                return Response(status_code=499)  # the client is gone: nobody reads this
             return R.completion_body(rid, name, choices, k, decode, echo)
 
         async def events():
@@ -176,7 +178,8 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
             return {"text": text, "tokens": out.generate_token_len, "input_tokens": out.input_token_len,
                     "history_tokens": out.history_token_len, "finish_reason": out.finish_reason, "session_id": sid}
         if not req.stream:
-            await until_disconnect(raw, _consume(first, rest, choices))
+            if not await until_disconnect(raw, _consume(first, rest, choices)):
+                return Response(status_code=499)  # the client is gone: nobody reads this
             return line(choices.outs[0], choices.outs[0].response)
 
         async def lines():

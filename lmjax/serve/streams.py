@@ -56,17 +56,18 @@ async def first_and_rest(stream: AsyncIterator):
     return first, stream
 
 
-async def until_disconnect(request: Request, work: Awaitable, poll_s: float = 0.5):
-    """Await `work`, cancelling it (and so aborting its engine requests) if the client disconnects."""
+async def until_disconnect(request: Request, work: Awaitable, poll_s: float = 0.5) -> bool:
+    """Await `work`; False if the client disconnected first (then `work` is cancelled, which aborts its
+    engine requests)."""
     task = asyncio.ensure_future(work)
     try:
         while True:
             done, _ = await asyncio.wait({task}, timeout=poll_s)
             if done:
-                return task.result()
+                task.result()
+                return True
             if await request.is_disconnected():
-                task.cancel()
-                raise asyncio.CancelledError("client disconnected")
+                return False
     finally:
         if not task.done():
             task.cancel()

@@ -156,6 +156,22 @@ def test_disconnect_mid_stream_frees_blocks(server, model_id):
     assert now["lmjax_generation_tokens_total"] - idle["lmjax_generation_tokens_total"] < 1000
 
 
+def test_non_streaming_client_that_gives_up_frees_blocks(server, model_id):
+    idle = _metrics(server)
+    body = {"model": model_id, "prompt": PROMPTS[1], "max_tokens": 1000, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{server}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=2)
+    aborted = 'lmjax_request_finished_total{finished_reason="abort"}'
+    for _ in range(300):
+        now = _metrics(server)
+        if now.get(aborted, 0) > idle.get(aborted, 0) and now["lmjax_kv_cache_free_blocks"] == \
+                idle["lmjax_kv_cache_free_blocks"]:
+            break
+        time.sleep(0.2)
+    assert now["lmjax_kv_cache_free_blocks"] == idle["lmjax_kv_cache_free_blocks"]
+    assert now.get(aborted, 0) == idle.get(aborted, 0) + 1
+
+
 def _post(server, path, body, key=KEY, raw=None):
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     if raw is not None:
