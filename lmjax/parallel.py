@@ -290,9 +290,9 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
 
 # One scheduler, many processes: process 0 (the leader) runs the engine and sends each step's host
 # inputs to the others (followers), which run the same jitted step on their devices. A step goes as a
-# fixed-size int32 header (command, the caller's static ints, every leaf's shape) then the leaves.
+# fixed-size int32 header (kind: 0 = stop, else the caller's step kind; the caller's static ints;
+# every leaf's shape) then the leaves.
 _HEADER_LEN = 256
-_CMD_STOP, _CMD_STEP = 0, 1
 
 
 def _broadcast(tree):
@@ -301,10 +301,13 @@ def _broadcast(tree):
     return multihost_utils.broadcast_one_to_all(tree)
 
 
-def send_step(tree, static: Sequence[int]) -> None:
-    """Leader: send one step's numpy inputs `tree` and its static ints to every follower."""
+def send_step(tree, static: Sequence[int], kind: int = 1) -> None:
+    """Leader: send one step of `kind` (>= 1: which jitted function the followers run), its numpy
+    inputs `tree` and its static ints to every follower."""
+    if kind < 1:
+        raise ValueError(f"step kind={kind} must be >= 1 (0 means stop)")
     leaves = [np.asarray(x) for x in jax.tree.leaves(tree)]
-    header = [_CMD_STEP, len(static), *static, len(leaves)]
+    header = [kind, len(static), *static, len(leaves)]
     for leaf in leaves:
         if leaf.ndim > 2:
             raise ValueError(f"step inputs must have rank <= 2, got shape {leaf.shape}")
@@ -320,14 +323,18 @@ def send_stop() -> None:
     _broadcast(np.zeros(_HEADER_LEN, np.int32))
 
 
-def receive_step(template):
-    """Follower: the next step as (tree shaped like `template`, static ints), or None on stop."""
+def receive_step(templates: Mapping[int, object]):
+    """Follower: the next step as (kind, tree shaped like `templates[kind]`, static ints), or None on
+    stop. A template is any tree of arrays with the step's structure, leaf ranks and dtypes."""
     header = [int(x) for x in _broadcast(np.zeros(_HEADER_LEN, np.int32))]
-    if header[0] == _CMD_STOP:
+    kind = header[0]
+    if kind == 0:
         return None
+    if kind not in templates:
+        raise ValueError(f"leader sent a step of kind {kind}; this follower knows {sorted(templates)}")
     n_static = header[1]
     static, pos = header[2:2 + n_static], 2 + n_static
-    leaves, treedef = jax.tree.flatten(template)
+    leaves, treedef = jax.tree.flatten(templates[kind])
     if header[pos] != len(leaves):
         raise ValueError(f"leader sent {header[pos]} step inputs, this follower expects {len(leaves)}")
     zeros = []
@@ -335,7 +342,7 @@ def receive_step(template):
         ndim, d0, d1 = header[pos + 1 + 3 * i:pos + 4 + 3 * i]
         zeros.append(np.zeros((d0, d1)[:ndim], np.asarray(leaf).dtype))
     received = [np.asarray(x) for x in _broadcast(zeros)]
-    return jax.tree.unflatten(treedef, received), static
+    return kind, jax.tree.unflatten(treedef, received), static
 
 
 def add_distributed_arguments(parser: argparse.ArgumentParser) -> None:

@@ -35,6 +35,9 @@ from lmjax.models.forward import make_kv_caches
 logger = logging.getLogger("lmjax.engine")
 
 
+_STEP = 1  # step kinds a leader sends its followers (lmjax.parallel.send_step)
+
+
 def bucket(n: int, minimum: int) -> int:
     """Next power of two >= max(n, minimum)."""
     return 1 << (max(n, minimum) - 1).bit_length()
@@ -143,7 +146,7 @@ class ModelRunner:
         inputs = self.build_inputs(batch, blocks)
         smeta, flags = build_sampling_metadata(rows, pad_to=inputs.last_rows_B.shape[0])
         if self.leading:
-            parallel.send_step((inputs, smeta), [*map(int, flags), num_prompt_logprobs])
+            parallel.send_step((inputs, smeta), [*map(int, flags), num_prompt_logprobs], kind=_STEP)
         out, prompt = self._run(inputs, smeta, flags, num_prompt_logprobs)
         n = len(batch.items)
         host = jax.device_get((out, prompt))
@@ -175,10 +178,12 @@ class ModelRunner:
         smeta, flags = build_sampling_metadata([SamplingRow(SamplingParams(temperature=0.0), seed=0)], pad_to=1)
         one, table = np.zeros(1, np.int32), np.zeros((1, 1), np.int32)
         inputs = StepInputs(one, one, AttentionMetadata(one, one, one, table, one), one, one)
+        # One entry per kind of jitted call the leader may send: (input template, how to run it).
+        kinds = {_STEP: ((inputs, smeta), self._run)}
         steps = 0
-        while (step := parallel.receive_step((inputs, smeta))) is not None:
-            (step_inputs, step_smeta), static = step
+        while (step := parallel.receive_step({k: t for k, (t, _) in kinds.items()})) is not None:
+            kind, (step_inputs, step_smeta), static = step
             step_flags = SamplingFlags(*(type(f)(v) for f, v in zip(flags, static[:-1])))
-            self._run(step_inputs, step_smeta, step_flags, static[-1])
+            kinds[kind][1](step_inputs, step_smeta, step_flags, static[-1])
             steps += 1
         return steps
