@@ -181,3 +181,17 @@ def test_rules_are_public_and_kept_apart_from_the_model():
     parallel.check_tp(cfg, 8)
     with pytest.raises(ValueError, match=r"num_attention_heads=8 is not divisible by tp=6.*\[1, 2, 4, 8\]"):
         parallel.check_tp(cfg, 6)
+
+
+def test_kv_cache_sizing_counts_one_device_share():
+    from lmjax.engine.cache_sizing import bytes_per_block
+    from lmjax.models.config import ModelConfig
+
+    def cfg(kv_heads):
+        return ModelConfig("LlamaForCausalLM", 256, 64, 128, 2, num_heads=8, num_kv_heads=kv_heads, head_dim=16,
+                           rms_norm_eps=1e-5, rope=None, max_position_embeddings=256)
+
+    one = bytes_per_block(cfg(8), 16, "float32")
+    assert bytes_per_block(cfg(8), 16, "float32", tp=4) == one // 4  # 2 of 8 KV heads per device
+    # 2 KV heads over 4 devices: each device keeps the one KV head its query heads read.
+    assert bytes_per_block(cfg(2), 16, "float32", tp=4) == bytes_per_block(cfg(2), 16, "float32") // 2
