@@ -4,11 +4,12 @@ A `QuantLinear` stands where a `Linear` stood, with the same call signature and 
 path for its weights (`...q_proj.kernel`), so `lmjax.parallel`'s sharding rules apply unchanged:
 
   w8  kernel int8  [I, O]          scale [O]          y = (x @ kernel) * scale
-  w4  kernel uint8 [I/2, O]        scale [ceil(I/G), O]
-      (two int4 per byte: row 2i in the low nibble, row 2i+1 in the high one, stored +8 so unsigned)
-      y = x @ (unpack(kernel) * repeat(scale, G)[:I])
+  w4  kernel uint8 [I/2, O]        scale, offset [ceil(I/G), O]
+      (two uint4 per byte: row 2i in the low nibble, row 2i+1 in the high one)
+      y = x @ (unpack(kernel) * repeat(scale, G)[:I] + repeat(offset, G)[:I])
 
-Both are symmetric (no zero point). Dequantization is plain jnp inside the jitted step; XLA fuses the
+w8 is symmetric; w4 is asymmetric per group (min/max onto 0..15), the layout of AWQ / TurboMind's
+`model_format="awq"` (their zero point z is `offset = -z * scale`). Dequantization is plain jnp inside the jitted step; XLA fuses the
 unpack/scale into the matmul's operand, so on GPU the weights cross HBM at 1 or 0.5 bytes each.
 A last group shorter than G is allowed (SmolLM2's hidden size 576 is 4.5 groups of 128).
 
@@ -33,7 +34,7 @@ SKIPPED = ("lm_head",)  # left in float: small next to the body, and the logits 
 
 @dataclasses.dataclass(frozen=True)
 class QuantSpec:
-    method: str  # "w8" (int8 per output channel) or "w4" (int4 in groups along the input dim)
+    method: str  # "w8" (int8 per output channel) or "w4" (uint4 + offset in groups along the input dim)
     group_size: int = 128  # w4 only
 
     def __post_init__(self):
@@ -68,32 +69,40 @@ def _group_rows(x_IO: jax.Array, group_size: int) -> jax.Array:
     return x.reshape(groups, group_size, O)
 
 
-def quantize_w4(w_IO: jax.Array, group_size: int) -> tuple[jax.Array, jax.Array]:
-    """Symmetric int4 per (group of G input rows, output column): (packed uint8 [I/2, O], scale [ceil(I/G), O])."""
+def quantize_w4(w_IO: jax.Array, group_size: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Asymmetric uint4 per (group of G input rows, output column):
+    (packed uint8 [I/2, O], scale [ceil(I/G), O], offset [ceil(I/G), O]); w ~ q * scale + offset."""
     I, O = w_IO.shape
     if I % 2:
         raise ValueError(f"int4 packing needs an even input dim, got {I=}")
     w_gGO = _group_rows(w_IO.astype(jnp.float32), group_size)
-    scale_gO = jnp.max(jnp.abs(w_gGO), axis=1) / 7.0
+    if I % group_size:  # the zero padding of the last group must not widen its range
+        valid = (jnp.arange(w_gGO.shape[0] * group_size) < I).reshape(w_gGO.shape[:2])[..., None]
+        lo_gO = jnp.min(jnp.where(valid, w_gGO, jnp.inf), axis=1)
+        hi_gO = jnp.max(jnp.where(valid, w_gGO, -jnp.inf), axis=1)
+    else:
+        lo_gO, hi_gO = jnp.min(w_gGO, axis=1), jnp.max(w_gGO, axis=1)
+    scale_gO = (hi_gO - lo_gO) / 15.0
     scale_gO = jnp.where(scale_gO == 0, 1.0, scale_gO)
-    q_gGO = jnp.clip(jnp.round(w_gGO / scale_gO[:, None, :]), -8, 7)
-    u_IO = (q_gGO.reshape(-1, O)[:I] + 8).astype(jnp.uint8)  # 0..15
+    q_gGO = jnp.clip(jnp.round((w_gGO - lo_gO[:, None, :]) / scale_gO[:, None, :]), 0, 15)
+    u_IO = q_gGO.reshape(-1, O)[:I].astype(jnp.uint8)
     packed = u_IO[0::2] | (u_IO[1::2] << 4)
-    return packed, scale_gO
+    return packed, scale_gO, lo_gO
 
 
 def unpack_w4(packed_JO: jax.Array) -> jax.Array:
-    """uint8 [I/2, O] -> int8 values in [-8, 7], [I, O] (row 2i from the low nibble)."""
-    lo = (packed_JO & 0xF).astype(jnp.int8) - 8
-    hi = (packed_JO >> 4).astype(jnp.int8) - 8
+    """uint8 [I/2, O] -> uint8 values in [0, 15], [I, O] (row 2i from the low nibble)."""
     J, O = packed_JO.shape
-    return jnp.stack([lo, hi], axis=1).reshape(2 * J, O)
+    return jnp.stack([packed_JO & 0xF, packed_JO >> 4], axis=1).reshape(2 * J, O)
 
 
-def dequantize_w4(packed_JO: jax.Array, scale_gO: jax.Array, group_size: int, dtype) -> jax.Array:
+def dequantize_w4(packed_JO: jax.Array, scale_gO: jax.Array, offset_gO: jax.Array, group_size: int,
+                  dtype) -> jax.Array:
     q_IO = unpack_w4(packed_JO)
-    scale_IO = jnp.repeat(scale_gO.astype(dtype), group_size, axis=0)[: q_IO.shape[0]]
-    return q_IO.astype(dtype) * scale_IO
+    I = q_IO.shape[0]
+    scale_IO = jnp.repeat(scale_gO.astype(dtype), group_size, axis=0)[:I]
+    offset_IO = jnp.repeat(offset_gO.astype(dtype), group_size, axis=0)[:I]
+    return q_IO.astype(dtype) * scale_IO + offset_IO
 
 
 # ---------------------------------------------------------------- the layer
@@ -108,8 +117,10 @@ class QuantLinear(nnx.Module):
         else:
             if in_dim % 2:
                 raise ValueError(f"int4 packing needs an even input dim, got {in_dim=}")
+            groups = -(-in_dim // spec.group_size)
             self.kernel = nnx.Param(jnp.zeros((in_dim // 2, out_dim), jnp.uint8))
-            self.scale = nnx.Param(jnp.zeros((-(-in_dim // spec.group_size), out_dim), dtype))
+            self.scale = nnx.Param(jnp.zeros((groups, out_dim), dtype))
+            self.offset = nnx.Param(jnp.zeros((groups, out_dim), dtype))
         self.bias = nnx.Param(jnp.zeros((out_dim,), dtype)) if bias else None
 
     @classmethod
@@ -117,7 +128,11 @@ class QuantLinear(nnx.Module):
         w_IO = linear.kernel[...]
         dtype = w_IO.dtype
         layer = nnx.eval_shape(lambda: cls(*w_IO.shape, spec, bias=linear.bias is not None, dtype=dtype))
-        kernel, scale = quantize_w8(w_IO) if spec.method == "w8" else quantize_w4(w_IO, spec.group_size)
+        if spec.method == "w8":
+            kernel, scale = quantize_w8(w_IO)
+        else:
+            kernel, scale, offset = quantize_w4(w_IO, spec.group_size)
+            layer.offset = nnx.Param(offset.astype(dtype))
         layer.kernel = nnx.Param(kernel)
         layer.scale = nnx.Param(scale.astype(dtype))
         if linear.bias is not None:
@@ -129,7 +144,8 @@ class QuantLinear(nnx.Module):
         if self.spec.method == "w8":
             y_TO = (x_TI @ self.kernel[...].astype(dtype)) * self.scale[...].astype(dtype)
         else:
-            y_TO = x_TI @ dequantize_w4(self.kernel[...], self.scale[...], self.spec.group_size, dtype)
+            w_IO = dequantize_w4(self.kernel[...], self.scale[...], self.offset[...], self.spec.group_size, dtype)
+            y_TO = x_TI @ w_IO
         if self.bias is not None:
             y_TO = y_TO + self.bias[...]
         return y_TO

@@ -1,0 +1,120 @@
+"""Weight-only quantization (`lmjax.layers.quant`): exact packing, bounded rounding error, the model
+transform, and SmolLM2 perplexity on a fixed public-domain text against the unquantized model.
+
+The baseline is float32 (bf16 matmuls are slow on CPU). SmolLM2 here is a Q4_1 GGUF (asymmetric int4,
+groups of 32) dequantized, so w4 with groups of 32 lands on the very grid it came from.
+"""
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from lmjax.layers.linear import Linear
+from lmjax.layers.quant import (QuantLinear, QuantSpec, dequantize_w4, quantize_model, quantize_w4, quantize_w8,
+                                unpack_w4)
+
+TEXT = os.path.join(os.path.dirname(__file__), "data", "perplexity.txt")
+
+
+def _w(I=200, O=48, seed=0):
+    return jax.random.normal(jax.random.key(seed), (I, O), jnp.float32)
+
+
+def test_w8_error_is_at_most_half_a_step():
+    w = _w()
+    q, scale = quantize_w8(w)
+    assert q.dtype == jnp.int8 and scale.shape == (48,)
+    assert jnp.all(jnp.abs(q.astype(jnp.float32) * scale - w) <= scale / 2 + 1e-6)
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128])  # 200 rows: 64 and 128 leave a short last group
+def test_w4_packing_is_exact_and_error_at_most_half_a_step(group_size):
+    w = _w()
+    packed, scale, offset = quantize_w4(w, group_size)
+    groups = -(-200 // group_size)
+    assert packed.shape == (100, 48) and packed.dtype == jnp.uint8 and scale.shape == offset.shape == (groups, 48)
+    u = unpack_w4(packed)
+    assert int(u.max()) <= 15 and u.shape == (200, 48)
+    repacked = u[0::2] | (u[1::2] << 4)
+    assert jnp.array_equal(repacked, packed)
+    step = jnp.repeat(scale, group_size, axis=0)[:200]
+    assert jnp.all(jnp.abs(dequantize_w4(packed, scale, offset, group_size, jnp.float32) - w) <= step / 2 + 1e-5)
+
+
+@pytest.mark.parametrize("spec", [QuantSpec("w8"), QuantSpec("w4", 64)])
+def test_quant_linear_is_dequantize_then_matmul(spec):
+    linear = Linear(200, 48, bias=True)
+    linear.kernel, linear.bias = nnx.Param(_w()), nnx.Param(jnp.arange(48, dtype=jnp.float32))
+    layer = QuantLinear.from_linear(linear, spec)
+    x = jax.random.normal(jax.random.key(1), (5, 200))
+    if spec.method == "w8":
+        w = layer.kernel[...].astype(jnp.float32) * layer.scale[...]
+    else:
+        w = dequantize_w4(layer.kernel[...], layer.scale[...], layer.offset[...], 64, jnp.float32)
+    np.testing.assert_allclose(jax.jit(lambda x: layer(x))(x), x @ w + linear.bias[...], rtol=1e-5, atol=1e-4)
+
+
+def test_quantize_model_swaps_every_linear_but_lm_head(smollm2_lmjax):
+    model = quantize_model(nnx.clone(smollm2_lmjax.model), QuantSpec("w4", 32))
+    kinds = {type(m).__name__ for p, m in nnx.iter_modules(model) if isinstance(m, (Linear, QuantLinear))}
+    assert kinds == {"QuantLinear"}  # SmolLM2 ties its lm_head to the embedding
+    assert isinstance(model.layers[3].mlp.down_proj, QuantLinear)
+    w8 = sum(v[...].nbytes for _, v in nnx.to_flat_state(nnx.state(
+        quantize_model(nnx.clone(smollm2_lmjax.model), QuantSpec("w8")))))
+    full = sum(v[...].nbytes for _, v in nnx.to_flat_state(nnx.state(smollm2_lmjax.model)))
+    assert w8 < 0.55 * full  # float32 -> int8 body; the float32 tied embedding stays
+
+
+# ---------------------------------------------------------------- perplexity
+def perplexity(model, ids: list[int]) -> float:
+    from lmjax.models.forward import prompt_logits
+
+    logits = prompt_logits(model, [ids])[0]
+    logp = jax.nn.log_softmax(jnp.asarray(logits[:-1]), axis=-1)
+    nll = -jnp.take_along_axis(logp, jnp.asarray(ids[1:])[:, None], axis=1)
+    return float(jnp.exp(jnp.mean(nll)))
+
+
+@pytest.fixture(scope="module")
+def text_ids(smollm2_tokenizer) -> list[int]:
+    ids = smollm2_tokenizer.encode(open(TEXT).read())
+    assert len(ids) > 500
+    return ids
+
+
+@pytest.fixture(scope="module")
+def base_ppl(smollm2_lmjax, text_ids) -> float:
+    ppl = perplexity(smollm2_lmjax.model, text_ids)
+    assert 5 < ppl < 20, ppl  # a sane model on plain English (measured 10.64)
+    return ppl
+
+
+@pytest.mark.parametrize("spec, tolerance", [(QuantSpec("w8"), 0.01), (QuantSpec("w4", 32), 0.05)])
+def test_smollm2_perplexity_within_tolerance(smollm2_lmjax, text_ids, base_ppl, spec, tolerance):
+    ppl = perplexity(quantize_model(nnx.clone(smollm2_lmjax.model), spec), text_ids)
+    print(f"SmolLM2 perplexity: float32 {base_ppl:.4f}, {spec.method} g{spec.group_size} {ppl:.4f}")
+    assert ppl <= base_ppl * (1 + tolerance)
+
+
+@pytest.mark.xfail(strict=True, reason="round-to-nearest int4 in groups of 128 loses too much on SmolLM2-135M "
+                   "(measured 36.6 vs 10.64; its Q4_1 source grid is groups of 32): needs calibrated "
+                   "(AWQ/GPTQ) weights, which AWQ import will bring")
+def test_smollm2_w4_group128_perplexity_within_5_percent(smollm2_lmjax, text_ids, base_ppl):
+    ppl = perplexity(quantize_model(nnx.clone(smollm2_lmjax.model), QuantSpec("w4", 128)), text_ids)
+    print(f"SmolLM2 perplexity: float32 {base_ppl:.4f}, w4 g128 {ppl:.4f}")
+    assert ppl <= base_ppl * 1.05
+
+
+def test_smollm2_converted_w4_restores_the_quantized_model(smollm2_gguf, smollm2_lmjax, text_ids, tmp_path):
+    from convert import convert_checkpoint
+    from lmjax.loader.model_loader import load_model
+
+    out = convert_checkpoint(smollm2_gguf, tmp_path / "w4", dtype="float32", quant="w4", group_size=32)
+    restored = load_model(out, "float32").model
+    assert isinstance(restored.layers[0].self_attn.q_proj, QuantLinear)
+    assert restored.layers[0].self_attn.q_proj.kernel[...].dtype == jnp.uint8
+    in_memory = quantize_model(nnx.clone(smollm2_lmjax.model), QuantSpec("w4", 32))
+    assert perplexity(restored, text_ids) == pytest.approx(perplexity(in_memory, text_ids), rel=1e-5)
