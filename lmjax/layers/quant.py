@@ -181,3 +181,108 @@ def quantize_model(model: nnx.Module, spec: QuantSpec | None, abstract: bool = F
         else:
             setattr(parent, key, new)
     return model
+
+
+# ---------------------------------------------------------------- KV-cache quantization (quant_policy)
+# LMDeploy's `quant_policy`: 8 = int8, 4 = int4, asymmetric, one (scale, zero) per token per KV head,
+# stored in float16 beside the quantized cache. Quantize on write; the reference attention dequantizes
+# the pages it reads. Shape letters as in lmjax.layers.attention (P blocks, S block size, K kv heads,
+# H head dim; W = H for int8, H / 2 for int4: two values per byte, element 2i in the low nibble).
+KV_POLICIES = (8, 4)
+KV_SCALE_DTYPE = jnp.float16
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class QuantKV:
+    """One layer's K (or V) cache, quantized: data uint8 [P, S, K, W], scale/zero float16 [P, S, K]."""
+
+    data_PSKW: jax.Array
+    scale_PSK: jax.Array
+    zero_PSK: jax.Array
+    bits: int = dataclasses.field(metadata=dict(static=True), default=8)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data_PSKW.nbytes + self.scale_PSK.nbytes + self.zero_PSK.nbytes
+
+
+def _check_policy(bits: int) -> None:
+    if bits not in KV_POLICIES:
+        raise ValueError(f"quant_policy={bits} is not supported; choose one of {KV_POLICIES} (0: no quantization)")
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, quant_policy: int = 0,
+                       dtype=jnp.bfloat16) -> int:
+    """Cache bytes one token takes (K and V, every layer)."""
+    if quant_policy == 0:
+        per_head = head_dim * jnp.dtype(dtype).itemsize
+    else:
+        _check_policy(quant_policy)
+        per_head = head_dim * quant_policy // 8 + 2 * jnp.dtype(KV_SCALE_DTYPE).itemsize
+    return 2 * num_layers * num_kv_heads * per_head
+
+
+def quantize_kv(x_TKH: jax.Array, bits: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(data uint8 [T, K, W], scale [T, K], zero [T, K]): x ~ q * scale + zero per token and head."""
+    _check_policy(bits)
+    x = x_TKH.astype(jnp.float32)
+    lo, hi = jnp.min(x, axis=-1), jnp.max(x, axis=-1)
+    scale = ((hi - lo) / (2**bits - 1)).astype(KV_SCALE_DTYPE)
+    scale = jnp.where(scale == 0, jnp.ones_like(scale), scale)
+    zero = lo.astype(KV_SCALE_DTYPE)
+    q = jnp.round((x - zero[..., None].astype(jnp.float32)) / scale[..., None].astype(jnp.float32))
+    q = jnp.clip(q, 0, 2**bits - 1).astype(jnp.uint8)
+    if bits == 4:
+        q = q[..., 0::2] | (q[..., 1::2] << 4)
+    return q, scale, zero
+
+
+def dequantize_kv(data, scale, zero, bits: int, dtype):
+    """Inverse of `quantize_kv` for any leading dims: [..., W] -> [..., H] in `dtype`."""
+    if bits == 4:
+        data = jnp.stack([data & 0xF, data >> 4], axis=-1).reshape(*data.shape[:-1], 2 * data.shape[-1])
+    return (data.astype(jnp.float32) * scale[..., None].astype(jnp.float32)
+            + zero[..., None].astype(jnp.float32)).astype(dtype)
+
+
+def make_quant_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                         quant_policy: int) -> list[tuple[QuantKV, QuantKV]]:
+    """Zeroed per-layer (k, v) quantized caches."""
+    _check_policy(quant_policy)
+    if quant_policy == 4 and head_dim % 2:
+        raise ValueError(f"quant_policy=4 packs two values per byte: head_dim={head_dim} must be even")
+    W = head_dim * quant_policy // 8
+    P, S, K = num_blocks, block_size, num_kv_heads
+
+    def one():
+        return QuantKV(jnp.zeros((P, S, K, W), jnp.uint8), jnp.ones((P, S, K), KV_SCALE_DTYPE),
+                       jnp.zeros((P, S, K), KV_SCALE_DTYPE), quant_policy)
+    return [(one(), one()) for _ in range(num_layers)]
+
+
+def write_kv_quant(k_cache: QuantKV, v_cache: QuantKV, k_TKH, v_TKH, slot_mapping_T):
+    """`lmjax.layers.attention.write_kv` for quantized caches: quantize this step's K/V, scatter."""
+    def write(cache: QuantKV, x_TKH):
+        P, S, K, W = cache.data_PSKW.shape
+        if K != x_TKH.shape[1]:  # the cache repeats KV heads under tp (see lmjax.parallel.kv_cache_heads)
+            x_TKH = jnp.repeat(x_TKH, K // x_TKH.shape[1], axis=1)
+        q, scale, zero = quantize_kv(x_TKH, cache.bits)
+        data = cache.data_PSKW.reshape(P * S, K, W).at[slot_mapping_T].set(q).reshape(P, S, K, W)
+        scale_ = cache.scale_PSK.reshape(P * S, K).at[slot_mapping_T].set(scale).reshape(P, S, K)
+        zero_ = cache.zero_PSK.reshape(P * S, K).at[slot_mapping_T].set(zero).reshape(P, S, K)
+        return QuantKV(data, scale_, zero_, cache.bits)
+    return write(k_cache, k_TKH), write(v_cache, v_TKH)
+
+
+def paged_attention_quant(q_TNH, k_cache: QuantKV, v_cache: QuantKV, meta, *, sm_scale: float,
+                          sliding_window: int | None = None):
+    """Reference attention over a quantized cache: dequantize the pages, then the jnp reference.
+    (Dequantizes every page: a reference, not a fast path; a kernel would dequantize each page tile
+    it loads, reading 1/2 or 1/4 of the bytes.)"""
+    from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
+
+    k = dequantize_kv(k_cache.data_PSKW, k_cache.scale_PSK, k_cache.zero_PSK, k_cache.bits, q_TNH.dtype)
+    v = dequantize_kv(v_cache.data_PSKW, v_cache.scale_PSK, v_cache.zero_PSK, v_cache.bits, q_TNH.dtype)
+    return ragged_paged_attention_reference(q_TNH, k, v, meta.kv_lens_B, meta.block_tables_BM, meta.cu_q_lens_B1,
+                                            sm_scale=sm_scale, sliding_window=sliding_window)
