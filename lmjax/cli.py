@@ -16,8 +16,6 @@ import sys
 
 from lmjax.config import DTYPES
 
-NOT_IMPLEMENTED_EXIT = 2
-
 
 def _bounded(kind, name: str, low=None, high=None, low_open=False):
     """An argparse `type` that parses `kind` and rejects values out of range, naming the value."""
@@ -63,17 +61,6 @@ def _add_generate(subparsers) -> None:
     p.add_argument("--session-len", type=_bounded(int, "session-len", 1), default=None,
                    help="longest prompt + completion in tokens (default: the model's context length)")
     p.set_defaults(func=_generate)
-
-
-def _add_later(subparsers, name: str, help_text: str):
-    p = subparsers.add_parser(name, help=f"{help_text} (not implemented yet)", description=help_text)
-    p.set_defaults(func=_not_implemented, command_name=f"lmjax {name}")
-    return p
-
-
-def _not_implemented(args) -> int:
-    print(f"{args.command_name} is not implemented yet", file=sys.stderr)
-    return NOT_IMPLEMENTED_EXIT
 
 
 def build_parser() -> argparse.ArgumentParser:
