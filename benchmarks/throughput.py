@@ -342,7 +342,6 @@ def main(argv=None) -> dict:
     set_threads(args.threads)
     path = model_path(args)
     from lmjax.loader.tokenizer import load_tokenizer
-    from lmjax.loader.model_loader import load_model  # noqa: F401  (imports jax after set_threads)
     from lmjax.loader.safetensors_loader import read_config
 
     tokenizer = load_tokenizer(path)
