@@ -214,10 +214,11 @@ class EngineConfig:
     use_logn_attn: bool = False
     seed: int = 0
     device_type: str = "auto"
+    num_scheduler_steps: int = 8  # decode steps per host round trip when no request needs the host
 
     def __post_init__(self):
         _check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        for name in ("tp", "max_batch_size", "block_size", "max_prefill_token_num"):
+        for name in ("tp", "max_batch_size", "block_size", "max_prefill_token_num", "num_scheduler_steps"):
             value = getattr(self, name)
             _check(isinstance(value, int) and value >= 1, f"{name} must be an int >= 1, got {value!r}")
         _check(self.session_len is None or self.session_len >= 1,

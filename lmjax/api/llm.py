@@ -36,7 +36,7 @@ class LLM:
                  dtype: str = "auto", seed: int = 0, gpu_memory_utilization: float = 0.9,
                  max_model_len: int | None = None, max_num_seqs: int = 256, block_size: int = 64,
                  max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = False,
-                 num_gpu_blocks_override: int | None = None, **kwargs):
+                 num_gpu_blocks_override: int | None = None, num_scheduler_steps: int = 8, **kwargs):
         _check_vllm_only(kwargs)
         if not 0 < gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
@@ -45,7 +45,8 @@ class LLM:
                               cache_max_entry_count=gpu_memory_utilization,
                               num_gpu_blocks=num_gpu_blocks_override or 0,
                               max_prefill_token_num=max_num_batched_tokens or 8192,
-                              enable_prefix_caching=enable_prefix_caching)
+                              enable_prefix_caching=enable_prefix_caching,
+                              num_scheduler_steps=num_scheduler_steps)
         self.llm_engine = LLMEngine(model, config, tokenizer)
 
     def get_tokenizer(self):

@@ -49,6 +49,7 @@ class LLMEngine:
         self.sessions: dict = {}  # session id -> its finished Sequence (tokens, kept KV blocks)
         self._session_of: dict[int, object] = {}  # seq_id -> session id, for turns that keep their KV
         self.num_prefill_tokens = self.num_generated_tokens = 0  # prompt tokens computed, tokens sampled
+        self.num_decode_loops = 0  # multi-step decode calls (num_scheduler_steps tokens per sequence each)
         logger.info("engine ready: %s, %d KV blocks of %d tokens, session_len=%d", loaded.path, num_blocks,
                     config.block_size, self.session_len)
 
@@ -180,6 +181,9 @@ class LLMEngine:
             changed[req.request_id] = req
         if not batch.items:
             return list(changed.values())
+        num_steps = self._decode_steps(batch)
+        if num_steps > 1:
+            return self._multi_step(batch, num_steps, changed)
         out = self.runner.execute(batch, self.blocks, [self._row(it) for it in batch.items],
                                   self._prompt_logprobs_k(batch))
         if out.prompt is not None:
@@ -192,6 +196,45 @@ class LLMEngine:
         for i, it in enumerate(batch.items):
             if it.samples and it.seq.seq_id in self._by_seq:
                 req, comp = self._by_seq[it.seq.seq_id]
+                self._postprocess(req, comp, out, i)
+                changed[req.request_id] = req
+        return list(changed.values())
+
+    def _decode_steps(self, batch: ScheduledBatch) -> int:
+        """K > 1 when the next K decode steps need no host decision in between: all items decode, no
+        request waits to join, nothing per-step is host-computed (penalties, multi-token bad words,
+        min_tokens bans), and blocks for K more tokens are free (allocated here)."""
+        k = self.config.num_scheduler_steps
+        if k <= 1 or self.scheduler.num_waiting or self.runner.leading:
+            return 1
+        for it in batch.items:
+            if it.num_new_tokens != 1 or not it.samples or it.seq.seq_id not in self._by_seq:
+                return 1
+            req = self._by_seq[it.seq.seq_id][0]
+            p = req.params
+            if p.uses_penalties or req.bad_words_ids or len(it.seq.output_token_ids) < p.min_tokens:
+                return 1
+            if it.seq.num_computed_tokens + k > self.session_len:
+                return 1
+        if sum(self.blocks.num_new_blocks(it.seq, k) for it in batch.items) > self.blocks.num_free_blocks:
+            return 1
+        for it in batch.items:
+            self.blocks.append(it.seq, k)
+        return k
+
+    def _multi_step(self, batch: ScheduledBatch, num_steps: int, changed: dict) -> list[Request]:
+        """Apply K tokens per sequence as K ordinary steps; tokens past a sequence's finish are dropped."""
+        outs = self.runner.execute_decode(batch, [self._row(it) for it in batch.items], num_steps)
+        self.num_decode_loops += 1
+        for out in outs:
+            alive = [i for i, it in enumerate(batch.items) if it.seq.seq_id in self._by_seq]
+            if not alive:
+                break
+            sampled = {batch.items[i].seq.seq_id: int(out.token_ids[i]) for i in alive}
+            self.num_generated_tokens += len(sampled)
+            self.scheduler.update(batch, sampled)
+            for i in alive:
+                req, comp = self._by_seq[batch.items[i].seq.seq_id]
                 self._postprocess(req, comp, out, i)
                 changed[req.request_id] = req
         return list(changed.values())

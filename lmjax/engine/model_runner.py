@@ -27,6 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from lmjax import parallel
 from lmjax.config import SamplingParams
 from lmjax.engine.block_manager import BlockManager
+from lmjax.engine.decode_loop import DecodeInputs, decode_steps
 from lmjax.engine.scheduler import ScheduledBatch
 from lmjax.layers.attention import AttentionMetadata
 from lmjax.layers.sampler import SamplingFlags, SamplingRow, build_sampling_metadata, sample
@@ -85,6 +86,7 @@ class ModelRunner:
         self.num_compilations = 0
         self.leading = False  # process 0 driving follower processes (see lead / follow)
         self._step = jax.jit(self._step_fn, donate_argnums=(1,), static_argnames=("flags", "num_prompt_logprobs"))
+        self._decode = jax.jit(self._decode_fn, donate_argnums=(1,), static_argnames=("flags", "num_steps"))
 
     def _step_fn(self, state, caches, inputs: StepInputs, smeta, *, flags: SamplingFlags, num_prompt_logprobs):
         # Runs once per compilation (tracing), never per step: count and log it.
@@ -99,6 +101,33 @@ class ModelRunner:
         if num_prompt_logprobs >= 0:
             prompt = _prompt_logprobs(self._logits(model, hidden_TD), inputs.next_ids_T, num_prompt_logprobs)
         return out, prompt, caches
+
+    def _decode_fn(self, state, caches, inputs: DecodeInputs, smeta, *, flags: SamplingFlags, num_steps: int):
+        self.num_compilations += 1
+        logger.info("compiling %d-step decode #%d: B=%d M=%d %s", num_steps, self.num_compilations,
+                    inputs.ids_B.shape[0], inputs.block_tables_BM.shape[1], flags)
+        model = nnx.merge(self.graphdef, state)
+        return decode_steps(model, self._logits, caches, inputs, smeta, num_steps=num_steps,
+                            block_size=self.block_size, flags=flags)
+
+    def execute_decode(self, batch: ScheduledBatch, rows: list[SamplingRow], num_steps: int) -> list[StepOutput]:
+        """`num_steps` decode steps of a decode-only batch in one call (block tables must already hold
+        slots for all of them); one StepOutput per step."""
+        items, n = batch.items, len(batch.items)
+        B, M = bucket(n, 4), bucket(max(len(it.seq.block_table) for it in items), 1)
+        ids, positions, tables = np.zeros(B, np.int32), np.zeros(B, np.int32), np.zeros((B, M), np.int32)
+        for b, it in enumerate(items):
+            ids[b], positions[b] = it.seq.last_token_id, it.start_pos
+            tables[b, :len(it.seq.block_table)] = it.seq.block_table
+        inputs = DecodeInputs(ids, positions, tables, np.int32(n))
+        smeta, flags = build_sampling_metadata(rows, pad_to=B)
+        if self.mesh is not None:
+            inputs, smeta = parallel.replicate((inputs, smeta), self.mesh)
+        with parallel.use_mesh(self.mesh):
+            out, self.caches = self._decode(self.state, self.caches, inputs, smeta, flags=flags, num_steps=num_steps)
+        tokens, logprobs, top_ids, top_lp = jax.device_get(out)
+        return [StepOutput(tokens[k, :n], logprobs[k, :n], top_ids[k, :n], top_lp[k, :n], None)
+                for k in range(num_steps)]
 
     def _logits(self, model, hidden_XD):
         logits_XV = model.compute_logits(hidden_XD)

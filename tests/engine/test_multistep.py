@@ -1,0 +1,50 @@
+"""Several decode steps per host round trip (num_scheduler_steps) give exactly the tokens, text, logprobs
+and finish reasons of one step at a time: greedy and seeded sampling, stop tokens, stop strings, EOS,
+max_tokens that end inside a K-step window."""
+import numpy as np
+import pytest
+import transformers
+
+from lmjax import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    import torch
+
+    path = tmp_path_factory.mktemp("tiny")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                   eos_token_id=3)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    import sys
+    sys.path.insert(0, "benchmarks")
+    from random_model import write_tokenizer
+    write_tokenizer(256, str(path))
+    return str(path)
+
+
+def _run(path, steps, prompts, params):
+    llm = LLM(path, max_model_len=256, num_scheduler_steps=steps, block_size=16)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return llm, [(c.token_ids, c.text, c.finish_reason, c.stop_reason,
+                  [sorted(e.items()) for e in c.logprobs] if c.logprobs else None)
+                 for o in outs for c in o.outputs]
+
+
+def test_multistep_equals_single_step(tiny):
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(4, 256, n).tolist() for n in (3, 17, 30, 5, 64, 9)]
+    params = [SamplingParams(temperature=0, max_tokens=13),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=21),
+              SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[17, 99, 200]),
+              SamplingParams(temperature=1.0, top_k=20, seed=9, max_tokens=7, logprobs=2, n=2),
+              SamplingParams(temperature=0, max_tokens=30, stop=["t1", "t5"]),
+              SamplingParams(temperature=0, max_tokens=33)]
+    multi, got = _run(tiny, 8, prompts, params)
+    single, want = _run(tiny, 1, prompts, params)
+    assert got == want
+    assert multi.llm_engine.num_decode_loops > 0 and single.llm_engine.num_decode_loops == 0
+    engine = multi.llm_engine
+    assert engine.blocks.num_free_blocks == engine.blocks.num_usable_blocks
