@@ -47,7 +47,7 @@ try:  # The Triton backend module; absent from some jax builds.
 except ImportError:  # pragma: no cover - depends on the jax build
     plgpu = None
 
-IMPLS = ("auto", "kernel", "reference")
+IMPLS = ("auto", "kernel", "reference", "tiled")
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 # Finite stand-in for -inf in the running max: exp2(-inf - (-inf)) would be NaN
 # for rows that have seen no key yet, exp2(-inf - _M_INIT) is 0.
@@ -510,8 +510,8 @@ def ragged_paged_attention(
 ):
     """Attention of a ragged batch of queries over a paged KV cache.
 
-    impl: "auto" runs the Pallas kernel on GPU and the jnp reference elsewhere;
-    "kernel" / "reference" force one. interpret=True runs the kernel in Pallas
+    impl: "auto" runs the Pallas kernel on GPU and the XLA tiled version
+    (ragged_paged_attention_tiled.py) elsewhere; "kernel" / "reference" / "tiled" force one. interpret=True runs the kernel in Pallas
     interpret mode (any backend; tests). Returns out_TNH in q's dtype, with
     rows past cu_q_lens[-1] zero.
     """
@@ -519,7 +519,13 @@ def ragged_paged_attention(
         q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, block_tables_BM, cu_q_lens_B1,
         sm_scale=sm_scale, sliding_window=sliding_window, impl=impl)
     use_kernel = impl == "kernel" or (impl == "auto" and (interpret or _on_gpu()))
-    fn = ragged_paged_attention_kernel if use_kernel else ragged_paged_attention_reference
-    kwargs = dict(interpret=interpret) if use_kernel else {}
-    return fn(q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, block_tables_BM, cu_q_lens_B1,
-              sm_scale=sm_scale, sliding_window=sliding_window, **kwargs)
+    args = (q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, block_tables_BM, cu_q_lens_B1)
+    if use_kernel:
+        return ragged_paged_attention_kernel(*args, sm_scale=sm_scale, sliding_window=sliding_window,
+                                             interpret=interpret)
+    if impl == "reference":
+        return ragged_paged_attention_reference(*args, sm_scale=sm_scale, sliding_window=sliding_window)
+    # Off GPU, production runs the XLA version that skips blocks no query can see.
+    from pallas_kernels.ragged_paged_attention_tiled import ragged_paged_attention_tiled
+
+    return ragged_paged_attention_tiled(*args, sm_scale=sm_scale, sliding_window=sliding_window)
