@@ -5,8 +5,8 @@ import pathlib
 
 import pytest
 
-nbformat = pytest.importorskip("nbformat")
-nbclient = pytest.importorskip("nbclient")
+import nbformat  # noqa: E402
+import nbclient  # noqa: E402
 
 NOTEBOOK_DIR = pathlib.Path(__file__).resolve().parent.parent / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
