@@ -3,8 +3,9 @@ at given request rates (Poisson arrivals; `inf` sends everything at once), over 
 
 Starts the server as a subprocess (or uses `--url`), warms it up (compilations), then for each rate sends
 `--num-prompts` requests with `ignore_eos` and a fixed `--max-tokens`, so every request generates exactly
-that many tokens. Per request: TTFT = first token - send; ITL = gaps between streamed tokens; TPOT =
-(last - first token) / (tokens - 1). Prints a markdown table (and JSON with --json).
+that many tokens. Per request: TTFT = first streamed chunk - send; ITL = gaps between streamed chunks
+(a chunk holds every token one engine step made: several with multi-step decode); TPOT = (last chunk -
+first chunk) / (tokens - 1). Prints a markdown table (and JSON with --json).
 
     python benchmarks/serving.py --request-rates 1 4 inf --num-prompts 32 --max-tokens 32
 """
@@ -45,8 +46,8 @@ async def _one(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: i
                 times.append(time.perf_counter())
             elif chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
-    ttft = times[0] - start
-    tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else 0.0
+    ttft = times[0] - start  # a chunk can carry several tokens (multi-step decode): TPOT divides by tokens
+    tpot = (times[-1] - times[0]) / (tokens - 1) if tokens > 1 else 0.0
     return {"ttft": ttft, "tpot": tpot, "itl": [b - a for a, b in zip(times, times[1:])], "tokens": tokens,
             "latency": times[-1] - start}
 
