@@ -1,11 +1,12 @@
 """lmjax: an LLM inference engine in JAX with LMDeploy's `pipeline` and vLLM's `LLM` as its two facades."""
+from lmjax.api.async_engine import AsyncEngine
 from lmjax.api.llm import LLM
 from lmjax.api.outputs import CompletionOutput, Logprob, RequestOutput, Response
 from lmjax.api.pipeline import Pipeline, pipeline
 from lmjax.config import (ChatTemplateConfig, EngineConfig, GenerationConfig, PytorchEngineConfig, SamplingParams,
                           TurbomindEngineConfig)
 
-__all__ = ["LLM", "pipeline", "Pipeline", "GenerationConfig", "SamplingParams", "EngineConfig",
+__all__ = ["LLM", "AsyncEngine", "pipeline", "Pipeline", "GenerationConfig", "SamplingParams", "EngineConfig",
            "TurbomindEngineConfig", "PytorchEngineConfig", "ChatTemplateConfig", "Response", "RequestOutput",
            "CompletionOutput", "Logprob"]
 __version__ = "0.1.0"
