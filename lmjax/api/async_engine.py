@@ -25,7 +25,7 @@ import queue
 from collections.abc import AsyncIterator, Iterator
 
 from lmjax.api.batch import encode_chat, encode_text
-from lmjax.api.engine_thread import EngineThread, GenOut
+from lmjax.api.engine_thread import EngineThread, GenOut, merge_outputs
 from lmjax.api.outputs import Response
 from lmjax.api.pipeline import _LEGACY_ARGS, _engine_config
 from lmjax.config import ChatTemplateConfig, GenerationConfig, SamplingParams
@@ -144,7 +144,7 @@ class AsyncEngine:
                 if stream:
                     yield item
                 else:
-                    whole[item.index] = _merge(whole.get(item.index), item)
+                    whole[item.index] = merge_outputs(whole.get(item.index), item)
             finished = True
             for index in sorted(whole):
                 yield whole[index]
@@ -251,18 +251,6 @@ class _Done(concurrent.futures.Future):
         return asyncio.wrap_future(self).__await__()
 
 
-def _merge(acc: GenOut | None, item: GenOut) -> GenOut:
-    if acc is None:
-        return dataclasses.replace(item, token_ids=list(item.token_ids),
-                                   logprobs=None if item.logprobs is None else list(item.logprobs))
-    acc.response += item.response
-    acc.token_ids += item.token_ids
-    if acc.logprobs is not None and item.logprobs:
-        acc.logprobs += item.logprobs
-    acc.generate_token_len, acc.finish_reason = item.generate_token_len, item.finish_reason
-    return acc
-
-
 def _response(out: GenOut, session_id: int | None = None) -> Response:
     return Response(out.response, out.generate_token_len, out.input_token_len, out.finish_reason,
                     list(out.token_ids), out.logprobs, out.index, session_id)
@@ -273,7 +261,7 @@ def _drain(sink: queue.SimpleQueue) -> list[Response]:
     while (item := sink.get()) is not None:
         if isinstance(item, BaseException):
             raise item
-        whole[item.index] = _merge(whole.get(item.index), item)
+        whole[item.index] = merge_outputs(whole.get(item.index), item)
     return [_response(whole[i]) for i in sorted(whole)]
 
 

@@ -197,3 +197,16 @@ class EngineThread:
 
 
 _ids = iter(range(1, 1 << 62))
+
+
+def merge_outputs(acc: GenOut | None, item: GenOut) -> GenOut:
+    """Fold a streamed piece into the accumulated output of its completion (a copy on first use)."""
+    if acc is None:
+        return dataclasses.replace(item, token_ids=list(item.token_ids),
+                                   logprobs=None if item.logprobs is None else list(item.logprobs))
+    acc.response += item.response
+    acc.token_ids += item.token_ids
+    if acc.logprobs is not None and item.logprobs:
+        acc.logprobs += item.logprobs
+    acc.generate_token_len, acc.finish_reason = item.generate_token_len, item.finish_reason
+    return acc

@@ -9,7 +9,7 @@ import json
 import time
 import uuid
 
-from lmjax.api.engine_thread import GenOut
+from lmjax.api.engine_thread import GenOut, merge_outputs
 
 
 def new_id(prefix: str) -> str:
@@ -70,17 +70,7 @@ class Choices:
         """Record a (delta) output; returns its choice index."""
         i = self.index(prompt_index, out)
         self.prompt_tokens[prompt_index] = (out.history_token_len + out.input_token_len, out.cached_token_len)
-        acc = self.outs.get(i)
-        if acc is None:
-            self.outs[i] = GenOut(out.response, out.history_token_len, out.input_token_len, out.generate_token_len,
-                                  out.finish_reason, list(out.token_ids),
-                                  None if out.logprobs is None else list(out.logprobs), out.index, out.cached_token_len)
-        else:
-            acc.response += out.response
-            acc.token_ids += out.token_ids
-            if acc.logprobs is not None and out.logprobs:
-                acc.logprobs += out.logprobs
-            acc.generate_token_len, acc.finish_reason = out.generate_token_len, out.finish_reason
+        self.outs[i] = merge_outputs(self.outs.get(i), out)
         return i
 
     def usage(self) -> dict:
