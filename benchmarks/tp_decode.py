@@ -36,6 +36,7 @@ from random_model import SHAPES  # noqa: E402
 
 from lmjax import parallel  # noqa: E402
 from lmjax.config import SamplingParams  # noqa: E402
+from lmjax.engine.decode_loop import DecodeInputs  # noqa: E402
 from lmjax.engine.model_runner import ModelRunner, StepInputs, bucket  # noqa: E402
 from lmjax.layers.attention import AttentionMetadata  # noqa: E402
 from lmjax.layers.sampler import SamplingRow, build_sampling_metadata  # noqa: E402
@@ -92,6 +93,37 @@ def decode_inputs(context: int, block_size: int, vocab: int):
                       next_ids_T=np.full(T, -1, np.int32)), blocks + 1
 
 
+def time_multi_step(runner, caches, inputs: StepInputs, smeta, flags, args):
+    """Per-step time of the engine's multi-step decode (`--steps` steps per call, tokens fed back on the
+    device, read back once per call): the device step without the host round trip."""
+    B = inputs.last_rows_B.shape[0]
+    pos = int(np.asarray(inputs.positions_T)[0])
+    dec = DecodeInputs(ids_B=inputs.ids_T[:B], positions_B=jnp.zeros(B, jnp.int32).at[0].set(pos - args.steps),
+                       block_tables_BM=inputs.attn.block_tables_BM, num_valid=jnp.int32(1))
+    if runner.mesh is not None:
+        dec = parallel.replicate(dec, runner.mesh)
+    calls = []
+    for i in range(3 + max(args.iters // args.steps, 5)):
+        t0 = time.perf_counter()
+        out, caches = runner._decode(runner.state, caches, dec, smeta, flags=flags, num_steps=args.steps)
+        np.asarray(out.token_ids_B)
+        if i >= 3:  # the first call compiles
+            calls.append(time.perf_counter() - t0)
+    if args.profile:
+        import trace_summary  # benchmarks/trace_summary.py
+        trace_dir = os.path.join(args.profile, f"tp{len(jax.devices()) if runner.mesh is not None else 1}")
+        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+            for _ in range(2):
+                out, caches = runner._decode(runner.state, caches, dec, smeta, flags=flags, num_steps=args.steps)
+                np.asarray(out.token_ids_B)
+        print(f"profile of 2 calls x {args.steps} steps ({trace_dir}):")
+        try:
+            trace_summary.print_summary(trace_summary.summarize(trace_dir, steps=2 * args.steps))
+        except ValueError as e:  # e.g. on CPU: no GPU kernels in the trace
+            print(e)
+    return statistics.median(calls) * 1e3 / args.steps, caches
+
+
 def bench(args, tp: int) -> dict:
     dtype = jnp.dtype(args.dtype)
     t0 = time.perf_counter()
@@ -121,11 +153,14 @@ def bench(args, tp: int) -> dict:
             np.asarray(out.token_ids_B)  # the engine reads every step's tokens back
             if i >= args.warmup:
                 times.append(time.perf_counter() - t0)
+        multi_ms, caches = time_multi_step(runner, caches, inputs, smeta, flags, args)
+    runner.caches = caches
     per_device = parallel.per_device_bytes(runner.state)
     ms = sorted(t * 1e3 for t in times)
     return {"tp": tp, "shape": args.checkpoint or args.shape, "dtype": args.dtype, "batch": 1,
             "context": args.context, "step_ms_median": round(statistics.median(ms), 3),
             "step_ms_p10": round(ms[len(ms) // 10], 3), "step_ms_p90": round(ms[(9 * len(ms)) // 10], 3),
+            "multi_step_ms_per_step": round(multi_ms, 3), "steps_per_call": args.steps,
             "param_gib_per_device": round(max(per_device.values()) / 2**30, 3),
             "load_s": round(load_s, 1), "compile_s": round(compile_s, 1),
             "device": jax.devices()[0].device_kind, "jax": jax.__version__}
@@ -141,6 +176,9 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--iters", type=int, default=100)
+    parser.add_argument("--steps", type=int, default=8, help="decode steps per call in the multi-step timing")
+    parser.add_argument("--profile", default=None, help="also trace 2 multi-step calls into this directory and "
+                        "print where GPU 0's time goes (benchmarks/trace_summary.py)")
     parser.add_argument("--json", default=None, help="also append the result lines to this file")
     args = parser.parse_args()
     parallel.initialize_distributed()
@@ -151,10 +189,12 @@ def main() -> None:
         print(json.dumps(result), flush=True)
     base = next((r for r in results if r["tp"] == 1), None)
     summary = {r["tp"]: round(base["step_ms_median"] / r["step_ms_median"], 3) for r in results} if base else {}
-    print(json.dumps({"speedup_vs_tp1": summary}), flush=True)
+    multi = {r["tp"]: round(r["multi_step_ms_per_step"] / base["multi_step_ms_per_step"], 3)
+             for r in results} if base else {}
+    print(json.dumps({"speedup_vs_tp1": summary, "multi_step_time_vs_tp1": multi}), flush=True)
     if args.json:
         with open(args.json, "a") as f:
-            for line in results + [{"speedup_vs_tp1": summary}]:
+            for line in results + [{"speedup_vs_tp1": summary, "multi_step_time_vs_tp1": multi}]:
                 f.write(json.dumps(line) + "\n")
 
 
