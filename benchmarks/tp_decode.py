@@ -102,11 +102,12 @@ def time_multi_step(runner, caches, inputs: StepInputs, smeta, flags, args):
                        block_tables_BM=inputs.attn.block_tables_BM, num_valid=jnp.int32(1))
     if runner.mesh is not None:
         dec = parallel.replicate(dec, runner.mesh)
-    calls = []
+    calls, tokens = [], None
     for i in range(3 + max(args.iters // args.steps, 5)):
         t0 = time.perf_counter()
         out, caches = runner._decode(runner.state, caches, dec, smeta, flags=flags, num_steps=args.steps)
-        np.asarray(out.token_ids_B)
+        step_tokens = np.asarray(out.token_ids_B)[:, 0].tolist()
+        tokens = tokens or step_tokens  # every call decodes the same positions from the same token
         if i >= 3:  # the first call compiles
             calls.append(time.perf_counter() - t0)
     if args.profile:
@@ -121,7 +122,7 @@ def time_multi_step(runner, caches, inputs: StepInputs, smeta, flags, args):
             trace_summary.print_summary(trace_summary.summarize(trace_dir, steps=2 * args.steps))
         except ValueError as e:  # e.g. on CPU: no GPU kernels in the trace
             print(e)
-    return statistics.median(calls) * 1e3 / args.steps, caches
+    return statistics.median(calls) * 1e3 / args.steps, tokens, caches
 
 
 def bench(args, tp: int) -> dict:
@@ -153,14 +154,14 @@ def bench(args, tp: int) -> dict:
             np.asarray(out.token_ids_B)  # the engine reads every step's tokens back
             if i >= args.warmup:
                 times.append(time.perf_counter() - t0)
-        multi_ms, caches = time_multi_step(runner, caches, inputs, smeta, flags, args)
+        multi_ms, tokens, caches = time_multi_step(runner, caches, inputs, smeta, flags, args)
     runner.caches = caches
     per_device = parallel.per_device_bytes(runner.state)
     ms = sorted(t * 1e3 for t in times)
     return {"tp": tp, "shape": args.checkpoint or args.shape, "dtype": args.dtype, "batch": 1,
             "context": args.context, "step_ms_median": round(statistics.median(ms), 3),
             "step_ms_p10": round(ms[len(ms) // 10], 3), "step_ms_p90": round(ms[(9 * len(ms)) // 10], 3),
-            "multi_step_ms_per_step": round(multi_ms, 3), "steps_per_call": args.steps,
+            "multi_step_ms_per_step": round(multi_ms, 3), "steps_per_call": args.steps, "greedy_tokens": tokens,
             "param_gib_per_device": round(max(per_device.values()) / 2**30, 3),
             "load_s": round(load_s, 1), "compile_s": round(compile_s, 1),
             "device": jax.devices()[0].device_kind, "jax": jax.__version__}
@@ -191,7 +192,9 @@ def main() -> None:
     summary = {r["tp"]: round(base["step_ms_median"] / r["step_ms_median"], 3) for r in results} if base else {}
     multi = {r["tp"]: round(r["multi_step_ms_per_step"] / base["multi_step_ms_per_step"], 3)
              for r in results} if base else {}
-    print(json.dumps({"speedup_vs_tp1": summary, "multi_step_time_vs_tp1": multi}), flush=True)
+    same = {r["tp"]: r["greedy_tokens"] == base["greedy_tokens"] for r in results} if base else {}
+    print(json.dumps({"speedup_vs_tp1": summary, "multi_step_time_vs_tp1": multi, "tokens_equal_tp1": same}),
+          flush=True)
     if args.json:
         with open(args.json, "a") as f:
             for line in results + [{"speedup_vs_tp1": summary, "multi_step_time_vs_tp1": multi}]:
