@@ -14,6 +14,7 @@ import random
 from lmjax.config import EngineConfig, SamplingParams
 from lmjax.engine.block_manager import BlockManager
 from lmjax.engine.cache_sizing import kv_cache_blocks
+from lmjax.engine.compile_cache import enable_compilation_cache
 from lmjax.engine.detokenizer import IncrementalDetokenizer
 from lmjax.engine.model_runner import ModelRunner, StepOutput, bucket
 from lmjax.engine.request import Completion, Request, new_request_id
@@ -31,6 +32,7 @@ _GREEDY_ROW = SamplingRow(SamplingParams(temperature=0.0), seed=0)
 class LLMEngine:
     def __init__(self, model: str | None = None, config: EngineConfig | None = None, tokenizer: str | None = None):
         self.config = config = config or EngineConfig()
+        self.compilation_cache_dir = enable_compilation_cache()  # a second start compiles nothing
         loaded = load_model(model, config.dtype, tp=config.tp, rope_scaling_factor=config.rope_scaling_factor,
                             use_dynamic_ntk=config.use_dynamic_ntk, use_logn_attn=config.use_logn_attn)
         self.model_path, self.model_config = loaded.path, loaded.config
