@@ -234,18 +234,33 @@ def load_hf(path: str, dtype: str, device: str):
     return model.to(device).eval()
 
 
-def _hf_batch(model, prompts: list[list[int]], new_tokens: int, pad_id: int):
-    """One left-padded greedy batch; returns the generated ids (batch, new_tokens) and the pad count."""
+def _hf_batch(model, prompts: list[list[int]], new_tokens: int, pad_id: int, static: bool = False):
+    """One left-padded greedy batch; returns the generated ids (batch, new_tokens) and the pad count.
+
+    static: transformers' StaticCache (`cache_implementation="static"`); on CUDA, `generate` then
+    torch.compiles the decode step by itself (mode "reduce-overhead": CUDA graphs), on the first call
+    of each shape (batch, prompt + new tokens). `hf_compiled(model)` tells whether it did."""
     import torch
 
     width = max(map(len, prompts))
     ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=model.device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
+    cache = {"cache_implementation": "static"} if static else {}
     with torch.inference_mode():
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
                              min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad_id,
-                             temperature=None, top_p=None, top_k=None)
+                             temperature=None, top_p=None, top_k=None, **cache)
     return out[:, width:].tolist(), sum(width - len(p) for p in prompts)
+
+
+def hf_compiled(model) -> bool:
+    """Whether transformers' generate torch.compiled the forward (it keeps it as `_compiled_call`)."""
+    return getattr(model, "_compiled_call", None) is not None
+
+
+def hf_pad_id(model) -> int:
+    pad_id = model.generation_config.pad_token_id or model.generation_config.eos_token_id or 0
+    return pad_id[0] if isinstance(pad_id, list) else pad_id
 
 
 def run_hf(model, requests: list[Request], batch_size: int, pad_id: int) -> tuple[Result, list[list[int]]]:

@@ -1,0 +1,347 @@
+"""Batch-1 latency: decode step time and time to first token of lmjax's engine, against transformers on the
+same device and the same weights, with the bandwidth roofline.
+
+    python benchmarks/latency.py --shape llama-3.2-1b --out DIR          # GPU: random bf16 weights of the shape
+    python benchmarks/latency.py --shape tiny --hf-modes eager --out DIR # CPU smoke run
+    python benchmarks/latency.py --model /path/to/hf_dir --out DIR
+    python benchmarks/latency.py --shape llama-3.2-1b --start-only       # engine start only (compile cache check)
+
+One request of `--prompt-len` random token ids generating exactly `--new-tokens` (greedy, ignore_eos), through
+lmjax's real path: `LLM(...)` and its engine's `step()` loop (what `LLM.generate` runs), multi-step decode
+at the engine's default `num_scheduler_steps`. Measured per request:
+- TTFT: from `add_request` to the return of the step that produced the first token (the prefill).
+- decode: from there to the last token. step ms = decode time / decode steps the device ran (each
+  multi-step call runs K steps, the last one may run past max_tokens); tok ms = decode time / (new - 1)
+  tokens delivered. p10/p90 are over the engine calls (per-step time of each call) of all repeats.
+The first request (cold: it compiles every bucket, or loads them from the persistent compilation cache)
+is reported on its own as the engine start; `--repeats` warm requests follow.
+
+transformers (AutoModelForCausalLM from the same checkpoint, same dtype) runs in a child process first, so
+JAX and torch never hold the GPU's memory at the same time, under `--hf-timeout`. Modes (`--hf-modes`):
+"eager" (dynamic cache) and "compile" (static cache; on CUDA `generate` then torch.compiles the decode step
+with CUDA graphs by itself). TTFT = median time of `generate(max_new_tokens=1)`; step ms = (time of
+`generate(max_new_tokens=new)` - TTFT) / (new - 1); p10/p90 over the repeats. A failing mode is reported with
+its error and the eager numbers stand as the baseline.
+
+Roofline: parameter bytes (from the checkpoint's safetensors headers, in `--dtype`) / `--bandwidth` (copy
+bandwidth, default 4.26e12 B/s, an H200): the batch-1 step can not be faster than reading every weight once.
+Output: a compact table on stdout; the full record as JSON in `--out` (latency-<name>.json) if given.
+"""
+from __future__ import annotations
+
+import time
+
+SCRIPT_START = time.perf_counter()  # "time to first token since the process started" counts from here
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import random  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from random_model import SHAPES, checkpoint_bytes, ensure_checkpoint  # noqa: E402
+
+H200_COPY_BANDWIDTH = 4.26e12
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+# ------------------------------------------------------------------ shared
+def fixed_prompt(model_dir: str, length: int, seed: int) -> list[int]:
+    """Random ids above the special ones (0-2 in random_model's tokenizer), the same in both processes."""
+    with open(os.path.join(model_dir, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    rng = random.Random(seed)
+    return [rng.randrange(3, vocab) for _ in range(length)]
+
+
+def percentiles(samples_ms: list[float]) -> dict:
+    s = sorted(samples_ms)
+    if not s:
+        return {}
+    pick = lambda q: s[min(len(s) - 1, int(q * len(s)))]  # noqa: E731
+    return {"median": round(statistics.median(s), 4), "p10": round(pick(0.1), 4), "p90": round(pick(0.9), 4)}
+
+
+def roofline(model_dir: str, dtype: str, bandwidth: float) -> dict:
+    nbytes = checkpoint_bytes(model_dir, ITEMSIZE[dtype])
+    return {"param_bytes": nbytes, "bandwidth": bandwidth, "step_ms": 1e3 * nbytes / bandwidth,
+            "tokens_per_s": bandwidth / nbytes}
+
+
+# ------------------------------------------------------------------ lmjax
+class JaxCompileClock:
+    """Seconds JAX spent tracing, lowering and compiling (or loading from the persistent cache)."""
+
+    def __init__(self):
+        from jax import monitoring
+
+        self.seconds = 0.0
+        monitoring.register_event_duration_secs_listener(self._on)
+
+    def _on(self, event: str, duration: float, **_) -> None:
+        if event.startswith("/jax/core/compile/"):
+            self.seconds += duration
+
+
+def time_request(engine, prompt: list[int], new_tokens: int) -> dict:
+    """One request through engine.step(); per call: seconds, tokens delivered, device steps run."""
+    from lmjax import SamplingParams
+
+    k = engine.config.num_scheduler_steps
+    t0 = time.perf_counter()
+    req = engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True))
+    comp, calls, last, first_token_at = req.completions[0], [], t0, None
+    while not req.finished:
+        loops, had = engine.num_decode_loops, len(comp.token_ids)
+        engine.step()
+        now = time.perf_counter()
+        if first_token_at is None and comp.token_ids:
+            first_token_at = now  # the prefill step sampled the first token
+        elif had:  # a decode call: K steps when the engine ran a multi-step loop, else 1
+            calls.append((now - last, len(comp.token_ids) - had, k if engine.num_decode_loops > loops else 1))
+        last = now
+    if len(comp.token_ids) != new_tokens:
+        raise RuntimeError(f"lmjax generated {len(comp.token_ids)} tokens, wanted {new_tokens}")
+    decode_s = last - first_token_at
+    steps = sum(c[2] for c in calls)
+    return {"ttft_s": first_token_at - t0, "total_s": last - t0, "decode_s": decode_s,
+            "decode_steps": steps, "decode_calls": len(calls), "step_ms": 1e3 * decode_s / max(steps, 1),
+            "tok_ms": 1e3 * decode_s / max(new_tokens - 1, 1),
+            "call_step_ms": [1e3 * dt / n for dt, _, n in calls], "tokens": list(comp.token_ids)}
+
+
+def run_lmjax(path: str, prompt: list[int], args) -> dict:
+    """Engine start (load + the first, cold request) and then `--repeats` warm requests."""
+    import jax
+
+    from lmjax import LLM
+    from lmjax.engine import compile_cache
+
+    clock = JaxCompileClock()
+    t0 = time.perf_counter()
+    llm = LLM(path, dtype=args.dtype, max_model_len=args.prompt_len + args.new_tokens + 64)
+    engine = llm.llm_engine
+    load_s = time.perf_counter() - t0
+    cold = time_request(engine, prompt, args.new_tokens)
+    start = {"load_s": load_s, "first_request_s": cold["total_s"], "first_ttft_s": cold["ttft_s"],
+             "start_to_first_token_s": load_s + cold["ttft_s"],
+             "script_start_to_first_token_s": t0 + load_s + cold["ttft_s"] - SCRIPT_START,
+             "step_traces": engine.runner.num_compilations, "compile_s": clock.seconds,
+             **compile_cache.compile_stats()}
+    out = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
+           "num_scheduler_steps": engine.config.num_scheduler_steps, "start": start}
+    if args.start_only:
+        return out
+    traces, runs = engine.runner.num_compilations, []
+    for _ in range(args.repeats):
+        runs.append(time_request(engine, prompt, args.new_tokens))
+    calls = [ms for r in runs for ms in r["call_step_ms"]]
+    decode_s, steps = sum(r["decode_s"] for r in runs), sum(r["decode_steps"] for r in runs)
+    out.update({"step_ms": 1e3 * decode_s / steps, "step_ms_pct": percentiles(calls),
+                "tok_ms": statistics.mean(r["tok_ms"] for r in runs),
+                "ttft_ms": 1e3 * statistics.median(r["ttft_s"] for r in runs),
+                "ttft_ms_pct": percentiles([1e3 * r["ttft_s"] for r in runs]),
+                "step_traces_in_timed": engine.runner.num_compilations - traces,
+                "tokens_same_every_run": all(r["tokens"] == cold["tokens"] for r in runs),
+                "tokens_head": cold["tokens"][:16],
+                "runs": [{k: v for k, v in r.items() if k != "tokens"} for r in runs]})
+    return out
+
+
+# ------------------------------------------------------------------ transformers (child process)
+def hf_mode(model, prompt: list[int], args, static: bool) -> dict:
+    import torch
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from throughput import _hf_batch, hf_compiled, hf_pad_id
+
+    pad, n = hf_pad_id(model), args.new_tokens
+
+    def timed(new: int) -> float:
+        t0 = time.perf_counter()
+        out, _ = _hf_batch(model, [prompt], new, pad, static=static)
+        if model.device.type == "cuda":
+            torch.cuda.synchronize()
+        if len(out[0]) != new:
+            raise RuntimeError(f"transformers generated {len(out[0])} tokens, wanted {new}")
+        timed.tokens = out[0]
+        return time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    for _ in range(args.hf_warmup if static else 1):  # static: compiles, then records the CUDA graphs
+        timed(n if static else min(n, 4))  # the static cache's shape is prompt + new: warm up that one
+    timed(1)
+    warm_s = time.perf_counter() - t0
+    ttft = [timed(1) for _ in range(args.hf_repeats)]
+    full = [timed(n) for _ in range(args.hf_repeats)]
+    t1 = statistics.median(ttft)
+    steps = [1e3 * (f - t1) / max(n - 1, 1) for f in full]
+    return {"compiled": hf_compiled(model), "static_cache": static, "warmup_s": warm_s,
+            "step_ms": statistics.mean(steps), "step_ms_pct": percentiles(steps),
+            "ttft_ms": 1e3 * t1, "ttft_ms_pct": percentiles([1e3 * t for t in ttft]),
+            "tokens_head": timed.tokens[:16]}
+
+
+def hf_child(args) -> None:
+    """--side hf: one JSON line per mode appended to --result as soon as it is measured."""
+    import torch
+    import transformers
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from throughput import load_hf
+
+    device = args.hf_device or ("cuda" if torch.cuda.is_available() else "cpu")
+    t0 = time.perf_counter()
+    model = load_hf(args.model, args.dtype, device)
+    load_s = time.perf_counter() - t0
+    prompt = fixed_prompt(args.model, args.prompt_len, args.seed)
+    for mode in args.hf_modes:
+        record = {"mode": mode, "device": device, "torch": torch.__version__,
+                  "transformers": transformers.__version__, "load_s": load_s}
+        try:
+            record.update(hf_mode(model, prompt, args, static=(mode == "compile")))
+        except Exception as e:  # e.g. torch.compile failing on this stack: report it, keep the others
+            record["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"[:500]
+        with open(args.result, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def run_hf(path: str, args, log_dir: str | None) -> list[dict]:
+    """The transformers side in a child process (bounded by --hf-timeout); returns the modes it finished."""
+    result = tempfile_path("lmjax-latency-hf-", ".jsonl")
+    cmd = [sys.executable, os.path.abspath(__file__), "--side", "hf", "--model", path, "--result", result,
+           "--dtype", args.dtype, "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens),
+           "--hf-repeats", str(args.hf_repeats), "--hf-warmup", str(args.hf_warmup), "--seed", str(args.seed),
+           "--hf-modes", *args.hf_modes] + (["--hf-device", args.hf_device] if args.hf_device else [])
+    log = open(os.path.join(log_dir, f"latency-{args.name}-hf.log"), "w") if log_dir else subprocess.DEVNULL
+    status = "ok"
+    try:
+        done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=args.hf_timeout)
+        status = "ok" if done.returncode == 0 else f"exit code {done.returncode}"
+    except subprocess.TimeoutExpired:
+        status = f"timed out after {args.hf_timeout} s"
+    finally:
+        if log is not subprocess.DEVNULL:
+            log.close()
+    with open(result) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    os.unlink(result)
+    finished = {r["mode"] for r in records}
+    records += [{"mode": m, "error": f"not measured: child {status}"} for m in args.hf_modes if m not in finished]
+    return records
+
+
+def tempfile_path(prefix: str, suffix: str) -> str:
+    import tempfile
+
+    fd, path = tempfile.mkstemp(prefix=prefix, suffix=suffix)
+    os.close(fd)
+    return path
+
+
+# ------------------------------------------------------------------ report
+def rows(result: dict) -> list[tuple]:
+    """(engine, step ms, p10, p90, TTFT ms, note) per engine measured."""
+    out = []
+    lm = result.get("lmjax")
+    if lm and "step_ms" in lm:
+        p = lm["step_ms_pct"]
+        out.append((f"lmjax (K={lm['num_scheduler_steps']})", lm["step_ms"], p.get("p10"), p.get("p90"),
+                    lm["ttft_ms"], f"{lm['step_traces_in_timed']} compiles in timed runs"))
+    for r in result.get("transformers", []):
+        name = "transformers " + ("static+compile" if r["mode"] == "compile" else "eager")
+        if "error" in r:
+            out.append((name, None, None, None, None, r["error"][:120]))
+            continue
+        p = r["step_ms_pct"]
+        note = ""
+        if r["mode"] == "compile":
+            note = "torch.compile on" if r["compiled"] else "not compiled (static cache only)"
+        out.append((name, r["step_ms"], p.get("p10"), p.get("p90"), r["ttft_ms"], note))
+    return out
+
+
+def print_report(result: dict) -> None:
+    rf = result["roofline"]
+    fmt = lambda v, w, d=3: f"{v:>{w}.{d}f}" if isinstance(v, (int, float)) else f"{'-':>{w}}"  # noqa: E731
+    print(f"latency {result['name']}: {result['dtype']}, prompt {result['prompt_len']}, new {result['new_tokens']}, "
+          f"batch 1, device {result.get('lmjax', {}).get('device', '?')}")
+    print(f"roofline: {rf['param_bytes'] / 1e9:.3f} GB / {rf['bandwidth']:.3g} B/s = {rf['step_ms']:.3f} ms/step "
+          f"({rf['tokens_per_s']:.0f} tok/s)")
+    print(f"{'engine':<28}{'step ms':>9}{'p10':>9}{'p90':>9}{'x roof':>9}{'tok/s':>9}{'TTFT ms':>10}  note")
+    for name, step, p10, p90, ttft, note in rows(result):
+        ratio = step / rf["step_ms"] if step else None
+        tps = 1e3 / step if step else None
+        print(f"{name:<28}{fmt(step, 9)}{fmt(p10, 9)}{fmt(p90, 9)}{fmt(ratio, 9, 2)}{fmt(tps, 9, 0)}"
+              f"{fmt(ttft, 10, 1)}  {note}")
+    s = result.get("lmjax", {}).get("start")
+    if s:
+        since = f" ({s['script_start_to_first_token_s']:.1f} s after the script started)"
+        since = since if result["start_only"] else ""
+        print(f"lmjax start: load {s['load_s']:.1f} s, first request {s['first_request_s']:.1f} s "
+              f"(TTFT {s['first_ttft_s']:.2f} s), first token {s['start_to_first_token_s']:.1f} s after LLM(){since}; "
+              f"{s['step_traces']} step traces, XLA cache hits {s['cache_hits']} / misses (compiled) "
+              f"{s['cache_misses']}, compile+load {s['compile_s']:.1f} s, cache {s['cache_dir']}")
+
+
+# ------------------------------------------------------------------ main
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--shape", choices=sorted(SHAPES), help="random-weight Llama of this shape (written once "
+                     "under --checkpoint-root, then reused)")
+    src.add_argument("--model", help="HF checkpoint directory (safetensors)")
+    p.add_argument("--checkpoint-root", default=None, help="where --shape checkpoints live (default: temp dir)")
+    p.add_argument("--dtype", choices=sorted(ITEMSIZE), default="bfloat16")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--bandwidth", type=float, default=H200_COPY_BANDWIDTH, help="copy bandwidth, B/s")
+    p.add_argument("--hf-modes", nargs="*", choices=("eager", "compile"), default=["eager", "compile"],
+                   help="transformers baselines to run (none: skip transformers)")
+    p.add_argument("--hf-repeats", type=int, default=3, help="timed generate calls of each length per mode")
+    p.add_argument("--hf-warmup", type=int, default=2, help="full-length warm-up calls in compile mode")
+    p.add_argument("--hf-timeout", type=float, default=300, help="seconds for the whole transformers side")
+    p.add_argument("--hf-device", default=None, help="torch device (default: cuda if available)")
+    p.add_argument("--skip-lmjax", action="store_true")
+    p.add_argument("--start-only", action="store_true",
+                   help="only start the engine and run the first request: load, compile (or cache) figures")
+    p.add_argument("--out", default=None, help="directory for the JSON record (and the transformers log)")
+    p.add_argument("--side", choices=("hf",), help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> dict | None:
+    args = parse_args(argv)
+    if args.side == "hf":
+        return hf_child(args)
+    write_s = 0.0
+    if args.shape:
+        path, write_s = ensure_checkpoint(args.shape, args.dtype, args.checkpoint_root, args.seed)
+    else:
+        path = args.model
+    args.name = args.shape or os.path.basename(os.path.normpath(path))
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+    result = {"name": args.name, "model": path, "checkpoint_write_s": write_s, "dtype": args.dtype,
+              "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "repeats": args.repeats,
+              "roofline": roofline(path, args.dtype, args.bandwidth), "start_only": args.start_only}
+    if args.hf_modes and not args.start_only:  # first: the child frees the GPU before JAX takes it
+        result["transformers"] = run_hf(path, args, args.out)
+    if not args.skip_lmjax:
+        result["lmjax"] = run_lmjax(path, fixed_prompt(path, args.prompt_len, args.seed), args)
+    print_report(result)
+    if args.out:
+        suffix = "-start" if args.start_only else ""
+        with open(os.path.join(args.out, f"latency-{args.name}{suffix}.json"), "a") as f:
+            f.write(json.dumps(result) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()
