@@ -1,0 +1,69 @@
+"""The benchmarks' own helpers: the fast random checkpoint both engines load as the same model, and the
+transformers subset/extrapolation arithmetic of throughput.py. (Benchmark figures never come from here.)"""
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                "benchmarks"))
+from random_model import SHAPES, checkpoint_bytes, write_fast_checkpoint  # noqa: E402
+from throughput import Request, _timed_groups  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny_sharded(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("fast"))
+    return write_fast_checkpoint("tiny", path, dtype="float32", seed=3, device="cpu", shard_bytes=150_000)
+
+
+def test_fast_checkpoint_is_one_model_for_both_engines(tiny_sharded):
+    import torch
+    import transformers
+
+    from lmjax import LLM, SamplingParams
+
+    files = sorted(f for f in os.listdir(tiny_sharded) if f.endswith(".safetensors"))
+    assert len(files) > 1 and os.path.exists(os.path.join(tiny_sharded, "model.safetensors.index.json"))
+    hf, info = transformers.AutoModelForCausalLM.from_pretrained(tiny_sharded, dtype=torch.float32,
+                                                                 output_loading_info=True)
+    assert not any(info.values()), info  # no missing, unexpected or mismatched tensors
+    n = sum(p.numel() for p in hf.parameters())
+    assert checkpoint_bytes(tiny_sharded) == 4 * n and checkpoint_bytes(tiny_sharded, 2) == 2 * n
+    assert hf.config.vocab_size == SHAPES["tiny"]["vocab_size"]
+    w = hf.model.layers[0].mlp.up_proj.weight.detach().numpy()
+    assert 0.015 < w.std() < 0.025 and (hf.model.norm.weight.detach().numpy() == 1).all()
+
+    prompt = np.random.default_rng(0).integers(3, 1024, 12).tolist()
+    want = hf.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                       temperature=None, top_p=None, top_k=None)[0, 12:].tolist()
+    llm = LLM(tiny_sharded, dtype="float32", max_model_len=64, block_size=16)
+    got = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert got[0].outputs[0].token_ids == want
+
+
+def test_timed_groups_spread_over_the_workload():
+    groups = [list(range(i, i + 4)) for i in range(0, 40, 4)]  # 10 batches of 4
+    assert _timed_groups(groups, 0) == groups
+    assert _timed_groups(groups, 1000) == groups
+    assert _timed_groups(groups, 3) == [groups[0]]  # at least one whole batch
+    assert _timed_groups(groups, 12) == [groups[0], groups[4], groups[9]]  # 3 batches, first to last
+
+
+def test_hf_subset_extrapolates_by_output_tokens(monkeypatch):
+    import throughput
+
+    calls = []
+
+    def fake_batch(model, prompts, new_tokens, pad_id, static=False):
+        calls.append((len(prompts), new_tokens))
+        return [[7] * new_tokens for _ in prompts], 0
+
+    monkeypatch.setattr(throughput, "_hf_batch", fake_batch)
+    requests = [Request([1, 2, 3], 10) for _ in range(40)]
+    res, tokens = throughput.run_hf(None, requests, 8, 0, max_requests=16)
+    assert calls[1:] == [(8, 10), (8, 10)]  # a warm-up, then 2 of the 5 batches
+    assert res.extra["hf_extrapolated_from_requests"] == 16
+    assert res.elapsed_s == pytest.approx(res.extra["hf_timed_s"] * 40 / 16, rel=1e-2, abs=1e-3)
+    assert res.output_tokens == 400 and sum(t is not None for t in tokens) == 16
