@@ -328,11 +328,14 @@ def hf_pad_id(model) -> int:
 
 
 def _timed_groups(groups: list[list[int]], max_requests: int) -> list[list[int]]:
-    """All batches, or (max_requests > 0) about max_requests' worth of whole batches spread evenly."""
+    """All batches, or (max_requests > 0) about max_requests' worth of whole batches spread evenly over the
+    full-size ones (a smaller last batch is another shape: with --hf-compile it would compile in the clock)."""
     n = min(len(groups), max(1, max_requests // len(groups[0]))) if max_requests else len(groups)
     if n >= len(groups):
         return groups
-    return [groups[round(i * (len(groups) - 1) / max(n - 1, 1))] for i in range(n)]
+    full = [g for g in groups if len(g) == len(groups[0])]
+    n = min(n, len(full))
+    return [full[round(i * (len(full) - 1) / max(n - 1, 1))] for i in range(n)]
 
 
 def run_hf(model, requests: list[Request], batch_size: int, pad_id: int, static: bool = False,

@@ -49,6 +49,8 @@ def test_timed_groups_spread_over_the_workload():
     assert _timed_groups(groups, 1000) == groups
     assert _timed_groups(groups, 3) == [groups[0]]  # at least one whole batch
     assert _timed_groups(groups, 12) == [groups[0], groups[4], groups[9]]  # 3 batches, first to last
+    ragged = groups + [[40, 41]]  # a smaller last batch is never timed alone (another shape)
+    assert _timed_groups(ragged, 8) == [groups[0], groups[9]]
 
 
 def test_hf_subset_extrapolates_by_output_tokens(monkeypatch):
