@@ -49,6 +49,7 @@ import dataclasses
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import tempfile
@@ -133,7 +134,10 @@ def run_lmjax(path: str, requests: list[Request], args) -> tuple[Result, list[li
     longest = max(len(r.prompt_ids) + r.max_tokens for r in requests)
     kwargs = {k: v for k, v in (("max_num_seqs", args.max_num_seqs),
                                 ("max_num_batched_tokens", args.max_num_batched_tokens)) if v}
-    llm = LLM(path, dtype=args.dtype, max_model_len=args.max_model_len or longest, **kwargs)
+    # enforce_eager=False: every decode batch bucket compiles at start-up (untimed, reported as load
+    # compilations), as vLLM captures its CUDA graphs before a benchmark starts.
+    llm = LLM(path, dtype=args.dtype, max_model_len=args.max_model_len or longest,
+              enforce_eager=args.enforce_eager or False, **kwargs)
     load_compile_s, load_n = clock.snapshot()
     start = time.perf_counter()
     _lmjax_generate(llm, requests[:args.warmup_prompts or None], cap=args.warmup_tokens or None)
@@ -404,6 +408,19 @@ def _run_hf_guarded(model, requests, bs: int, pad_id: int, args):
         return res, tokens
 
 
+def run_bounded(cmd: list[str], timeout: float, **popen) -> tuple[int | None, str | None]:
+    """Run cmd in its own process group; past `timeout` seconds kill the whole group (the child's own
+    children too, e.g. torch.compile workers holding the GPU). Returns (exit code or None if killed, stdout)."""
+    proc = subprocess.Popen(cmd, start_new_session=True, **popen)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        return proc.returncode, out
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the group this call created, nothing else
+        out, _ = proc.communicate()
+        return None, out
+
+
 def hf_in_subprocess(argv: list[str], args) -> tuple[Result, list[list[int] | None]] | None:
     """Run this script's transformers side in a child (--skip-lmjax --hf-result FILE) under --hf-timeout;
     returns the fastest batch size it finished, or None."""
@@ -411,12 +428,8 @@ def hf_in_subprocess(argv: list[str], args) -> tuple[Result, list[list[int] | No
     os.close(fd)
     child = [a for a in argv if a != "--hf-subprocess"]
     cmd = [sys.executable, os.path.abspath(__file__), *child, "--skip-lmjax", "--hf-result", result_file]
-    status = "ok"
-    try:
-        done = subprocess.run(cmd, timeout=args.hf_timeout, stdout=subprocess.DEVNULL)
-        status = "ok" if done.returncode == 0 else f"exit code {done.returncode}"
-    except subprocess.TimeoutExpired:
-        status = f"timed out after {args.hf_timeout} s"
+    code, _ = run_bounded(cmd, args.hf_timeout, stdout=subprocess.DEVNULL)
+    status = f"timed out after {args.hf_timeout} s" if code is None else "ok" if code == 0 else f"exit code {code}"
     with open(result_file) as f:
         runs = [json.loads(line) for line in f if line.strip()]
     os.unlink(result_file)
@@ -510,6 +523,8 @@ def parse_args(argv=None):
     p.add_argument("--max-model-len", type=int, default=None,
                    help="LLM(max_model_len=...) (default: the longest request; multi-step decode wants "
                         "num_scheduler_steps tokens of room, else a request's last steps run one by one)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="LLM(enforce_eager=True): no start-up compilation of the decode buckets")
     p.add_argument("--max-num-seqs", type=int, default=None, help="LLM(max_num_seqs=...) (default: LLM's)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="LLM(max_num_batched_tokens=...)")
     p.add_argument("--warmup-tokens", type=int, default=4,
@@ -550,6 +565,10 @@ def set_threads(n: int) -> None:
     """Must run before jax is imported: XLA reads its flags once."""
     if n <= 0:
         return
+    # XLA:CPU runs some work on its own thread pools whatever its flags say (plain matmuls measured at
+    # 1.8 cores with multi_thread_eigen off): pin the process to n cores so both engines get the same.
+    cores = sorted(os.sched_getaffinity(0))[:n]
+    os.sched_setaffinity(0, cores)
     flag = "--xla_cpu_multi_thread_eigen=false" if n == 1 else ""
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag} intra_op_parallelism_threads={n}"
     import torch

@@ -215,6 +215,7 @@ class EngineConfig:
     seed: int = 0
     device_type: str = "auto"
     num_scheduler_steps: int = 8  # decode steps per host round trip when no request needs the host
+    warmup: bool = False  # compile every decode batch bucket at start-up (LLM(enforce_eager=False))
 
     def __post_init__(self):
         _check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")

@@ -26,7 +26,8 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 def _block_scores(q_RKGH, k_RSKH, v_RSKH, mask_RS, sm_scale, carry):
     """One online-softmax update of a tile with one block of keys (per-row K/V)."""
     max_RKG, denom_RKG, acc_RKGH = carry
-    k_RSKH = jnp.where(mask_RS[:, :, None, None], k_RSKH, 0.0)  # unseen slots may hold NaN
+    # Unseen slots may hold anything, NaN included: masked scores become -inf whatever K held, but
+    # 0 * NaN is NaN, so V must be zeroed.
     v_RSKH = jnp.where(mask_RS[:, :, None, None], v_RSKH, 0.0)
     s_RKGS = jnp.einsum("rkgh,rskh->rkgs", q_RKGH, k_RSKH, precision=_HIGHEST) * sm_scale
     s_RKGS = jnp.where(mask_RS[:, None, None, :], s_RKGS, -jnp.inf)
@@ -81,14 +82,21 @@ def ragged_paged_attention_tiled(q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, b
     validate_ragged_paged_attention(q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, block_tables_BM,
                                     cu_q_lens_B1, sm_scale=sm_scale, sliding_window=sliding_window)
     T, N, H = q_TNH.shape
-    K = k_cache_PSKH.shape[2]
-    R = min(rows_per_tile, T)
+    K, B = k_cache_PSKH.shape[2], kv_lens_B.shape[0]
+    # Decode-like steps (a few rows per sequence) get short tiles: a tile loops up to its longest
+    # row's context, so tiles of rows with similar contexts waste the least.
+    R = min(rows_per_tile if T > 4 * B else min(rows_per_tile, 16), T)
     X = -(-T // R)
     seq_T, pos_T, valid_T = _token_metadata(kv_lens_B, cu_q_lens_B1, X * R)
-    q_XRKGH = jnp.pad(q_TNH.astype(jnp.float32), ((0, X * R - T), (0, 0), (0, 0))).reshape(X, R, K, N // K, H)
+    # Rows ordered by their sequence's context length (stable: each sequence's rows stay together and
+    # in order, so prefill tiles still share one gather per block); padding rows last.
+    order_T = jnp.argsort(jnp.where(valid_T, kv_lens_B[seq_T], jnp.iinfo(jnp.int32).max),
+                          stable=True)
+    q_TKGH = jnp.pad(q_TNH.astype(jnp.float32), ((0, X * R - T), (0, 0), (0, 0))).reshape(X * R, K, N // K, H)
     tile = functools.partial(_tile, k_cache=k_cache_PSKH, v_cache=v_cache_PSKH, block_tables_BM=block_tables_BM,
                              sm_scale=sm_scale, sliding_window=sliding_window)
-    out_XRKGH = jax.lax.map(lambda xs: tile(*xs), (q_XRKGH, seq_T.reshape(X, R), pos_T.reshape(X, R),
-                                                    valid_T.reshape(X, R)))
-    out_TNH = out_XRKGH.reshape(X * R, N, H)[:T]
+    xs = (q_TKGH[order_T].reshape(X, R, K, N // K, H), seq_T[order_T].reshape(X, R), pos_T[order_T].reshape(X, R),
+          valid_T[order_T].reshape(X, R))
+    out_sorted_TNH = jax.lax.map(lambda x: tile(*x), xs).reshape(X * R, N, H)
+    out_TNH = jnp.zeros_like(out_sorted_TNH).at[order_T].set(out_sorted_TNH)[:T]
     return jnp.where(valid_T[:T, None, None], out_TNH, 0.0).astype(q_TNH.dtype)

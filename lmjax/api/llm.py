@@ -2,7 +2,9 @@
 
 vLLM's constructor arguments map onto EngineConfig: gpu_memory_utilization -> cache_max_entry_count,
 max_model_len -> session_len, max_num_seqs -> max_batch_size, max_num_batched_tokens ->
-max_prefill_token_num. Arguments that only matter to vLLM's CUDA internals are accepted at their defaults;
+max_prefill_token_num, enforce_eager=False -> warmup (vLLM captures a CUDA graph per batch size at start-up;
+lmjax compiles the decode step of every batch bucket; the default None compiles each bucket when first
+reached, since on a CPU a start-up warm-up costs seconds per bucket). Arguments that only matter to vLLM's CUDA internals are accepted at their defaults;
 any other value raises, never silently ignored.
 """
 from __future__ import annotations
@@ -18,7 +20,7 @@ from lmjax.engine.engine import LLMEngine
 # vLLM arguments with no lmjax meaning: allowed only at these values.
 _VLLM_ONLY_DEFAULTS = {"tokenizer_mode": "auto", "skip_tokenizer_init": False, "trust_remote_code": False,
                        "quantization": None, "revision": None, "tokenizer_revision": None, "swap_space": 4,
-                       "cpu_offload_gb": 0, "enforce_eager": None, "max_context_len_to_capture": None,
+                       "cpu_offload_gb": 0, "max_context_len_to_capture": None,
                        "max_seq_len_to_capture": 8192, "disable_custom_all_reduce": False,
                        "disable_async_output_proc": False}
 
@@ -36,7 +38,8 @@ class LLM:
                  dtype: str = "auto", seed: int = 0, gpu_memory_utilization: float = 0.9,
                  max_model_len: int | None = None, max_num_seqs: int = 256, block_size: int = 64,
                  max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = False,
-                 num_gpu_blocks_override: int | None = None, num_scheduler_steps: int = 8, **kwargs):
+                 num_gpu_blocks_override: int | None = None, num_scheduler_steps: int = 8,
+                 enforce_eager: bool | None = None, **kwargs):
         _check_vllm_only(kwargs)
         if not 0 < gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
@@ -46,7 +49,7 @@ class LLM:
                               num_gpu_blocks=num_gpu_blocks_override or 0,
                               max_prefill_token_num=max_num_batched_tokens or 8192,
                               enable_prefix_caching=enable_prefix_caching,
-                              num_scheduler_steps=num_scheduler_steps)
+                              num_scheduler_steps=num_scheduler_steps, warmup=enforce_eager is False)
         self.llm_engine = LLMEngine(model, config, tokenizer)
 
     def get_tokenizer(self):

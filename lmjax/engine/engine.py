@@ -10,6 +10,7 @@ from __future__ import annotations
 import bisect
 import logging
 import random
+import time
 
 from lmjax.config import EngineConfig, SamplingParams
 from lmjax.engine.block_manager import BlockManager
@@ -54,6 +55,8 @@ class LLMEngine:
         self.num_decode_loops = 0  # multi-step decode calls (num_scheduler_steps tokens per sequence each)
         logger.info("engine ready: %s, %d KV blocks of %d tokens, session_len=%d", loaded.path, num_blocks,
                     config.block_size, self.session_len)
+        if config.warmup:
+            self.warmup()
 
     # ------------------------------------------------------------------ requests in
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
@@ -201,6 +204,26 @@ class LLMEngine:
                 self._postprocess(req, comp, out, i)
                 changed[req.request_id] = req
         return list(changed.values())
+
+    def warmup(self, sampling_params: list[SamplingParams] | None = None, max_batch_size: int | None = None) -> dict:
+        """Compile the decode step of every batch-size bucket now rather than in the middle of a run, as
+        vLLM captures its CUDA graphs at start-up: without it each bucket a shrinking batch reaches
+        compiles when first reached (seconds on a CPU). One compilation per (batch bucket, block-table
+        width bucket; one width off GPU) per distinct SamplingFlags of `sampling_params` (default:
+        greedy). Returns the compilations and seconds spent."""
+        start, compiled = time.perf_counter(), self.runner.num_compilations
+        rows = [SamplingRow(p, seed=0) for p in (sampling_params or [SamplingParams(temperature=0.0)])]
+        top = bucket(min(max_batch_size or self.config.max_batch_size, self.config.max_batch_size), 4)
+        sizes = [1 << i for i in range(2, top.bit_length())]
+        widths = [self.runner.max_M] if self.runner.fixed_M else \
+            [1 << i for i in range(self.runner.max_M.bit_length())]
+        for row in rows:
+            self.runner.warmup_decode(sizes, widths, [row], self.config.num_scheduler_steps)
+        stats = {"compilations": self.runner.num_compilations - compiled,
+                 "seconds": round(time.perf_counter() - start, 3)}
+        logger.info("warm-up: %d compilations in %.1f s (batch buckets %s, widths %s)", stats["compilations"],
+                    stats["seconds"], sizes, widths)
+        return stats
 
     def _decode_steps(self, batch: ScheduledBatch) -> int:
         """K > 1 when the next K decode steps need no host decision in between: all items decode, no

@@ -29,7 +29,7 @@ from lmjax.config import SamplingParams
 from lmjax.engine.block_manager import BlockManager
 from lmjax.engine.decode_loop import DecodeInputs, decode_steps
 from lmjax.engine.scheduler import ScheduledBatch
-from lmjax.layers.attention import AttentionMetadata
+from lmjax.layers.attention import AttentionMetadata, cost_follows_context
 from lmjax.layers.sampler import SamplingFlags, SamplingRow, build_sampling_metadata, sample
 from lmjax.models.forward import make_kv_caches
 
@@ -83,6 +83,7 @@ class ModelRunner:
         self.max_T = bucket(max_tokens_per_step, 16)
         self.max_B = bucket(max_batch_size, 4)
         self.max_M = bucket(max_blocks_per_seq, 1)
+        self.fixed_M = cost_follows_context()  # one block-table width: fewer compilations
         self.num_compilations = 0
         self.leading = False  # process 0 driving follower processes (see lead / follow)
         self._step = jax.jit(self._step_fn, donate_argnums=(1,), static_argnames=("flags", "num_prompt_logprobs"))
@@ -114,7 +115,7 @@ class ModelRunner:
         """`num_steps` decode steps of a decode-only batch in one call (block tables must already hold
         slots for all of them); one StepOutput per step."""
         items, n = batch.items, len(batch.items)
-        B, M = bucket(n, 4), bucket(max(len(it.seq.block_table) for it in items), 1)
+        B, M = bucket(n, 4), self.table_width(max(len(it.seq.block_table) for it in items))
         ids, positions, tables = np.zeros(B, np.int32), np.zeros(B, np.int32), np.zeros((B, M), np.int32)
         for b, it in enumerate(items):
             ids[b], positions[b] = it.seq.last_token_id, it.start_pos
@@ -128,6 +129,35 @@ class ModelRunner:
         tokens, logprobs, top_ids, top_lp = jax.device_get(out)
         return [StepOutput(tokens[k, :n], logprobs[k, :n], top_ids[k, :n], top_lp[k, :n], None)
                 for k in range(num_steps)]
+
+    def table_width(self, num_blocks: int) -> int:
+        """Block-table width M of a step whose longest sequence holds `num_blocks` blocks."""
+        return self.max_M if self.fixed_M else bucket(num_blocks, 1)
+
+    def warmup_decode(self, batch_sizes: list[int], widths: list[int], rows: list[SamplingRow],
+                      num_steps: int) -> None:
+        """Compile the decode step of each (batch bucket B, table width M) for the sampling flags of
+        `rows`, by running it on padding rows only (num_valid = 0: every write lands in the sink
+        block 0, so no sequence's cache changes)."""
+        for B in batch_sizes:
+            smeta, flags = build_sampling_metadata(rows, pad_to=B)
+            for M in widths:
+                zeros_B = np.zeros(B, np.int32)
+                if num_steps > 1:
+                    inputs = DecodeInputs(zeros_B, zeros_B, np.zeros((B, M), np.int32), np.int32(0))
+                    args = parallel.replicate((inputs, smeta), self.mesh) if self.mesh is not None \
+                        else (inputs, smeta)
+                    with parallel.use_mesh(self.mesh):
+                        out, self.caches = self._decode(self.state, self.caches, *args, flags=flags,
+                                                        num_steps=num_steps)
+                else:
+                    T = bucket(B, 16)
+                    attn = AttentionMetadata(np.zeros(T, np.int32), np.ones(T, np.int32), zeros_B,
+                                             np.zeros((B, M), np.int32), np.zeros(B + 1, np.int32))
+                    inputs = StepInputs(np.zeros(T, np.int32), np.zeros(T, np.int32), attn, zeros_B,
+                                        np.full(T, -1, np.int32))
+                    out, _ = self._run(inputs, smeta, flags, -1)
+                jax.block_until_ready(out)
 
     def _logits(self, model, hidden_XD):
         logits_XV = model.compute_logits(hidden_XD)
@@ -146,7 +176,7 @@ class ModelRunner:
         items = batch.items
         T = bucket(batch.num_tokens, 16)
         B = bucket(len(items), 4)
-        M = bucket(max(len(it.seq.block_table) for it in items), 1)
+        M = self.table_width(max(len(it.seq.block_table) for it in items))
         ids, positions = np.zeros(T, np.int32), np.zeros(T, np.int32)
         slots, seq_lens = np.zeros(T, np.int32), np.ones(T, np.int32)
         next_ids = np.full(T, -1, np.int32)

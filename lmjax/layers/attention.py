@@ -79,6 +79,15 @@ def paged_attention(q_TNH, k_cache_PSKH, v_cache_PSKH, meta: AttentionMetadata, 
     return sharded(*args)
 
 
+def cost_follows_context(impl: str | None = None) -> bool:
+    """True when attention's cost follows each sequence's real context, not the block table's width
+    (the XLA tiled path off GPU loops over the blocks a tile can see). Then the engine pads every block
+    table to one width and saves the compilations of width buckets. The Pallas kernel sizes its
+    KV splits from the width, and the reference scans all of it: both keep width buckets."""
+    impl = impl or os.environ.get("LMJAX_ATTENTION_IMPL", "auto")
+    return impl == "tiled" or (impl == "auto" and jax.default_backend() != "gpu")
+
+
 def contiguous_metadata(lengths: list[int], block_size: int, num_blocks: int,
                         capacity: list[int] | None = None) -> AttentionMetadata:
     """Metadata for prefilling whole sequences into freshly laid-out blocks (1, 2, ... in order), each

@@ -48,3 +48,28 @@ def test_multistep_equals_single_step(tiny):
     assert multi.llm_engine.num_decode_loops > 0 and single.llm_engine.num_decode_loops == 0
     engine = multi.llm_engine
     assert engine.blocks.num_free_blocks == engine.blocks.num_usable_blocks
+
+
+@pytest.mark.parametrize("steps", [8, 1])
+def test_warmup_compiles_every_decode_bucket_up_front(tiny, steps, caplog):
+    """LLM(enforce_eager=False) compiles each decode batch bucket at start-up, so a batch that shrinks
+    as its requests finish compiles no decode step; the warm-up's padding-only steps leave the cache
+    (and so the tokens) unchanged."""
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(4, 256, 12).tolist() for _ in range(9)]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (3, 5, 9, 14, 20, 26, 31, 40, 50)]
+    warm = LLM(tiny, max_model_len=256, num_scheduler_steps=steps, block_size=16, max_num_seqs=16,
+               enforce_eager=False)
+    engine = warm.llm_engine
+    widths = 1 if engine.runner.fixed_M else engine.runner.max_M.bit_length()
+    assert engine.runner.num_compilations == 3 * widths  # batch buckets 4, 8, 16
+    assert engine.warmup(max_batch_size=16)["compilations"] == 0  # all cached
+    with caplog.at_level("INFO", logger="lmjax.engine"):
+        got = warm.generate(prompts, params, use_tqdm=False)
+    decode_compiles = [r.getMessage() for r in caplog.records if "compiling" in r.getMessage()
+                       and ("step decode" in r.getMessage() or " T=16 " in r.getMessage())]
+    assert decode_compiles == []
+    lazy = LLM(tiny, max_model_len=256, num_scheduler_steps=steps, block_size=16, max_num_seqs=16)
+    want = lazy.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert [len(o.outputs[0].token_ids) for o in got] == [p.max_tokens for p in params]
