@@ -32,6 +32,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+from throughput import run_bounded  # noqa: E402 (a step's whole process group is killed at its cap)
 SHAPES = ("llama-3.2-1b", "llama-3-8b")
 
 
@@ -74,16 +76,12 @@ def run_step(step: dict, out: str, env: dict, seconds: float) -> dict:
     with open(log_path, "w") as log:
         log.write(" ".join(step["argv"]) + "\n")
         log.flush()
-        proc = subprocess.Popen(step["argv"], stdout=subprocess.PIPE, stderr=log, env=env, cwd=REPO, text=True)
-        try:
-            stdout, _ = proc.communicate(timeout=seconds)
-            status = "ok" if proc.returncode == 0 else f"failed (exit {proc.returncode}, see {log_path})"
-        except subprocess.TimeoutExpired:
-            proc.kill()  # our own child only
-            stdout, _ = proc.communicate()
-            status = f"killed at its cap of {seconds:.0f} s"
-        log.write(stdout)
-    for line in stdout.splitlines():
+        code, stdout = run_bounded(step["argv"], seconds, stdout=subprocess.PIPE, stderr=log, env=env, cwd=REPO,
+                                   text=True)
+        status = (f"killed at its cap of {seconds:.0f} s" if code is None else "ok" if code == 0
+                  else f"failed (exit {code}, see {log_path})")
+        log.write(stdout or "")
+    for line in (stdout or "").splitlines():
         if not line.startswith("{"):  # throughput.py's full JSON line stays in the log and throughput.jsonl
             print(line)
     if status != "ok":

@@ -43,6 +43,7 @@ import sys  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from random_model import SHAPES, checkpoint_bytes, ensure_checkpoint  # noqa: E402
+from throughput import run_bounded  # noqa: E402
 
 H200_COPY_BANDWIDTH = 4.26e12
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -227,15 +228,12 @@ def run_hf(path: str, args, log_dir: str | None) -> list[dict]:
            "--hf-repeats", str(args.hf_repeats), "--hf-warmup", str(args.hf_warmup), "--seed", str(args.seed),
            "--hf-modes", *args.hf_modes] + (["--hf-device", args.hf_device] if args.hf_device else [])
     log = open(os.path.join(log_dir, f"latency-{args.name}-hf.log"), "w") if log_dir else subprocess.DEVNULL
-    status = "ok"
     try:
-        done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=args.hf_timeout)
-        status = "ok" if done.returncode == 0 else f"exit code {done.returncode}"
-    except subprocess.TimeoutExpired:
-        status = f"timed out after {args.hf_timeout} s"
+        code, _ = run_bounded(cmd, args.hf_timeout, stdout=log, stderr=subprocess.STDOUT)
     finally:
         if log is not subprocess.DEVNULL:
             log.close()
+    status = f"timed out after {args.hf_timeout} s" if code is None else "ok" if code == 0 else f"exit code {code}"
     with open(result) as f:
         records = [json.loads(line) for line in f if line.strip()]
     os.unlink(result)
