@@ -134,7 +134,10 @@ def run_lmjax(path: str, requests: list[Request], args) -> tuple[Result, list[li
     longest = max(len(r.prompt_ids) + r.max_tokens for r in requests)
     kwargs = {k: v for k, v in (("max_num_seqs", args.max_num_seqs),
                                 ("max_num_batched_tokens", args.max_num_batched_tokens)) if v}
-    llm = LLM(path, dtype=args.dtype, max_model_len=args.max_model_len or longest, **kwargs)
+    # enforce_eager=False: every decode batch bucket compiles at start-up (untimed, reported as load
+    # compilations), as vLLM captures its CUDA graphs before a benchmark starts.
+    llm = LLM(path, dtype=args.dtype, max_model_len=args.max_model_len or longest,
+              enforce_eager=args.enforce_eager or False, **kwargs)
     load_compile_s, load_n = clock.snapshot()
     start = time.perf_counter()
     _lmjax_generate(llm, requests[:args.warmup_prompts or None], cap=args.warmup_tokens or None)
@@ -520,6 +523,8 @@ def parse_args(argv=None):
     p.add_argument("--max-model-len", type=int, default=None,
                    help="LLM(max_model_len=...) (default: the longest request; multi-step decode wants "
                         "num_scheduler_steps tokens of room, else a request's last steps run one by one)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="LLM(enforce_eager=True): no start-up compilation of the decode buckets")
     p.add_argument("--max-num-seqs", type=int, default=None, help="LLM(max_num_seqs=...) (default: LLM's)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="LLM(max_num_batched_tokens=...)")
     p.add_argument("--warmup-tokens", type=int, default=4,
@@ -560,6 +565,10 @@ def set_threads(n: int) -> None:
     """Must run before jax is imported: XLA reads its flags once."""
     if n <= 0:
         return
+    # XLA:CPU runs some work on its own thread pools whatever its flags say (plain matmuls measured at
+    # 1.8 cores with multi_thread_eigen off): pin the process to n cores so both engines get the same.
+    cores = sorted(os.sched_getaffinity(0))[:n]
+    os.sched_setaffinity(0, cores)
     flag = "--xla_cpu_multi_thread_eigen=false" if n == 1 else ""
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag} intra_op_parallelism_threads={n}"
     import torch
