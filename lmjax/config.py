@@ -186,7 +186,7 @@ class GenerationConfig:
 
 # Engine features that have a field but no implementation yet: a non-default value raises.
 # Remove an entry here when the feature lands.
-ENGINE_UNSUPPORTED = {"quant_policy": 0}
+ENGINE_UNSUPPORTED: dict = {}
 
 
 @_strict_fields

@@ -96,8 +96,7 @@ def test_engine_config_validation():
         EngineConfig(block_size=0)
     with pytest.raises(ValueError, match="cache_max_entry_count .* got 1.5"):
         EngineConfig(cache_max_entry_count=1.5)
-    with pytest.raises(NotImplementedError, match="quant_policy=8"):
-        EngineConfig(quant_policy=8)
+    assert EngineConfig(quant_policy=8).quant_policy == 8  # KV int8 (int4: 4), see tests/convert/test_kv_quant.py
     with pytest.raises(ValueError, match="quant_policy must be 0, 4 or 8, got 3"):
         EngineConfig(quant_policy=3)
 
@@ -128,7 +127,6 @@ def test_turbomind_maps_fields():
 
 @pytest.mark.parametrize("cfg, field", [
     (TurbomindEngineConfig(model_format="awq"), "model_format"),
-    (TurbomindEngineConfig(quant_policy=8), "quant_policy"),
     (TurbomindEngineConfig(num_tokens_per_iter=256), "num_tokens_per_iter"),
     (TurbomindEngineConfig(download_dir="/tmp"), "download_dir"),
     (PytorchEngineConfig(adapters={"a": "/p"}), "adapters"),

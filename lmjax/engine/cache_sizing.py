@@ -7,6 +7,7 @@ import jax.numpy as jnp
 
 from lmjax import parallel
 from lmjax.config import EngineConfig
+from lmjax.layers.quant import kv_bytes_per_token
 from lmjax.models.config import ModelConfig
 
 # CPU devices report no memory limit; the fraction then applies to this budget (host RAM is shared
@@ -14,11 +15,12 @@ from lmjax.models.config import ModelConfig
 CPU_CACHE_BUDGET_BYTES = 2 << 30
 
 
-def bytes_per_block(model: ModelConfig, block_size: int, dtype, tp: int = 1) -> int:
+def bytes_per_block(model: ModelConfig, block_size: int, dtype, tp: int = 1, quant_policy: int = 0) -> int:
     """Bytes one block takes on each device: with tp > 1 the cache is sharded on KV heads (each KV head
-    repeated when tp does not divide them, see lmjax.parallel.kv_cache_heads)."""
+    repeated when tp does not divide them, see lmjax.parallel.kv_cache_heads). quant_policy 8 / 4: codes
+    plus per-token scale and zero point (`kv_bytes_per_token`), so the same memory holds more blocks."""
     heads = parallel.kv_cache_heads(model.num_kv_heads, tp) // tp if tp > 1 else model.num_kv_heads
-    return 2 * model.num_layers * block_size * heads * model.head_dim * jnp.dtype(dtype).itemsize
+    return block_size * kv_bytes_per_token(model.num_layers, heads, model.head_dim, quant_policy, dtype)
 
 
 def free_device_bytes() -> int:
@@ -30,7 +32,7 @@ def free_device_bytes() -> int:
 
 def kv_cache_blocks(cfg: EngineConfig, model: ModelConfig, dtype, session_len: int) -> int:
     """Block count, block 0 (the padding sink) included."""
-    per_block = bytes_per_block(model, cfg.block_size, dtype, cfg.tp)
+    per_block = bytes_per_block(model, cfg.block_size, dtype, cfg.tp, cfg.quant_policy)
     requested = cfg.num_gpu_blocks or cfg.cache_max_entry_count > 1
     blocks = cfg.num_blocks(free_device_bytes(), per_block)
     if jax.process_count() > 1:  # every process must allocate the same cache (one SPMD program)

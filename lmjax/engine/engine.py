@@ -44,7 +44,8 @@ class LLMEngine:
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_batch_size, config.max_prefill_token_num)
         self.runner = ModelRunner(loaded.model, num_blocks, config.block_size, config.max_prefill_token_num,
-                                  config.max_batch_size, -(-self.session_len // config.block_size), loaded.dtype)
+                                  config.max_batch_size, -(-self.session_len // config.block_size), loaded.dtype,
+                                  config.quant_policy)
         self._rng = random.Random(config.seed)
         self._by_seq: dict[int, tuple[Request, Completion]] = {}
         self._seq_ids = iter(range(1 << 62))

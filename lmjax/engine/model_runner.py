@@ -74,12 +74,12 @@ def _prompt_logprobs(logits_TV, next_ids_T, k: int):
 
 class ModelRunner:
     def __init__(self, model: nnx.Module, num_blocks: int, block_size: int, max_tokens_per_step: int,
-                 max_batch_size: int, max_blocks_per_seq: int, kv_dtype):
+                 max_batch_size: int, max_blocks_per_seq: int, kv_dtype, quant_policy: int = 0):
         self.graphdef, self.state = nnx.split(model)
         self.config = model.config
         self.block_size = block_size
         self.mesh = parallel.mesh_of(self.state)  # None on one device
-        self.caches = make_kv_caches(model.config, num_blocks, block_size, kv_dtype, self.mesh)
+        self.caches = make_kv_caches(model.config, num_blocks, block_size, kv_dtype, self.mesh, quant_policy)
         self.max_T = bucket(max_tokens_per_step, 16)
         self.max_B = bucket(max_batch_size, 4)
         self.max_M = bucket(max_blocks_per_seq, 1)

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from lmjax import parallel
+from lmjax.layers.quant import QuantKV, paged_attention_quant, quant_kv_spec, write_kv_quant
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
 
@@ -40,6 +41,8 @@ class AttentionMetadata:
 
 def write_kv(k_cache_PSKH, v_cache_PSKH, k_TKH, v_TKH, slot_mapping_T):
     """Scatter this step's K/V into their slots (in place when the cache is donated to the step)."""
+    if isinstance(k_cache_PSKH, QuantKV):  # quant_policy 8 / 4: quantized on write
+        return write_kv_quant(k_cache_PSKH, v_cache_PSKH, k_TKH, v_TKH, slot_mapping_T)
     P, S, K, H = k_cache_PSKH.shape
     if K != k_TKH.shape[1]:  # the cache repeats each KV head K / k_TKH.shape[1] times
         repeats = K // k_TKH.shape[1]
@@ -58,8 +61,12 @@ def paged_attention(q_TNH, k_cache_PSKH, v_cache_PSKH, meta: AttentionMetadata, 
     the same engine need no code change.
     """
     impl = impl or os.environ.get("LMJAX_ATTENTION_IMPL", "auto")
+    quantized = isinstance(k_cache_PSKH, QuantKV)
 
     def attend(q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, block_tables_BM, cu_q_lens_B1):
+        if quantized:  # the reference or the XLA tiled op, both dequantizing (see lmjax.layers.quant)
+            return paged_attention_quant(q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, block_tables_BM,
+                                         cu_q_lens_B1, sm_scale=sm_scale, sliding_window=sliding_window, impl=impl)
         return ragged_paged_attention(q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, block_tables_BM,
                                       cu_q_lens_B1, sm_scale=sm_scale, sliding_window=sliding_window, impl=impl)
 
@@ -74,6 +81,8 @@ def paged_attention(q_TNH, k_cache_PSKH, v_cache_PSKH, meta: AttentionMetadata, 
                          "divisible by tp (build caches with lmjax.parallel.make_kv_caches)")
     heads = parallel.TP_AXIS
     q_spec, cache_spec = PartitionSpec(None, heads, None), PartitionSpec(None, None, heads, None)
+    if quantized:
+        cache_spec = quant_kv_spec(k_cache_PSKH)
     sharded = parallel.shard_map(attend, mesh, in_specs=(q_spec, cache_spec, cache_spec) + (PartitionSpec(),) * 3,
                                  out_specs=q_spec)
     return sharded(*args)

