@@ -188,3 +188,23 @@ def test_pipeline_with_turbomind_quant_policy_8(smollm2_gguf):
     assert pipe.engine.config.quant_policy == 8
     assert isinstance(pipe.engine.runner.caches[0][0], QuantKV)
     assert len(out[0].text) > 0 and out[0].generate_token_len == 8
+
+
+def test_tensor_parallel_engine_with_quantized_kv(smollm2_gguf, greedy_prompts):
+    """tp = 3 shards the quantized cache on KV heads (one per device) and generates tp = 1's tokens."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    driver = os.path.join(os.path.dirname(__file__), "kv_tp_driver.py")
+    spec = {"model": smollm2_gguf, "policies": [8, 4], "prompts": greedy_prompts[:2]}
+    proc = subprocess.run([sys.executable, driver, json.dumps(spec)], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    for policy, runs in out.items():
+        one, three = runs["1"], runs["3"]
+        W = 64 * int(policy) // 8
+        assert three["devices"] == 3 and all(s == [32, 16, 1, W] for s in three["shard_shapes"]), three
+        assert one["shard_shapes"] == [[32, 16, 3, W]]
+        assert _common_prefix_ratio(one["tokens"], three["tokens"]) >= 0.9, (policy, one["tokens"], three["tokens"])
