@@ -1,8 +1,12 @@
 """Shared fixtures. Tests run on CPU in float32 unless they say otherwise."""
 import importlib.util
 import os
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Engines write compiled steps to a persistent cache: a fresh one per test session keeps runs hermetic
+# (and still shared between the tests of a session, which compile the same tiny models many times).
+os.environ.setdefault("LMJAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="lmjax-test-jax-cache-"))
 
 import pytest  # noqa: E402
 

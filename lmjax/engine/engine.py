@@ -15,7 +15,7 @@ import time
 from lmjax.config import EngineConfig, SamplingParams
 from lmjax.engine.block_manager import BlockManager
 from lmjax.engine.cache_sizing import kv_cache_blocks
-from lmjax.engine.compile_cache import enable_compilation_cache
+from lmjax.engine.compile_cache import compile_stats, enable_compilation_cache
 from lmjax.engine.detokenizer import IncrementalDetokenizer
 from lmjax.engine.model_runner import ModelRunner, StepOutput, bucket
 from lmjax.engine.request import Completion, Request, new_request_id
@@ -113,7 +113,8 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def stats(self) -> dict:
-        """Counters worth logging and exporting: compilations, prefix-cache hits, preemptions, cache use."""
+        """Counters worth logging and exporting: compilations (traces of a step; `cache_hits` of them
+        were loaded from the persistent compilation cache), prefix-cache hits, preemptions, cache use."""
         b = self.blocks
         return {"num_compilations": self.runner.num_compilations, "prefix_cache_queries": b.prefix_cache_queries,
                 "prefix_cache_hits": b.prefix_cache_hits, "prefix_cache_hit_rate": b.hit_rate,
@@ -121,7 +122,7 @@ class LLMEngine:
                 "num_running": self.scheduler.num_running, "num_waiting": self.scheduler.num_waiting,
                 "num_free_blocks": b.num_free_blocks, "num_usable_blocks": b.num_usable_blocks,
                 "num_prefill_tokens": self.num_prefill_tokens, "num_generated_tokens": self.num_generated_tokens,
-                "num_sessions": len(self.sessions)}
+                "num_sessions": len(self.sessions), **compile_stats()}
 
     # ------------------------------------------------------------------ interactive sessions
     def add_session_request(self, session_id, prompt_token_ids: list[int], params: SamplingParams,
@@ -227,21 +228,27 @@ class LLMEngine:
         return stats
 
     def _decode_steps(self, batch: ScheduledBatch) -> int:
-        """K > 1 when the next K decode steps need no host decision in between: all items decode, no
-        request waits to join, nothing per-step is host-computed (penalties, multi-token bad words,
-        min_tokens bans), and blocks for K more tokens are free (allocated here)."""
+        """K > 1 when the next K decode steps need no host decision in between: all items decode,
+        nothing per-step is host-computed (penalties, multi-token bad words, min_tokens bans), and blocks
+        for K more tokens are free (allocated here). While requests wait to join (the batch was full
+        or the cache was), K stops at the first request's max_tokens, so its slot frees on time; a
+        request that ends earlier (EOS, a stop string) holds its slot to the end of the K steps."""
         k = self.config.num_scheduler_steps
-        if k <= 1 or self.scheduler.num_waiting or self.runner.leading:
+        if k <= 1 or self.runner.leading:
             return 1
         for it in batch.items:
             if it.num_new_tokens != 1 or not it.samples or it.seq.seq_id not in self._by_seq:
                 return 1
-            req = self._by_seq[it.seq.seq_id][0]
+            req, comp = self._by_seq[it.seq.seq_id]
             p = req.params
             if p.uses_penalties or req.bad_words_ids or len(it.seq.output_token_ids) < p.min_tokens:
                 return 1
             if it.seq.num_computed_tokens + k > self.session_len:
                 return 1
+            if self.scheduler.num_waiting:
+                k = min(k, req.max_tokens - len(comp.token_ids))
+        if k <= 1:
+            return 1
         if sum(self.blocks.num_new_blocks(it.seq, k) for it in batch.items) > self.blocks.num_free_blocks:
             return 1
         for it in batch.items:

@@ -80,6 +80,8 @@ class ModelRunner:
         self.block_size = block_size
         self.mesh = parallel.mesh_of(self.state)  # None on one device
         self.caches = make_kv_caches(model.config, num_blocks, block_size, kv_dtype, self.mesh, quant_policy)
+        if self.mesh is None:  # committed (aliased, no copy), as the step's donated outputs are: else
+            self.caches = jax.device_put(self.caches, jax.devices()[0])  # the second step compiles again
         self.max_T = bucket(max_tokens_per_step, 16)
         self.max_B = bucket(max_batch_size, 4)
         self.max_M = bucket(max_blocks_per_seq, 1)

@@ -73,3 +73,23 @@ def test_warmup_compiles_every_decode_bucket_up_front(tiny, steps, caplog):
     want = lazy.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     assert [len(o.outputs[0].token_ids) for o in got] == [p.max_tokens for p in params]
+
+
+def test_multistep_while_requests_wait(tiny):
+    """With more requests than max_num_seqs, the full batch still decodes K steps per round trip (K
+    stopping at the first max_tokens, so waiting requests join as soon as a slot frees), with
+    the tokens of one step at a time."""
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(4, 256, int(n)).tolist() for n in rng.integers(3, 40, 12)]
+    params = [SamplingParams(temperature=0, max_tokens=int(m), ignore_eos=i % 3 != 0)
+              for i, m in enumerate(rng.integers(5, 40, 12))]
+
+    def run(steps):
+        llm = LLM(tiny, max_model_len=256, num_scheduler_steps=steps, block_size=16, max_num_seqs=4)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return llm.llm_engine, [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs]
+
+    multi, got = run(8)
+    _, want = run(1)
+    assert got == want
+    assert multi.num_decode_loops >= 8
