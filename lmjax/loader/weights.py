@@ -42,6 +42,9 @@ def _default_placer(path: tuple, array: np.ndarray) -> jax.Array:
     return jax.device_put(array, jax.local_devices()[0])
 
 
+_transpose = jax.jit(lambda x: x.T)
+
+
 def load_params(model_fn: Callable[[], nnx.Module], tensors: Iterable[tuple[str, np.ndarray]], dtype,
                 source: str, placer: Placer = _default_placer) -> nnx.Module:
     """Build the model abstractly (no random init), then fill every parameter from `tensors`."""
@@ -52,12 +55,17 @@ def load_params(model_fn: Callable[[], nnx.Module], tensors: Iterable[tuple[str,
         if name.endswith(_IGNORED_SUFFIXES):
             continue
         path, transpose = _target(name, flat)
-        host = (array.T if transpose else array).astype(dtype)
         expected = tuple(flat[path].shape)
-        if host.shape != expected:
+        if (array.shape[::-1] if transpose else array.shape) != expected:
             raise CheckpointError(f"tensor {name!r} in {source} has shape {array.shape}; the model expects "
                                   f"{expected if not transpose else expected[::-1]}")
-        filled[path] = placer(path, np.ascontiguousarray(host))
+        host = np.ascontiguousarray(array.astype(dtype, copy=False))
+        if transpose and placer is _default_placer:
+            # numpy transposes a [out, in] matrix at ~0.4 GB/s (8 s of a 1B model's load); the device
+            # (or XLA on a CPU) does it at memory speed.
+            filled[path] = _transpose(placer(path, host))
+        else:
+            filled[path] = placer(path, np.ascontiguousarray(host.T) if transpose else host)
     missing = [".".join(map(str, p)) for p in flat if p not in filled]
     if missing:
         raise CheckpointError(f"{source} is missing tensors for {missing[:8]}"
