@@ -2,7 +2,9 @@
 
 Data flow of `convert_checkpoint`:
   lmjax's own loader reads SRC into host (CPU-device) arrays of `dtype`, one tensor at a time
-  -> optional weight-only quantization (`lmjax.layers.quant.quantize_model`: w8 / w4)
+  -> optional weight-only quantization: w8 and `w4_method="rtn"` round to nearest
+     (`lmjax.layers.quant.quantize_model`); w4 by default is GPTQ over a calibration text
+     (`convert.calibrate`, on a float32 copy, the result stored in `dtype`)
   -> with tp > 1, each array is laid out over tp CPU devices by `lmjax.parallel`'s rules, so Orbax
      writes one storage chunk per tensor-parallel shard (a tp restore then reads whole chunks only)
   -> written into a temporary directory beside OUT: lmjax_orbax/ (Orbax, OCDBT), config.json (with an
@@ -21,6 +23,7 @@ import shutil
 import tempfile
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
@@ -34,6 +37,7 @@ from lmjax.loader.resolve import resolve_model_path
 logger = logging.getLogger("convert")
 
 DTYPES = ("float32", "bfloat16", "float16")
+W4_METHODS = ("gptq", "rtn")
 # Files of an HF directory that travel with the weights (tokenizer, chat template, generation defaults).
 _SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
                "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
@@ -41,29 +45,36 @@ _SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "sp
 
 
 def convert_checkpoint(src: str, out: str, dtype: str = "bfloat16", tp: int = 1, quant: str | None = None,
-                       group_size: int = 128, overwrite: bool = False) -> str:
+                       group_size: int = 128, overwrite: bool = False, w4_method: str = "gptq",
+                       calib_text: str | None = None) -> str:
     """Convert `src` (HF directory, .gguf file or model id) into the directory `out`; returns its path.
 
     dtype: storage (and default compute) dtype of the float parameters. tp: the tensor-parallel size
     the storage chunks are laid out for (restore works at any tp). quant: None, "w8" or "w4"
-    (`group_size` input rows per int4 scale)."""
+    (`group_size` input rows per int4 scale). w4_method: "gptq" (calibrated on `calib_text`, a text
+    file; default: convert.calibration_text) or "rtn" (round to nearest, no calibration). Both
+    write the same layout."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} is not supported; choose one of {DTYPES}")
     if tp < 1:
         raise ValueError(f"tp={tp} must be >= 1")
     spec = QuantSpec(quant, group_size) if quant else None
+    if w4_method not in W4_METHODS:
+        raise ValueError(f"w4_method={w4_method!r} is not supported; choose one of {W4_METHODS}")
+    gptq = spec is not None and spec.method == "w4" and w4_method == "gptq"
+    text = _read_text(calib_text) if gptq else None
     path = os.path.abspath(resolve_model_path(src))
     out = os.path.abspath(os.path.expanduser(out))
     if os.path.exists(out) and not overwrite:
         raise FileExistsError(f"{out} already exists (pass overwrite=True / --overwrite to replace it)")
     os.makedirs(os.path.dirname(out), exist_ok=True)
 
-    params, loaded = _read(path, dtype, tp, spec)
+    params, loaded = _read(path, dtype, tp, spec, gptq, text)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=os.path.dirname(out))
     try:
         _save_params(os.path.join(tmp, ORBAX_SUBDIR), params)
         _write_config(tmp, loaded.hf_config, dict(format=FORMAT_VERSION, dtype=dtype, tp=tp, source=path,
-                                                  quant=spec.to_dict() if spec else None))
+                                                  quant=_quant_info(spec, gptq, calib_text)))
         _write_tokenizer(tmp, path)
         _commit(tmp, out)
     except BaseException:
@@ -73,12 +84,39 @@ def convert_checkpoint(src: str, out: str, dtype: str = "bfloat16", tp: int = 1,
     return out
 
 
-def _read(path: str, dtype: str, tp: int, spec: QuantSpec | None):
-    """({key: array}, LoadedModel): parameters on CPU devices, quantized, laid out for tp."""
+def _read_text(calib_text: str | None) -> str | None:
+    if calib_text is None:
+        return None  # convert.calibration_text
+    if not os.path.isfile(calib_text):
+        raise ValueError(f"calibration text calib_text={calib_text!r} is not a file")
+    with open(calib_text, encoding="utf-8") as f:
+        return f.read()
+
+
+def _quant_info(spec: QuantSpec | None, gptq: bool, calib_text: str | None) -> dict | None:
+    """The `quant` entry of config.json: the layout (QuantSpec) and, for the record, how it was made."""
+    if spec is None:
+        return None
+    how = {"algorithm": "gptq", "calibration": calib_text or "builtin"} if gptq else {"algorithm": "rtn"}
+    return {**spec.to_dict(), **how}
+
+
+def _read(path: str, dtype: str, tp: int, spec: QuantSpec | None, gptq: bool = False, text: str | None = None):
+    """({key: array}, LoadedModel): parameters on CPU devices, quantized (w4 through GPTQ over `text`
+    when `gptq`; None: the built-in calibration text), laid out for tp."""
     cpu = jax.local_devices(backend="cpu")
-    loaded = load_model(path, dtype, placer=lambda p, a: jax.device_put(a, cpu[0]))
-    quantize_model(loaded.model, spec)
-    flat = {p: v[...] for p, v in nnx.to_flat_state(nnx.state(loaded.model))}
+    # GPTQ runs its calibration forward passes in float32 (bf16 matmuls are slow on CPU) and rounds the
+    # stored scales to `dtype` itself; every float parameter is cast to `dtype` afterwards.
+    loaded = load_model(path, "float32" if gptq else dtype, placer=lambda p, a: jax.device_put(a, cpu[0]))
+    if gptq:
+        from convert.calibrate import calibration_prompts, gptq_quantize_model
+        from lmjax.loader.tokenizer import load_tokenizer
+
+        prompts = calibration_prompts(load_tokenizer(path), text)
+        gptq_quantize_model(loaded.model, spec, prompts, param_dtype=jnp.dtype(dtype))
+    else:
+        quantize_model(loaded.model, spec)
+    flat = {p: _as_dtype(v[...], dtype) for p, v in nnx.to_flat_state(nnx.state(loaded.model))}
     if tp == 1:
         return {param_key(p): a for p, a in flat.items()}, loaded
     parallel.check_tp(loaded.config, tp)
@@ -93,6 +131,11 @@ def _read(path: str, dtype: str, tp: int, spec: QuantSpec | None):
         spec_ = parallel.param_spec(p, a.shape, mesh, loaded.config)
         params[param_key(p)] = jax.device_put(a, NamedSharding(mesh, spec_))
     return params, loaded
+
+
+def _as_dtype(array: jax.Array, dtype: str) -> jax.Array:
+    """Float parameters in the storage dtype; integer (quantized) kernels as they are."""
+    return array.astype(dtype) if jnp.issubdtype(array.dtype, jnp.floating) else array
 
 
 def _save_params(directory: str, params: dict) -> None:

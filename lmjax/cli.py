@@ -200,6 +200,14 @@ def _add_convert(subparsers) -> None:
                    help="weight-only quantization: w8 = int8 per output channel, w4 = int4 in groups")
     p.add_argument("--group-size", type=_bounded(int, "group-size", 1), default=128,
                    help="input rows per int4 scale with --quant w4 (default: 128)")
+    p.add_argument("--w4-method", choices=("gptq", "rtn"), default="gptq",
+                   help="how --quant w4 picks its int4 codes, scales and offsets: gptq (default) minimizes each "
+                        "layer's output error on a calibration text; rtn rounds to nearest (no calibration, "
+                        "fast, less accurate). Same stored layout either way")
+    p.add_argument("--calib-text", metavar="FILE", default=None,
+                   help="UTF-8 text file to calibrate --w4-method gptq on (default: a built-in mix of "
+                        "public-domain prose, lists and code, convert/calibration_text.py); a few thousand "
+                        "tokens of text like the model's workload is plenty")
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     p.set_defaults(func=_convert)
 
@@ -214,7 +222,8 @@ def _convert(args) -> int:
 
     try:
         out = convert_checkpoint(args.src, args.out, dtype=args.dtype, tp=args.tp, quant=args.quant,
-                                 group_size=args.group_size, overwrite=args.overwrite)
+                                 group_size=args.group_size, overwrite=args.overwrite, w4_method=args.w4_method,
+                                 calib_text=args.calib_text)
     except FileExistsError as e:  # reported like the other user errors (main catches ValueError)
         raise ValueError(str(e)) from e
     print(out)

@@ -119,7 +119,7 @@ def test_cli_convert(tiny, tmp_path):
     out = tmp_path / "cli-out"
     assert main(["convert", tiny, str(out), "--dtype", "float32", "--quant", "w8"]) == 0
     info = json.load(open(out / "config.json"))["lmjax"]
-    assert info["quant"] == {"method": "w8", "group_size": 128} and (out / ORBAX_SUBDIR).is_dir()
+    assert info["quant"] == {"method": "w8", "group_size": 128, "algorithm": "rtn"} and (out / ORBAX_SUBDIR).is_dir()
 
 
 # ---------------------------------------------------------------- SmolLM2 (GGUF source)

@@ -104,9 +104,87 @@ def test_smollm2_converted_w4_restores_the_quantized_model(smollm2_gguf, smollm2
     from convert import convert_checkpoint
     from lmjax.loader.model_loader import load_model
 
-    out = convert_checkpoint(smollm2_gguf, tmp_path / "w4", dtype="float32", quant="w4", group_size=32)
+    out = convert_checkpoint(smollm2_gguf, tmp_path / "w4", dtype="float32", quant="w4", group_size=32,
+                             w4_method="rtn")
     restored = load_model(out, "float32").model
     assert isinstance(restored.layers[0].self_attn.q_proj, QuantLinear)
     assert restored.layers[0].self_attn.q_proj.kernel[...].dtype == jnp.uint8
     in_memory = quantize_model(nnx.clone(smollm2_lmjax.model), QuantSpec("w4", 32))
     assert perplexity(restored, text_ids) == pytest.approx(perplexity(in_memory, text_ids), rel=1e-5)
+
+
+# ---------------------------------------------------------------- GPTQ (convert.gptq, convert.calibrate)
+def _correlated_inputs(I=256, T=1024, seed=0):
+    """Inputs with a few dominant directions and an outlier channel, like real activations."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((T, I)) @ (np.eye(I) + 0.3 * rng.standard_normal((I, I)) / np.sqrt(I))
+    x[:, 7] *= 20
+    return x
+
+
+def _output_error(x, w, packed, scale, offset, G):
+    w_hat = np.asarray(dequantize_w4(jnp.asarray(packed), jnp.asarray(scale), jnp.asarray(offset), G, jnp.float32))
+    return float(np.linalg.norm(x @ (w_hat - w)) / np.linalg.norm(x @ w))
+
+
+def test_gptq_beats_round_to_nearest_on_the_output_in_the_same_layout():
+    from convert.gptq import gptq_w4
+
+    x, w = _correlated_inputs(), np.asarray(_w(256, 64, seed=3))
+    rtn = quantize_w4(jnp.asarray(w), 128)
+    plain = gptq_w4(w, x.T @ x, 128, refine=False)
+    refined = gptq_w4(w, x.T @ x, 128)
+    for (packed, scale, offset), r in zip((plain, refined), (rtn, rtn)):
+        assert packed.shape == r[0].shape and packed.dtype == np.uint8 and scale.shape == offset.shape == r[1].shape
+    errors = [_output_error(x, w, *q, 128) for q in (rtn, plain, refined)]
+    assert errors[1] < 0.85 * errors[0] and errors[2] <= errors[1], errors
+
+
+def test_calibration_text_is_not_the_perplexity_text():
+    from convert.calibration_text import DEFAULT_CALIBRATION_TEXT
+
+    sentences = [s.strip() for s in open(TEXT).read().replace("\n", " ").split(".") if len(s.strip()) > 20]
+    assert sentences and not any(s in DEFAULT_CALIBRATION_TEXT for s in sentences)
+
+
+@pytest.fixture(scope="module")
+def rtn_g128_ppl(smollm2_lmjax, text_ids) -> float:
+    return perplexity(quantize_model(nnx.clone(smollm2_lmjax.model), QuantSpec("w4", 128)), text_ids)
+
+
+# w4 g128 target of the issue: within 5% of float32. Not met: round to nearest measures 36.6 (+244%)
+# and GPTQ with least-squares scales, calibrated on convert/calibration_text.py, ~21.5 (+100%) against
+# 10.64. SmolLM2-135M here is itself a Q4_1 (group 32) model, whose four differently-scaled blocks per
+# group of 128 no single scale and offset can follow. The assertions guard what GPTQ does achieve.
+def test_smollm2_w4_g128_gptq_halves_the_round_to_nearest_loss(smollm2_lmjax, smollm2_tokenizer, text_ids, base_ppl,
+                                                               rtn_g128_ppl):
+    from convert.calibrate import calibration_prompts, gptq_quantize_model
+
+    model = gptq_quantize_model(nnx.clone(smollm2_lmjax.model), QuantSpec("w4", 128),
+                                calibration_prompts(smollm2_tokenizer))
+    assert isinstance(model.layers[0].mlp.down_proj, QuantLinear)
+    ppl = perplexity(model, text_ids)
+    print(f"SmolLM2 perplexity: float32 {base_ppl:.4f}, w4 g128 rtn {rtn_g128_ppl:.4f}, gptq {ppl:.4f}")
+    assert ppl - base_ppl < 0.5 * (rtn_g128_ppl - base_ppl)
+
+
+def test_smollm2_converted_w4_gptq_restores_what_was_calibrated(smollm2_gguf, smollm2_lmjax, smollm2_tokenizer,
+                                                                text_ids, tmp_path):
+    import json
+
+    from convert import convert_checkpoint
+    from convert.calibrate import calibration_prompts, gptq_quantize_model
+    from lmjax.loader.model_loader import load_model
+
+    calib = tmp_path / "calib.txt"  # short: this checks the wiring, not the quality
+    calib.write_text("Water moves through the world in a cycle. def add(a, b):\n    return a + b\n" * 4)
+    out = convert_checkpoint(smollm2_gguf, tmp_path / "w4", dtype="float32", quant="w4", group_size=128,
+                             calib_text=str(calib))
+    quant = json.load(open(tmp_path / "w4" / "config.json"))["lmjax"]["quant"]
+    assert quant == {"method": "w4", "group_size": 128, "algorithm": "gptq", "calibration": str(calib)}
+    restored = load_model(out, "float32").model
+    in_memory = gptq_quantize_model(nnx.clone(smollm2_lmjax.model), QuantSpec("w4", 128),
+                                    calibration_prompts(smollm2_tokenizer, calib.read_text()))
+    assert perplexity(restored, text_ids) == pytest.approx(perplexity(in_memory, text_ids), rel=1e-4)
+    with pytest.raises(ValueError, match="calib_text='/nonexistent.txt' is not a file"):
+        convert_checkpoint(smollm2_gguf, tmp_path / "x", quant="w4", calib_text="/nonexistent.txt")
