@@ -272,7 +272,8 @@ def _lower(cfg, renames: dict[str, str], frontend: tuple[str, ...]) -> EngineCon
 class TurbomindEngineConfig:
     """LMDeploy's TurboMind config (names and seed-doc defaults). model_name picks the chat
     template (read by the pipeline). max_context_token_num is the old name for
-    max_prefill_token_num (used when set above its default 1). model_format: None or 'hf'."""
+    max_prefill_token_num (used when set above its default 1). model_format: None, 'hf' or 'awq' (an
+    AutoAWQ GEMM checkpoint; lmjax reads the format from its config.json either way)."""
     model_name: str | None = None
     model_format: str | None = None
     dtype: str = "auto"
@@ -305,9 +306,9 @@ class TurbomindEngineConfig:
                f"model_format must be one of {formats}, got {self.model_format!r}")
 
     def to_engine_config(self) -> EngineConfig:
-        if self.model_format not in (None, "hf"):
+        if self.model_format not in (None, "hf", "awq"):
             raise NotImplementedError(f"model_format={self.model_format!r} is not supported by lmjax "
-                                      "yet (use None or 'hf'; GGUF files load directly)")
+                                      "yet (use None, 'hf' or 'awq'; GGUF files load directly)")
         cfg = self
         if self.max_context_token_num > 1:  # legacy alias
             cfg = dataclasses.replace(self, max_prefill_token_num=self.max_context_token_num,

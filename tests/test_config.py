@@ -126,7 +126,7 @@ def test_turbomind_maps_fields():
 
 
 @pytest.mark.parametrize("cfg, field", [
-    (TurbomindEngineConfig(model_format="awq"), "model_format"),
+    (TurbomindEngineConfig(model_format="gptq"), "model_format"),
     (TurbomindEngineConfig(num_tokens_per_iter=256), "num_tokens_per_iter"),
     (TurbomindEngineConfig(download_dir="/tmp"), "download_dir"),
     (PytorchEngineConfig(adapters={"a": "/p"}), "adapters"),
@@ -151,7 +151,8 @@ def test_pytorch_maps_fields():
 @pytest.mark.parametrize("cls", [TurbomindEngineConfig, PytorchEngineConfig])
 def test_every_nondefault_field_is_mapped_or_refused(cls):
     """No LMDeploy field may be silently dropped: each one changes EngineConfig or raises."""
-    frontend = {"model_name", "max_context_token_num"}
+    # model_format is read from the checkpoint itself ('awq' checkpoints say so in their config.json)
+    frontend = {"model_name", "max_context_token_num", "model_format"}
     base = cls().to_engine_config()
     for f in dataclasses.fields(cls):
         if f.name in frontend:

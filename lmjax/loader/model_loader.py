@@ -1,7 +1,9 @@
 """load_model: any supported checkpoint (HF directory or GGUF file) -> a ready Flax model.
 
 Path resolution -> HF config dict -> ModelConfig (with engine overrides) -> tensors renamed to HF Llama
-names by the architecture's weight map -> parameters filled one tensor at a time. With tp > 1 (or a
+names by the architecture's weight map -> parameters filled one tensor at a time. An AWQ checkpoint
+(`quantization_config.quant_method == "awq"`) builds w4 QuantLinears and converts each Linear's
+qweight / qzeros / scales into them as they stream by (lmjax.loader.awq). With tp > 1 (or a
 mesh), each tensor goes straight into its shards (`lmjax.parallel.make_placer`).
 """
 from __future__ import annotations
@@ -16,6 +18,8 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from lmjax import parallel
+from lmjax.layers.quant import quantize_model
+from lmjax.loader.awq import awq_spec, awq_tensors
 from lmjax.loader.gguf import load_gguf
 from lmjax.loader.resolve import resolve_model_path
 from lmjax.loader.safetensors_loader import iter_tensors, read_config
@@ -86,6 +90,10 @@ def load_model(model: str | None = None, dtype: str = "auto", *, placer: Placer 
     if placer is None and mesh is not None:
         placer = parallel.make_placer(mesh, cfg)
     kwargs = {"placer": placer} if placer is not None else {}
-    net = load_params(lambda: arch.model_cls(cfg, dtype=jdtype), arch.tensor_map(tensors(), cfg),
+    spec = awq_spec(hf_config)
+    named = arch.tensor_map(tensors(), cfg)
+    if spec is not None:
+        named = awq_tensors(named, spec.group_size)
+    net = load_params(lambda: quantize_model(arch.model_cls(cfg, dtype=jdtype), spec, abstract=True), named,
                       jnp.dtype(jdtype), source, **kwargs)
     return LoadedModel(net, cfg, hf_config, path, jdtype, mesh)

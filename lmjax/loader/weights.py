@@ -59,7 +59,9 @@ def load_params(model_fn: Callable[[], nnx.Module], tensors: Iterable[tuple[str,
         if (array.shape[::-1] if transpose else array.shape) != expected:
             raise CheckpointError(f"tensor {name!r} in {source} has shape {array.shape}; the model expects "
                                   f"{expected if not transpose else expected[::-1]}")
-        host = np.ascontiguousarray(array.astype(dtype, copy=False))
+        # Quantized kernels (AWQ import) keep their integer dtype; float tensors take the model's.
+        target = dtype if np.issubdtype(np.dtype(flat[path].dtype), np.floating) else flat[path].dtype
+        host = np.ascontiguousarray(array.astype(target, copy=False))
         if transpose and placer is _default_placer:
             # numpy transposes a [out, in] matrix at ~0.4 GB/s (8 s of a 1B model's load); the device
             # (or XLA on a CPU) does it at memory speed.

@@ -129,9 +129,9 @@ def _check_supported(hf: dict) -> None:
         raise ConfigError(f"hidden_act={act!r} is not supported; supported: {SUPPORTED_ACTIVATIONS}")
     if (hf.get("pretraining_tp") or 1) != 1:
         raise ConfigError(f"pretraining_tp={hf['pretraining_tp']} is not supported (only 1)")
-    if hf.get("quantization_config"):
-        method = hf["quantization_config"].get("quant_method", "?")
-        raise ConfigError(f"quantized checkpoints (quant_method={method!r}) are not supported yet")
+    method = (hf.get("quantization_config") or {}).get("quant_method", "?")
+    if hf.get("quantization_config") and str(method).lower() != "awq":  # AWQ: lmjax.loader.awq
+        raise ConfigError(f"quantized checkpoints (quant_method={method!r}) are not supported yet (only 'awq')")
 
 
 def model_config_from_hf(hf: dict, arch: str, **overrides: Any) -> ModelConfig:
