@@ -206,8 +206,8 @@ def _add_convert(subparsers) -> None:
                         "fast, less accurate). Same stored layout either way")
     p.add_argument("--calib-text", metavar="FILE", default=None,
                    help="UTF-8 text file to calibrate --w4-method gptq on (default: a built-in mix of "
-                        "public-domain prose, lists and code, convert/calibration_text.py); a few thousand "
-                        "tokens of text like the model's workload is plenty")
+                        "public-domain prose, lists and code, about 1500 tokens, convert/calibration_text.py); "
+                        "text like the model's workload calibrates best")
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     p.set_defaults(func=_convert)
 

@@ -8,14 +8,18 @@ path for its weights (`...q_proj.kernel`), so `lmjax.parallel`'s sharding rules 
       (two uint4 per byte: row 2i in the low nibble, row 2i+1 in the high one)
       y = x @ (unpack(kernel) * repeat(scale, G)[:I] + repeat(offset, G)[:I])
 
-w8 is symmetric; w4 is asymmetric per group (min/max onto 0..15), the layout of AWQ / TurboMind's
-`model_format="awq"` (their zero point z is `offset = -z * scale`). Dequantization is plain jnp inside the jitted step; XLA fuses the
-unpack/scale into the matmul's operand, so on GPU the weights cross HBM at 1 or 0.5 bytes each.
+w8 is symmetric; w4 is asymmetric per group, the layout of AWQ / TurboMind's `model_format="awq"`
+(their zero point z is `offset = -z * scale`). Three producers fill it: round to nearest here (min/max
+onto 0..15), GPTQ at conversion (convert/gptq.py, convert/calibrate.py), and AWQ checkpoints
+(lmjax/loader/awq.py). Dequantization is plain jnp inside the jitted step; XLA fuses the unpack/scale
+into the matmul's operand, so on GPU the weights cross HBM at 1 or 0.5 bytes each.
 A last group shorter than G is allowed (SmolLM2's hidden size 576 is 4.5 groups of 128).
 
 The model code knows nothing of this: `quantize_model` swaps every `Linear` of a built model (the
 lm_head excepted) for a `QuantLinear`, from real weights (conversion) or abstractly inside
 `nnx.eval_shape` (restore of a converted checkpoint), like gpt-fast's quant handlers.
+The second half of this module is KV-cache quantization (LMDeploy's quant_policy 8 / 4): the caches
+`lmjax.layers.attention` writes and reads when the engine runs with quant_policy set.
 Shape letters: T tokens, I input dim, O output dim, G group size.
 """
 from __future__ import annotations
