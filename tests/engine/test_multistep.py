@@ -81,7 +81,7 @@ def test_multistep_while_requests_wait(tiny):
     the tokens of one step at a time."""
     rng = np.random.default_rng(2)
     prompts = [rng.integers(4, 256, int(n)).tolist() for n in rng.integers(3, 40, 12)]
-    params = [SamplingParams(temperature=0, max_tokens=int(m), ignore_eos=i % 3 != 0)
+    params = [SamplingParams(temperature=0, max_tokens=33 if i < 8 else int(m), ignore_eos=i % 3 != 0)
               for i, m in enumerate(rng.integers(5, 40, 12))]
 
     def run(steps):
@@ -92,4 +92,6 @@ def test_multistep_while_requests_wait(tiny):
     multi, got = run(8)
     _, want = run(1)
     assert got == want
+    # The first two waves of 4 (33 tokens each, 8 requests waiting, then 4) decode 4 loops of 8 steps
+    # each; without multi-step while requests wait, only the last wave could.
     assert multi.num_decode_loops >= 8
