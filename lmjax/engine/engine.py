@@ -312,11 +312,14 @@ class LLMEngine:
             entry = dict(zip(out.top_ids[i, :k].tolist(), out.top_logprobs[i, :k].tolist()))
             entry[token] = float(out.logprobs[i])
             comp.logprobs.append(entry)
-        result = comp.stops.feed(comp.detokenizer.step([token]))
-        comp.text += result.text
-        if result.stopped:
-            comp.stop_reason = result.stop_str
-            return self._finish(req, comp, "stop", flush=False)
+        if comp.stops.stops:  # stop strings: the text decides, decode it now
+            result = comp.stops.feed(comp.detokenizer.step([token]))
+            comp.add_text(result.text)
+            if result.stopped:
+                comp.stop_reason = result.stop_str
+                return self._finish(req, comp, "stop", flush=False)
+        else:
+            comp.defer_text()
         if token in (req.params.stop_token_ids or ()):
             comp.stop_reason = token
             return self._finish(req, comp, "stop")
@@ -327,8 +330,9 @@ class LLMEngine:
 
     def _finish(self, req: Request, comp: Completion, reason: str, flush: bool = True) -> None:
         if flush:
+            comp.add_text("")  # catch up with deferred tokens before the flush
             tail = comp.stops.feed(comp.detokenizer.flush())
-            comp.text += tail.text + comp.stops.flush()
+            comp.add_text(tail.text + comp.stops.flush())
         comp.finish_reason = reason
         session_id = self._session_of.pop(comp.seq.seq_id, None)
         if not comp.seq.is_finished:

@@ -26,17 +26,36 @@ class Completion:
     seed: int
     detokenizer: IncrementalDetokenizer
     stops: StopStringMatcher
-    text: str = ""
     logprobs: list[dict[int, float]] | None = None  # per token: {token id: logprob}, sampled id included
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop string or token id that ended it
     _emitted_text: int = 0
     _emitted_tokens: int = 0
+    _text: str = ""
+    _lag: int = 0  # newest output tokens not detokenized yet (see `text`)
 
     @property
     def token_ids(self) -> list[int]:
         return self.seq.output_token_ids
+
+    @property
+    def text(self) -> str:
+        """The output text. Without stop strings nothing on the engine's path needs it, so the engine
+        only counts new tokens (`defer_text`) and they are detokenized here, when someone reads the text
+        (a stream every step, `generate` once at the end): the host's per-token work, which the device
+        waits on between decode calls, shrinks to bookkeeping."""
+        if self._lag:
+            ids, self._lag = self.token_ids[len(self.token_ids) - self._lag:], 0
+            self._text += self.stops.feed(self.detokenizer.step(ids)).text
+        return self._text
+
+    def add_text(self, piece: str) -> None:
+        self._text = self.text + piece
+
+    def defer_text(self) -> None:
+        """One more output token whose text is decoded on the next read of `text`."""
+        self._lag += 1
 
     @property
     def finished(self) -> bool:
