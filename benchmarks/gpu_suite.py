@@ -16,8 +16,8 @@ under a cap, so one slow or hanging step cannot eat the others' time):
                        "reduced"), transformers static batching at batch 64/128/256 (+ compile on the 1B shape),
                        timed on a subset and extrapolated; a traced batch-64 decode window for the device idle time.
                        `--enforce-eager`: no start-up compilation of every (batch, width) decode bucket (28 of them
-                       at max_model_len 512: minutes on the GPU machine's slow host); the untimed warm-up pass of
-                       256 full requests compiles the buckets this workload reaches, and any compilation left in
+                       at max_model_len 512: minutes on the GPU machine's slow host); the untimed warm-up pass (the
+                       whole workload once, full budgets) compiles the buckets this workload reaches, and any compilation left in
                        the timed pass is counted and reported.
 Random bf16 weights: benchmarks/random_model.py's fast writer (torch draws each tensor on the GPU; safetensors
 shards written to /tmp once per machine), so the 8B checkpoint costs tens of seconds, not minutes.
@@ -51,7 +51,7 @@ def steps_for(shape: str, out: str, smoke: bool) -> list[dict]:
     start = script("latency.py") + ["--start-only", "--hf-modes", "--out", out]
     thr = script("throughput.py") + [
         "--dtype", "bfloat16", "--num-prompts", "300" if big else "1000", "--input-len", "128", "--output-len", "128",
-        "--max-model-len", "512", "--warmup-prompts", "256", "--warmup-tokens", "0", "--enforce-eager",
+        "--max-model-len", "512", "--warmup-prompts", "0", "--warmup-tokens", "0", "--enforce-eager",
         "--hf-subprocess", "--hf-max-requests", "128" if big else "256", "--hf-timeout", "120" if big else "150",
         "--profile", os.path.join(out, f"profile-{shape}"), "--json-out", os.path.join(out, "throughput.jsonl"),
         "--hf-batch-size", *(["64", "128"] if big else ["64", "128", "256", "--hf-compile"])]
