@@ -3,8 +3,8 @@ from lmjax.api.async_engine import AsyncEngine
 from lmjax.api.llm import LLM
 from lmjax.api.outputs import CompletionOutput, Logprob, RequestOutput, Response
 from lmjax.api.pipeline import Pipeline, pipeline
-from lmjax.config import (ChatTemplateConfig, EngineConfig, GenerationConfig, PytorchEngineConfig, SamplingParams,
-                          TurbomindEngineConfig)
+from lmjax.config import ChatTemplateConfig, EngineConfig, GenerationConfig, SamplingParams
+from lmjax.lmdeploy_config import PytorchEngineConfig, TurbomindEngineConfig
 
 __all__ = ["LLM", "AsyncEngine", "pipeline", "Pipeline", "GenerationConfig", "SamplingParams", "EngineConfig",
            "TurbomindEngineConfig", "PytorchEngineConfig", "ChatTemplateConfig", "Response", "RequestOutput",

@@ -3,9 +3,9 @@
 Two families of names reach one engine:
 - per request: LMDeploy's `GenerationConfig` and vLLM's `SamplingParams`. The engine works on
   `SamplingParams` only; `GenerationConfig.to_sampling_params()` maps one onto the other.
-- per engine: LMDeploy's `TurbomindEngineConfig` / `PytorchEngineConfig` lower onto lmjax's own
-  `EngineConfig` with `to_engine_config()`. A field lmjax cannot honour yet raises
-  `NotImplementedError` when set to anything but its default: it is never silently ignored.
+- per engine: lmjax's own `EngineConfig`; LMDeploy's `TurbomindEngineConfig` / `PytorchEngineConfig`
+  (lmjax/lmdeploy_config.py) lower onto it with `to_engine_config()`. A field lmjax cannot honour yet
+  raises `NotImplementedError` when set to anything but its default: it is never silently ignored.
 
 `ChatTemplateConfig` turns chat messages into a prompt string (role markers, or the tokenizer's
 own chat template when only `model_name` is given).
@@ -15,7 +15,6 @@ keyword is a `TypeError` that lists it and suggests the nearest valid field.
 """
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import functools
 from dataclasses import dataclass, field, fields
@@ -245,118 +244,6 @@ class EngineConfig:
         if self.cache_max_entry_count > 1:
             return int(self.cache_max_entry_count)
         return int(free_bytes * self.cache_max_entry_count) // bytes_per_block
-
-
-def _lower(cfg, renames: dict[str, str], frontend: tuple[str, ...]) -> EngineConfig:
-    """Map `cfg`'s fields onto EngineConfig: `renames` maps differing names, same-named fields
-    pass through, `frontend` fields are read by the pipeline (not the engine), and any other
-    field must keep its default or NotImplementedError names it."""
-    engine_names = {f.name for f in fields(EngineConfig)}
-    kwargs = {}
-    for f in fields(cfg):
-        value, target = getattr(cfg, f.name), renames.get(f.name, f.name)
-        if f.name in frontend:
-            continue
-        if target in engine_names:
-            if value is not None:
-                kwargs[target] = value
-        elif value != f.default:
-            raise NotImplementedError(
-                f"{type(cfg).__name__}.{f.name}={value!r} is not supported by lmjax yet "
-                f"(leave it at {f.default!r})")
-    return EngineConfig(**kwargs)
-
-
-@_strict_fields
-@dataclass
-class TurbomindEngineConfig:
-    """LMDeploy's TurboMind config (names and seed-doc defaults). model_name picks the chat
-    template (read by the pipeline). max_context_token_num is the old name for
-    max_prefill_token_num (used when set above its default 1). model_format: None, 'hf' or 'awq' (an
-    AutoAWQ GEMM checkpoint; lmjax reads the format from its config.json either way)."""
-    model_name: str | None = None
-    model_format: str | None = None
-    dtype: str = "auto"
-    tp: int = 1
-    session_len: int | None = None
-    max_batch_size: int | None = 128
-    cache_max_entry_count: float = 0.5
-    cache_block_seq_len: int = 128
-    enable_prefix_caching: bool = False
-    quant_policy: int = 0
-    rope_scaling_factor: float = 0.0
-    use_dynamic_ntk: bool = False
-    use_logn_attn: bool = False
-    max_prefill_token_num: int = 8192
-    max_context_token_num: int = 1
-    group_size: int = 128
-    cache_chunk_size: int = -1
-    num_tokens_per_iter: int = 0
-    max_prefill_iters: int = 1
-    use_context_fmha: int = 1
-    kv_bits: int = 8
-    download_dir: str | None = None
-    revision: str | None = None
-    communicator: str = "nccl"
-
-    def __post_init__(self):
-        _check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        formats = (None, "hf", "llama", "awq", "gptq")
-        _check(self.model_format in formats,
-               f"model_format must be one of {formats}, got {self.model_format!r}")
-
-    def to_engine_config(self) -> EngineConfig:
-        if self.model_format not in (None, "hf", "awq"):
-            raise NotImplementedError(f"model_format={self.model_format!r} is not supported by lmjax "
-                                      "yet (use None, 'hf' or 'awq'; GGUF files load directly)")
-        cfg = self
-        if self.max_context_token_num > 1:  # legacy alias
-            cfg = dataclasses.replace(self, max_prefill_token_num=self.max_context_token_num,
-                                      max_context_token_num=1)
-        return _lower(cfg, {"cache_block_seq_len": "block_size"},
-                      frontend=("model_name", "model_format", "max_context_token_num"))
-
-
-@_strict_fields
-@dataclass
-class PytorchEngineConfig:
-    """LMDeploy's PyTorch-engine config (names and defaults of the seed docs and current
-    LMDeploy). device_type 'cuda' means "JAX's default device"."""
-    model_name: str = ""
-    dtype: str = "auto"
-    tp: int = 1
-    session_len: int | None = None
-    max_batch_size: int | None = 128
-    cache_max_entry_count: float = 0.5
-    eviction_type: str = "recompute"
-    prefill_interval: int = 16
-    block_size: int = 64
-    num_cpu_blocks: int = 0
-    num_gpu_blocks: int = 0
-    adapters: dict[str, str] | None = None
-    max_prefill_token_num: int = 4096
-    thread_safe: bool = False
-    enable_prefix_caching: bool = False
-    device_type: str = "cuda"
-    eager_mode: bool = False
-    custom_module_map: dict[str, str] | None = None
-    download_dir: str | None = None
-    revision: str | None = None
-    quant_policy: int = 0
-    dp: int = 1
-    ep: int = 1
-    dp_rank: int = 0
-    distributed_executor_backend: str | None = None
-
-    def __post_init__(self):
-        _check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        _check(self.eviction_type in ("recompute", "copy"),
-               f"eviction_type must be 'recompute' or 'copy', got {self.eviction_type!r}")
-
-    def to_engine_config(self) -> EngineConfig:
-        if self.device_type != "cuda":
-            raise NotImplementedError(f"device_type={self.device_type!r} is not supported by lmjax yet")
-        return _lower(self, {}, frontend=("model_name", "device_type"))
 
 
 @_strict_fields

@@ -3,8 +3,8 @@ import dataclasses
 
 import pytest
 
-from lmjax.config import (ENGINE_UNSUPPORTED, ChatTemplateConfig, EngineConfig, GenerationConfig,
-                          PytorchEngineConfig, SamplingParams, TurbomindEngineConfig)
+from lmjax.config import ENGINE_UNSUPPORTED, ChatTemplateConfig, EngineConfig, GenerationConfig, SamplingParams
+from lmjax.lmdeploy_config import PytorchEngineConfig, TurbomindEngineConfig
 
 
 def test_generation_config_seed_defaults():

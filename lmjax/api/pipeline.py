@@ -13,9 +13,9 @@ from collections.abc import Iterator
 
 from lmjax.api.batch import encode_chat, encode_text, per_prompt, run_to_completion, stream_steps, submit_all
 from lmjax.api.outputs import Response, response
-from lmjax.config import (ChatTemplateConfig, EngineConfig, GenerationConfig, PytorchEngineConfig,
-                          TurbomindEngineConfig)
+from lmjax.config import ChatTemplateConfig, EngineConfig, GenerationConfig
 from lmjax.engine.engine import LLMEngine
+from lmjax.lmdeploy_config import PytorchEngineConfig, TurbomindEngineConfig
 
 _LEGACY_ARGS = {"request_output_len": "max_new_tokens", "top_k": "top_k", "top_p": "top_p",
                 "temperature": "temperature", "repetition_penalty": "repetition_penalty",

@@ -94,7 +94,8 @@ def test_awq_checkpoint_loads_into_w4_and_matches_its_dequantized_weights(awq_pa
 
 def test_turbomind_model_format_awq_runs_the_checkpoint(awq_pair):
     import lmjax
-    from lmjax.config import GenerationConfig, TurbomindEngineConfig
+    from lmjax.config import GenerationConfig
+    from lmjax.lmdeploy_config import TurbomindEngineConfig
 
     awq_dir, float_dir = awq_pair
     gen = GenerationConfig(max_new_tokens=6, top_k=1, ignore_eos=True)

@@ -111,7 +111,8 @@ def test_engine_cache_sizing_gives_more_blocks(smollm2_lmjax):
 
 @pytest.mark.parametrize("bad", [3, 2, 16, -8])
 def test_bad_quant_policy_names_the_value(bad):
-    from lmjax.config import EngineConfig, TurbomindEngineConfig
+    from lmjax.config import EngineConfig
+    from lmjax.lmdeploy_config import TurbomindEngineConfig
 
     with pytest.raises(ValueError, match=f"quant_policy must be 0, 4 or 8, got {bad}"):
         EngineConfig(quant_policy=bad)
@@ -180,7 +181,8 @@ def test_engine_with_int8_kv_generates_mostly_the_same_greedy_tokens(smollm2_ggu
 
 def test_pipeline_with_turbomind_quant_policy_8(smollm2_gguf):
     import lmjax
-    from lmjax.config import GenerationConfig, TurbomindEngineConfig
+    from lmjax.config import GenerationConfig
+    from lmjax.lmdeploy_config import TurbomindEngineConfig
 
     pipe = lmjax.pipeline(smollm2_gguf, backend_config=TurbomindEngineConfig(
         quant_policy=8, dtype="float32", session_len=256, cache_max_entry_count=0.02, max_batch_size=4))

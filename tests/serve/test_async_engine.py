@@ -6,7 +6,8 @@ import io
 
 import pytest
 
-from lmjax.config import GenerationConfig, SamplingParams, TurbomindEngineConfig
+from lmjax.config import GenerationConfig, SamplingParams
+from lmjax.lmdeploy_config import TurbomindEngineConfig
 
 GREEDY = GenerationConfig(max_new_tokens=8)  # LMDeploy's default top_k=1: greedy
 
