@@ -37,7 +37,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from throughput import run_bounded  # noqa: E402 (a step's whole process group is killed at its cap)
+from hf_baseline import run_bounded  # noqa: E402 (a step's whole process group is killed at its cap)
 SHAPES = ("llama-3.2-1b", "llama-3-8b")
 
 

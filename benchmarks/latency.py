@@ -43,7 +43,7 @@ import sys  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from random_model import SHAPES, checkpoint_bytes, ensure_checkpoint  # noqa: E402
-from throughput import run_bounded  # noqa: E402
+from hf_baseline import run_bounded  # noqa: E402
 
 H200_COPY_BANDWIDTH = 4.26e12
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -165,7 +165,7 @@ def hf_mode(model, prompt: list[int], args, static: bool) -> dict:
     import torch
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from throughput import _hf_batch, hf_compiled, hf_pad_id
+    from hf_baseline import _hf_batch, hf_compiled, hf_pad_id
 
     pad, n = hf_pad_id(model), args.new_tokens
 
@@ -202,7 +202,7 @@ def hf_child(args) -> None:
     import transformers
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from throughput import load_hf
+    from hf_baseline import load_hf
 
     device = args.hf_device or ("cuda" if torch.cuda.is_available() else "cpu")
     t0 = time.perf_counter()

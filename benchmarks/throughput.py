@@ -49,13 +49,14 @@ import dataclasses
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from engine_profile import StepProfile, profile_decode  # noqa: E402
+from hf_baseline import _hf_batch, hf_compiled, hf_pad_id, load_hf, run_bounded  # noqa: E402
 from random_model import SHAPES, ensure_checkpoint  # noqa: E402
 
 
@@ -161,44 +162,6 @@ def run_lmjax(path: str, requests: list[Request], args) -> tuple[Result, list[li
     return Result("lmjax", elapsed, len(requests), _prompt_tokens(requests), _budget(requests), extra), tokens
 
 
-def profile_decode(llm, requests: list[Request], args) -> dict:
-    """Trace `--profile-calls` engine steps of a batch of `--profile-batch` decoding requests (prefill done
-    before the trace starts) and summarize GPU 0's kernels: idle = span - busy, per decode step."""
-    import jax
-
-    import trace_summary  # benchmarks/trace_summary.py
-    from lmjax import SamplingParams
-
-    engine, k = llm.llm_engine, llm.llm_engine.config.num_scheduler_steps
-    batch = requests[:args.profile_batch]
-    room = engine.session_len - max(len(r.prompt_ids) for r in batch) - 1
-    params = SamplingParams(temperature=0.0, max_tokens=min(room, 1 + k * (args.profile_calls + 2)), ignore_eos=True)
-    reqs = [engine.add_request(r.prompt_ids, params) for r in batch]
-    while not all(q.completions[0].token_ids for q in reqs):  # prefill, untraced
-        engine.step()
-    engine.step()  # one decode call untraced: compiles its bucket if the timed pass never reached it
-    trace_dir, loops, steps = os.path.join(args.profile, "decode_trace"), engine.num_decode_loops, 0
-    start = time.perf_counter()
-    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-        for _ in range(args.profile_calls):
-            before = engine.num_decode_loops
-            engine.step()
-            steps += k if engine.num_decode_loops > before else 1
-    wall = time.perf_counter() - start
-    for q in reqs:
-        engine.abort(q.request_id)
-    out = {"batch": len(batch), "engine_calls": args.profile_calls, "decode_steps": steps,
-           "multi_step_calls": engine.num_decode_loops - loops, "wall_ms_per_step": 1e3 * wall / steps,
-           "trace_dir": trace_dir}
-    try:
-        s = trace_summary.summarize(trace_dir, steps=steps, top=8)
-    except (ValueError, FileNotFoundError) as e:  # e.g. on CPU: no GPU kernels in the trace
-        return {**out, "error": str(e)[:300]}
-    return {**out, "span_us_per_step": s["span_us"] / steps, "busy_us_per_step": s["busy_us"] / steps,
-            "idle_fraction": 1 - s["busy_us"] / s["span_us"], "kernels_per_step": s["kernels"] / steps,
-            "top_kernels_us_per_step": [(name, round(us / steps, 1), n / steps) for name, us, n in s["top"]]}
-
-
 def _check_counts(name: str, tokens: list[list[int]], requests: list[Request]) -> None:
     wrong = [(len(t), r.max_tokens) for t, r in zip(tokens, requests) if len(t) != r.max_tokens]
     if wrong:
@@ -213,122 +176,7 @@ def _budget(requests) -> int:
     return sum(r.max_tokens for r in requests)
 
 
-class StepProfile:
-    """Wall time of each part of LLMEngine.step, by wrapping the engine's methods on this instance only
-    (engine code untouched). device_wait = execute minus host input/metadata building and dispatch."""
-
-    PARTS = ("step", "schedule", "sampling_rows", "build_inputs", "sampling_metadata", "dispatch", "execute",
-             "postprocess")
-
-    def __init__(self, engine, clock: CompileClock):
-        import lmjax.engine.model_runner as model_runner
-
-        self.clock, self._compile_at_start, self._compile_base = clock, 0.0, clock.seconds
-        self.t = dict.fromkeys(self.PARTS, 0.0)
-        self.steps, self.real_T, self.padded_T, self.real_B, self.padded_B = 0, 0, 0, 0, 0
-        self.buckets: dict[str, tuple[int, float]] = {}
-        self._key = None
-        runner = engine.runner
-        self._wrap(engine, "step", engine.step, on_result=self._record_step)
-        self._wrap(engine.scheduler, "schedule", engine.scheduler.schedule)
-        self._wrap(engine, "sampling_rows", engine._row, attr="_row")
-        self._wrap(runner, "build_inputs", runner.build_inputs, on_result=self._record_shapes)
-        self._wrap(runner, "dispatch", runner._step, attr="_step")
-        self._wrap(runner, "execute", runner.execute)
-        self._wrap(engine, "postprocess", engine._postprocess, attr="_postprocess")
-        self._wrap(model_runner, "sampling_metadata", model_runner.build_sampling_metadata,
-                   attr="build_sampling_metadata")
-
-    def _wrap(self, owner, part, fn, attr=None, on_result=None):
-        def timed(*a, **kw):
-            if part == "step":
-                self._compile_at_start = self.clock.seconds
-            start = time.perf_counter()
-            out = fn(*a, **kw)
-            seconds = time.perf_counter() - start
-            self.t[part] += seconds
-            if on_result:
-                on_result(a, out, seconds)
-            return out
-        setattr(owner, attr or part, timed)
-
-    def _record_step(self, args, out, seconds) -> None:
-        self.steps += 1
-        compiling = self.clock.seconds - self._compile_at_start
-        if self._key and not compiling:  # model steps, compilation excluded: time per (T, B, M) bucket
-            n, total = self.buckets.get(self._key, (0, 0.0))
-            self.buckets[self._key] = (n + 1, total + seconds)
-        self._key = None
-
-    def _record_shapes(self, args, inputs, _) -> None:
-        batch = args[0]
-        T, B, M = inputs.ids_T.shape[0], inputs.last_rows_B.shape[0], inputs.attn.block_tables_BM.shape[1]
-        self.real_T += batch.num_tokens
-        self.padded_T += T
-        self.real_B += len(batch.items)
-        self.padded_B += B
-        self._key = f"T{T}/B{B}/M{M}"
-
-    def report(self, elapsed: float) -> dict:
-        t = self.t
-        compile_s = self.clock.seconds - self._compile_base  # jit compiles inside dispatch: split them out
-        device_wait = t["execute"] - t["build_inputs"] - t["sampling_metadata"] - t["dispatch"]
-        host_other = t["step"] - t["schedule"] - t["sampling_rows"] - t["execute"] - t["postprocess"]
-        parts = {"schedule": t["schedule"], "sampling_rows": t["sampling_rows"], "build_inputs": t["build_inputs"],
-                 "sampling_metadata": t["sampling_metadata"], "compile": compile_s,
-                 "dispatch": t["dispatch"] - compile_s, "device_wait": device_wait,
-                 "postprocess": t["postprocess"], "step_other": host_other, "outside_step": elapsed - t["step"]}
-        return {"steps": self.steps, "ms_per_step": 1e3 * t["step"] / max(self.steps, 1),
-                "seconds": {k: round(v, 3) for k, v in parts.items()},
-                "token_padding_ratio": self.padded_T / max(self.real_T, 1),
-                "batch_padding_ratio": self.padded_B / max(self.real_B, 1),
-                "buckets_steps_ms": {k: [n, round(1e3 * sec / n, 1)]
-                                     for k, (n, sec) in sorted(self.buckets.items(), key=lambda kv: -kv[1][1])}}
-
-
 # ------------------------------------------------------------------ transformers
-def load_hf(path: str, dtype: str, device: str):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    torch_dtype = getattr(torch, dtype)
-    if path.endswith(".gguf"):
-        model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                     dtype=torch_dtype)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
-    return model.to(device).eval()
-
-
-def _hf_batch(model, prompts: list[list[int]], new_tokens: int, pad_id: int, static: bool = False):
-    """One left-padded greedy batch; returns the generated ids (batch, new_tokens) and the pad count.
-
-    static: transformers' StaticCache (`cache_implementation="static"`); on CUDA, `generate` then
-    torch.compiles the decode step by itself (mode "reduce-overhead": CUDA graphs), on the first call
-    of each shape (batch, prompt + new tokens). `hf_compiled(model)` tells whether it did."""
-    import torch
-
-    width = max(map(len, prompts))
-    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=model.device)
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
-    cache = {"cache_implementation": "static"} if static else {}
-    with torch.inference_mode():
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad_id,
-                             temperature=None, top_p=None, top_k=None, **cache)
-    return out[:, width:].tolist(), sum(width - len(p) for p in prompts)
-
-
-def hf_compiled(model) -> bool:
-    """Whether transformers' generate torch.compiled the forward (it keeps it as `_compiled_call`)."""
-    return getattr(model, "_compiled_call", None) is not None
-
-
-def hf_pad_id(model) -> int:
-    pad_id = model.generation_config.pad_token_id or model.generation_config.eos_token_id or 0
-    return pad_id[0] if isinstance(pad_id, list) else pad_id
-
-
 def _timed_groups(groups: list[list[int]], max_requests: int) -> list[list[int]]:
     """All batches, or (max_requests > 0) about max_requests' worth of whole batches spread evenly over the
     full-size ones (a smaller last batch is another shape: with --hf-compile it would compile in the clock)."""
@@ -406,19 +254,6 @@ def _run_hf_guarded(model, requests, bs: int, pad_id: int, args):
         res, tokens = run_hf(model, requests, bs, pad_id, max_requests=args.hf_max_requests)
         res.extra["hf_compile_error"] = message
         return res, tokens
-
-
-def run_bounded(cmd: list[str], timeout: float, **popen) -> tuple[int | None, str | None]:
-    """Run cmd in its own process group; past `timeout` seconds kill the whole group (the child's own
-    children too, e.g. torch.compile workers holding the GPU). Returns (exit code or None if killed, stdout)."""
-    proc = subprocess.Popen(cmd, start_new_session=True, **popen)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-        return proc.returncode, out
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the group this call created, nothing else
-        out, _ = proc.communicate()
-        return None, out
 
 
 def hf_in_subprocess(argv: list[str], args) -> tuple[Result, list[list[int] | None]] | None:

@@ -330,7 +330,7 @@ class LLMEngine:
 
     def _finish(self, req: Request, comp: Completion, reason: str, flush: bool = True) -> None:
         if flush:
-            comp.add_text("")  # catch up with deferred tokens before the flush
+            comp.catch_up_text()
             tail = comp.stops.feed(comp.detokenizer.flush())
             comp.add_text(tail.text + comp.stops.flush())
         comp.finish_reason = reason

@@ -45,10 +45,14 @@ class Completion:
         only counts new tokens (`defer_text`) and they are detokenized here, when someone reads the text
         (a stream every step, `generate` once at the end): the host's per-token work, which the device
         waits on between decode calls, shrinks to bookkeeping."""
+        self.catch_up_text()
+        return self._text
+
+    def catch_up_text(self) -> None:
+        """Detokenize the deferred tokens (before a flush, or when the text is read)."""
         if self._lag:
             ids, self._lag = self.token_ids[len(self.token_ids) - self._lag:], 0
             self._text += self.stops.feed(self.detokenizer.step(ids)).text
-        return self._text
 
     def add_text(self, piece: str) -> None:
         self._text = self.text + piece

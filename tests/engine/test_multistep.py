@@ -95,3 +95,34 @@ def test_multistep_while_requests_wait(tiny):
     # The first two waves of 4 (33 tokens each, 8 requests waiting, then 4) decode 4 loops of 8 steps
     # each; without multi-step while requests wait, only the last wave could.
     assert multi.num_decode_loops >= 8
+
+
+def test_block_table_width_is_fixed_only_when_attention_follows_context(tiny, monkeypatch):
+    """Off GPU the tiled attention loops over real blocks, so every step pads its block table to one
+    width (one compilation per batch bucket); the reference scans the whole width: width buckets."""
+    from lmjax.layers.attention import cost_follows_context
+
+    assert cost_follows_context("tiled") and not cost_follows_context("reference")
+    runner = LLM(tiny, max_model_len=256, block_size=16).llm_engine.runner
+    assert runner.fixed_M and {runner.table_width(n) for n in (1, 3, 9)} == {runner.max_M}
+    monkeypatch.setenv("LMJAX_ATTENTION_IMPL", "reference")
+    runner = LLM(tiny, max_model_len=256, block_size=16).llm_engine.runner
+    assert not runner.fixed_M and [runner.table_width(n) for n in (1, 3, 9)] == [1, 4, 16]
+
+
+def test_text_without_stop_strings_is_decoded_when_read(tiny, monkeypatch):
+    """Requests without stop strings keep detokenization off the engine's per-token path: generate
+    decodes each output once at the end; the text is what eager decoding gives."""
+    from lmjax.engine import detokenizer
+
+    calls = []
+    step = detokenizer.IncrementalDetokenizer.step
+    monkeypatch.setattr(detokenizer.IncrementalDetokenizer, "step",
+                        lambda self, ids: calls.append(len(ids)) or step(self, ids))
+    llm = LLM(tiny, max_model_len=256, block_size=16)
+    prompts = [{"prompt_token_ids": list(range(4, 20))}, {"prompt_token_ids": list(range(30, 37))}]
+    out = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)
+    assert calls == [20, 20]  # one catch-up per request, none per token
+    tok = llm.get_tokenizer()
+    assert [o.outputs[0].text for o in out] == [tok.decode(o.outputs[0].token_ids, skip_special_tokens=True,
+                                                           clean_up_tokenization_spaces=False) for o in out]
