@@ -54,6 +54,8 @@ class LLMEngine:
         self._session_of: dict[int, object] = {}  # seq_id -> session id, for turns that keep their KV
         self.num_prefill_tokens = self.num_generated_tokens = 0  # prompt tokens computed, tokens sampled
         self.num_decode_loops = 0  # multi-step decode calls (num_scheduler_steps tokens per sequence each)
+        self._pending = None  # (batch, PendingDecode): a multi-step call dispatched, its tokens unread
+        self.num_chained_loops = 0  # of those, dispatched while the previous call's tokens were unread
         logger.info("engine ready: %s, %d KV blocks of %d tokens, session_len=%d", loaded.path, num_blocks,
                     config.block_size, self.session_len)
         if config.warmup:
@@ -176,7 +178,10 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[Request]:
-        """Advance every running request by one step; returns the requests that changed."""
+        """Advance every running request by one step (K steps for a multi-step decode call); returns
+        the requests that changed."""
+        if self._pending is not None:
+            return self._finish_pending({})
         batch = self.scheduler.schedule()
         while not batch.items and self.scheduler.num_waiting and self._evict_idle_session():
             batch = self.scheduler.schedule()  # idle sessions' KV gave way to a request that could not fit
@@ -190,7 +195,10 @@ class LLMEngine:
             return list(changed.values())
         num_steps = self._decode_steps(batch)
         if num_steps > 1:
-            return self._multi_step(batch, num_steps, changed)
+            self._pending = (batch, self.runner.dispatch_decode(batch, [self._row(it) for it in batch.items],
+                                                                num_steps))
+            self.num_decode_loops += 1
+            return self._finish_pending(changed)
         out = self.runner.execute(batch, self.blocks, [self._row(it) for it in batch.items],
                                   self._prompt_logprobs_k(batch))
         if out.prompt is not None:
@@ -227,15 +235,23 @@ class LLMEngine:
                     stats["seconds"], sizes, widths)
         return stats
 
-    def _decode_steps(self, batch: ScheduledBatch) -> int:
+    def _decode_steps(self, batch: ScheduledBatch, ahead: int = 0) -> int:
         """K > 1 when the next K decode steps need no host decision in between: all items decode,
         nothing per-step is host-computed (penalties, multi-token bad words, min_tokens bans), and blocks
         for K more tokens are free (allocated here). While requests wait to join (the batch was full
         or the cache was), single steps take over when a request's max_tokens comes within K, so
         its slot frees on time; a request that ends earlier (EOS, a stop string) holds its slot to the
-        end of the K steps."""
+        end of the K steps.
+
+        `ahead` > 0: a K-step call of this batch is still in flight (its tokens unread); K > 1 means the
+        next call can follow it unchanged, each sequence `ahead` tokens further on. That needs every
+        sequence alive and inside max_tokens after the call in flight, and no waiting request that a
+        free slot could take (the scheduler gets to admit it instead)."""
         k = self.config.num_scheduler_steps
         if k <= 1 or self.runner.leading:
+            return 1
+        waiting = self.scheduler.num_waiting
+        if ahead and waiting and len(batch.items) < self.config.max_batch_size:
             return 1
         for it in batch.items:
             if it.num_new_tokens != 1 or not it.samples or it.seq.seq_id not in self._by_seq:
@@ -244,23 +260,34 @@ class LLMEngine:
             p = req.params
             if p.uses_penalties or req.bad_words_ids or len(it.seq.output_token_ids) < p.min_tokens:
                 return 1
-            if it.seq.num_computed_tokens + k > self.session_len:
+            if it.seq.num_computed_tokens + ahead + k > self.session_len:
                 return 1
-            if self.scheduler.num_waiting:
-                k = min(k, req.max_tokens - len(comp.token_ids))
+            remaining = req.max_tokens - len(comp.token_ids) - ahead
+            if ahead and remaining <= 0:
+                return 1  # it ends inside the call in flight: let the batch shrink
+            if waiting:
+                k = min(k, remaining)
         if k < self.config.num_scheduler_steps:  # K is static in the jitted loop: another K, another
             return 1  # compilation inside a run (measured: 3 of them, 15 s of a 19 s GPU benchmark)
-        if sum(self.blocks.num_new_blocks(it.seq, k) for it in batch.items) > self.blocks.num_free_blocks:
+        if sum(self.blocks.num_new_blocks(it.seq, ahead + k) for it in batch.items) > self.blocks.num_free_blocks:
             return 1
         for it in batch.items:
-            self.blocks.append(it.seq, k)
+            self.blocks.append(it.seq, ahead + k)
         return k
 
-    def _multi_step(self, batch: ScheduledBatch, num_steps: int, changed: dict) -> list[Request]:
-        """Apply K tokens per sequence as K ordinary steps; tokens past a sequence's finish are dropped."""
-        outs = self.runner.execute_decode(batch, [self._row(it) for it in batch.items], num_steps)
-        self.num_decode_loops += 1
-        for out in outs:
+    def _finish_pending(self, changed: dict) -> list[Request]:
+        """Read the multi-step call in flight and apply its tokens, having first dispatched the next
+        call of the same batch when it may follow unchanged (`_decode_steps(ahead=K)`): the device
+        runs that one while the host post-processes this one, so it never waits for the host."""
+        batch, pending = self._pending
+        self._pending = None
+        k = self._decode_steps(batch, ahead=pending.num_steps)
+        if k > 1:
+            rows = [self._row(it, ahead=pending.num_steps) for it in batch.items]
+            self._pending = (batch, self.runner.dispatch_decode(batch, rows, k, after=pending))
+            self.num_decode_loops += 1
+            self.num_chained_loops += 1
+        for out in self.runner.collect(pending):
             alive = [i for i, it in enumerate(batch.items) if it.seq.seq_id in self._by_seq]
             if not alive:
                 break
@@ -273,14 +300,16 @@ class LLMEngine:
                 changed[req.request_id] = req
         return list(changed.values())
 
-    def _row(self, item) -> SamplingRow:
+    def _row(self, item, ahead: int = 0) -> SamplingRow:
+        """The sampler's view of an item; `ahead` tokens of it are still on the device (their step
+        count matters to seeded sampling; multi-step rows have no output-dependent bans)."""
         if not item.samples:
             return _GREEDY_ROW
         req, comp = self._by_seq[item.seq.seq_id]
         outputs = item.seq.output_token_ids
         banned = row_banned_ids(req.params, outputs, [] if req.params.ignore_eos else self.eos_token_ids,
                                 req.bad_words_ids)
-        return SamplingRow(req.params, comp.seed, req.prompt_token_ids, outputs, banned)
+        return SamplingRow(req.params, comp.seed, req.prompt_token_ids, outputs, banned, step=len(outputs) + ahead)
 
     def _prompt_logprobs_k(self, batch: ScheduledBatch) -> int:
         wanted = [self._by_seq[it.seq.seq_id][0].params.prompt_logprobs for it in batch.items

@@ -30,7 +30,7 @@ from lmjax.engine.block_manager import BlockManager
 from lmjax.engine.decode_loop import DecodeInputs, decode_steps
 from lmjax.engine.scheduler import ScheduledBatch
 from lmjax.layers.attention import AttentionMetadata, cost_follows_context
-from lmjax.layers.sampler import SamplingFlags, SamplingRow, build_sampling_metadata, sample
+from lmjax.layers.sampler import SamplerOutput, SamplingFlags, SamplingRow, build_sampling_metadata, sample
 from lmjax.models.forward import make_kv_caches
 
 logger = logging.getLogger("lmjax.engine")
@@ -52,6 +52,15 @@ class StepInputs:
     attn: AttentionMetadata
     last_rows_B: jax.Array  # row of each sequence's last new token (0 for padding rows)
     next_ids_T: jax.Array  # the token after each position (-1 unknown), for prompt logprobs
+
+
+@dataclasses.dataclass
+class PendingDecode:
+    """A multi-step decode call on the device whose results the host has not read yet."""
+
+    out: SamplerOutput  # device arrays with a leading K axis
+    num_items: int  # real rows (the rest is padding)
+    num_steps: int  # K
 
 
 @dataclasses.dataclass
@@ -113,24 +122,38 @@ class ModelRunner:
         return decode_steps(model, self._logits, caches, inputs, smeta, num_steps=num_steps,
                             block_size=self.block_size, flags=flags)
 
-    def execute_decode(self, batch: ScheduledBatch, rows: list[SamplingRow], num_steps: int) -> list[StepOutput]:
-        """`num_steps` decode steps of a decode-only batch in one call (block tables must already hold
-        slots for all of them); one StepOutput per step."""
+    def dispatch_decode(self, batch: ScheduledBatch, rows: list[SamplingRow], num_steps: int,
+                        after: PendingDecode | None = None) -> PendingDecode:
+        """Start `num_steps` decode steps of a decode-only batch on the device and return without
+        waiting (block tables must already hold slots for all of them). `after`: a call still in
+        flight for the same items; this one continues where it ends, its input tokens being that
+        call's last tokens, still on the device (the host has not read them)."""
         items, n = batch.items, len(batch.items)
+        ahead = after.num_steps if after is not None else 0
         B, M = bucket(n, 4), self.table_width(max(len(it.seq.block_table) for it in items))
         ids, positions, tables = np.zeros(B, np.int32), np.zeros(B, np.int32), np.zeros((B, M), np.int32)
         for b, it in enumerate(items):
-            ids[b], positions[b] = it.seq.last_token_id, it.start_pos
+            ids[b], positions[b] = it.seq.last_token_id, it.seq.num_computed_tokens + ahead
             tables[b, :len(it.seq.block_table)] = it.seq.block_table
-        inputs = DecodeInputs(ids, positions, tables, np.int32(n))
+        ids_B = after.out.token_ids_B[-1] if after is not None else ids
+        inputs = DecodeInputs(ids_B, positions, tables, np.int32(n))
         smeta, flags = build_sampling_metadata(rows, pad_to=B)
         if self.mesh is not None:
             inputs, smeta = parallel.replicate((inputs, smeta), self.mesh)
         with parallel.use_mesh(self.mesh):
             out, self.caches = self._decode(self.state, self.caches, inputs, smeta, flags=flags, num_steps=num_steps)
-        tokens, logprobs, top_ids, top_lp = jax.device_get(out)
+        return PendingDecode(out, n, num_steps)
+
+    def collect(self, pending: PendingDecode) -> list[StepOutput]:
+        """Wait for a dispatched decode call; one StepOutput per step."""
+        tokens, logprobs, top_ids, top_lp = jax.device_get(pending.out)
+        n = pending.num_items
         return [StepOutput(tokens[k, :n], logprobs[k, :n], top_ids[k, :n], top_lp[k, :n], None)
-                for k in range(num_steps)]
+                for k in range(pending.num_steps)]
+
+    def execute_decode(self, batch: ScheduledBatch, rows: list[SamplingRow], num_steps: int) -> list[StepOutput]:
+        """dispatch_decode, then collect."""
+        return self.collect(self.dispatch_decode(batch, rows, num_steps))
 
     def table_width(self, num_blocks: int) -> int:
         """Block-table width M of a step whose longest sequence holds `num_blocks` blocks."""

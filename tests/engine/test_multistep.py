@@ -50,6 +50,24 @@ def test_multistep_equals_single_step(tiny):
     assert engine.blocks.num_free_blocks == engine.blocks.num_usable_blocks
 
 
+def test_calls_dispatched_before_the_previous_is_read_change_nothing(tiny):
+    """Long outputs: each K-step call is dispatched while the previous one's tokens are still on the
+    device (positions, blocks and seeded-sampling steps run K ahead of what the host has read); tokens,
+    logprobs and finish reasons equal one step at a time, EOS and stop strings ending mid-chain."""
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(4, 256, n).tolist() for n in (5, 40, 21, 11)]
+    params = [SamplingParams(temperature=0, max_tokens=70, ignore_eos=True),
+              SamplingParams(temperature=0.9, top_k=30, seed=3, max_tokens=61, logprobs=1, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=66, stop_token_ids=[7, 50, 123]),
+              SamplingParams(temperature=1.0, seed=11, max_tokens=75, stop=["t9"])]
+    multi, got = _run(tiny, 4, prompts, params)
+    _, want = _run(tiny, 1, prompts, params)
+    assert got == want
+    assert multi.llm_engine.num_chained_loops > 0
+    engine = multi.llm_engine
+    assert engine._pending is None and engine.blocks.num_free_blocks == engine.blocks.num_usable_blocks
+
+
 @pytest.mark.parametrize("steps", [8, 1])
 def test_warmup_compiles_every_decode_bucket_up_front(tiny, steps, caplog):
     """LLM(enforce_eager=False) compiles each decode batch bucket at start-up, so a batch that shrinks
