@@ -133,6 +133,7 @@ def run_lmjax(path: str, prompt: list[int], args) -> dict:
     start = {"load_s": load_s, "first_request_s": cold["total_s"], "first_ttft_s": cold["ttft_s"],
              "start_to_first_token_s": load_s + cold["ttft_s"],
              "script_start_to_first_token_s": t0 + load_s + cold["ttft_s"] - SCRIPT_START,
+             "load_phases_s": engine.load_seconds,
              "step_traces": engine.runner.num_compilations, "compile_s": clock.seconds,
              **compile_cache.compile_stats()}
     out = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
@@ -293,6 +294,8 @@ def print_report(result: dict) -> None:
               f"(TTFT {s['first_ttft_s']:.2f} s), first token {s['start_to_first_token_s']:.1f} s after LLM(){since}; "
               f"{s['step_traces']} step traces, XLA cache hits {s['cache_hits']} / misses (compiled) "
               f"{s['cache_misses']}, compile+load {s['compile_s']:.1f} s, cache {s['cache_dir']}")
+        if s.get("load_phases_s"):
+            print("lmjax load phases (s): " + ", ".join(f"{k} {v:.2f}" for k, v in s["load_phases_s"].items()))
         if "xla_compiles_warmup_requests" in s:
             print(f"lmjax XLA compiles: {s['xla_compiles_first_request']} up to the end of the first request, "
                   f"{s['xla_compiles_warmup_requests']} more in the next (warm-up) request")

@@ -37,6 +37,7 @@ class LLMEngine:
         loaded = load_model(model, config.dtype, tp=config.tp, rope_scaling_factor=config.rope_scaling_factor,
                             use_dynamic_ntk=config.use_dynamic_ntk, use_logn_attn=config.use_logn_attn)
         self.model_path, self.model_config = loaded.path, loaded.config
+        self.load_seconds = loaded.load_seconds  # per load phase (read, place, transpose, sync, ...)
         self.tokenizer = load_tokenizer(loaded.path, tokenizer)
         self.session_len = config.session_len or loaded.config.max_position_embeddings
         self.eos_token_ids = sorted(set(loaded.config.eos_token_ids) | _tokenizer_eos(self.tokenizer))

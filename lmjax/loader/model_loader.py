@@ -4,11 +4,13 @@ Path resolution -> HF config dict -> ModelConfig (with engine overrides) -> tens
 names by the architecture's weight map -> parameters filled one tensor at a time. An AWQ checkpoint
 (`quantization_config.quant_method == "awq"`) builds w4 QuantLinears and converts each Linear's
 qweight / qzeros / scales into them as they stream by (lmjax.loader.awq). With tp > 1 (or a
-mesh), each tensor goes straight into its shards (`lmjax.parallel.make_placer`).
+mesh), each tensor goes straight into its shards (`lmjax.parallel.make_placer`). The seconds of each
+load phase go to the log and to `LoadedModel.load_seconds`.
 """
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 
 import jax
@@ -21,6 +23,7 @@ from lmjax import parallel
 from lmjax.layers.quant import quantize_model
 from lmjax.loader.awq import awq_spec, awq_tensors
 from lmjax.loader.gguf import load_gguf
+from lmjax.loader.phases import PhaseTimes
 from lmjax.loader.resolve import resolve_model_path
 from lmjax.loader.safetensors_loader import iter_tensors, read_config
 from lmjax.loader.weights import Placer, load_params
@@ -28,6 +31,7 @@ from lmjax.models.config import ModelConfig
 from lmjax.models.registry import ARCHITECTURES, parse_config
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+logger = logging.getLogger("lmjax.engine")
 _CHECKPOINT_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
                       "torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
 
@@ -40,6 +44,9 @@ class LoadedModel:
     path: str
     dtype: jnp.dtype
     mesh: Mesh | None = None  # the tp mesh the parameters are sharded over (None: one device)
+    # Seconds per load phase (lmjax.loader.phases): init (the device backend's start), build, read,
+    # convert, place, transpose, sync, merge, and the load's total wall and cpu seconds.
+    load_seconds: dict = dataclasses.field(default_factory=dict)
 
 
 def resolve_dtype(dtype: str, hf_config: dict, is_gguf: bool = False):
@@ -73,12 +80,25 @@ def load_model(model: str | None = None, dtype: str = "auto", *, placer: Placer 
     tp > 1 builds a mesh over the first tp devices (`mesh` gives one instead) and loads every tensor
     straight into its shards by `lmjax.parallel`'s rules; `placer` overrides the placement.
     """
+    times = PhaseTimes()
+    with times.phase("init"):
+        jax.local_devices()  # the backend's start (a GPU client and its memory pool): not the checkpoint's
     path = resolve_model_path(model)
+    loaded = _load(path, dtype, placer, tp, mesh, times, overrides)
+    loaded.load_seconds = times.summary()
+    logger.info("loaded %s in %s", path, times.describe())
+    return loaded
+
+
+def _load(path: str, dtype: str, placer: Placer | None, tp: int, mesh: Mesh | None, times: PhaseTimes,
+          overrides: dict) -> LoadedModel:
     from lmjax.loader import orbax_loader  # a directory written by `lmjax convert`
 
     if orbax_loader.is_converted(path):
-        return orbax_loader.load_converted(path, dtype, placer=placer, tp=tp, mesh=mesh, **overrides)
-    hf_config, tensors, source = _checkpoint(path)
+        with times.phase("restore"):
+            return orbax_loader.load_converted(path, dtype, placer=placer, tp=tp, mesh=mesh, **overrides)
+    with times.phase("read"):
+        hf_config, tensors, source = _checkpoint(path)  # a GGUF file is read and dequantized here
     cfg = parse_config(hf_config, **overrides)
     if mesh is None and tp > 1:
         parallel.check_tp(cfg, tp)  # before touching devices: a clear error for heads that do not fit
@@ -95,5 +115,5 @@ def load_model(model: str | None = None, dtype: str = "auto", *, placer: Placer 
     if spec is not None:
         named = awq_tensors(named, spec.group_size)
     net = load_params(lambda: quantize_model(arch.model_cls(cfg, dtype=jdtype), spec, abstract=True), named,
-                      jnp.dtype(jdtype), source, **kwargs)
+                      jnp.dtype(jdtype), source, times=times, **kwargs)
     return LoadedModel(net, cfg, hf_config, path, jdtype, mesh)
