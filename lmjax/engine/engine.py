@@ -11,6 +11,7 @@ import bisect
 import logging
 import random
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from lmjax.config import EngineConfig, SamplingParams
 from lmjax.engine.block_manager import BlockManager
@@ -24,6 +25,7 @@ from lmjax.engine.sequence import Sequence, SequenceStatus
 from lmjax.engine.stop import StopStringMatcher
 from lmjax.layers.sampler import SamplingRow, row_banned_ids, tokenize_bad_words
 from lmjax.loader.model_loader import load_model
+from lmjax.loader.resolve import resolve_model_path
 from lmjax.loader.tokenizer import load_tokenizer
 
 logger = logging.getLogger("lmjax.engine")
@@ -34,11 +36,16 @@ class LLMEngine:
     def __init__(self, model: str | None = None, config: EngineConfig | None = None, tokenizer: str | None = None):
         self.config = config = config or EngineConfig()
         self.compilation_cache_dir = enable_compilation_cache()  # a second start compiles nothing
-        loaded = load_model(model, config.dtype, tp=config.tp, rope_scaling_factor=config.rope_scaling_factor,
-                            use_dynamic_ntk=config.use_dynamic_ntk, use_logn_attn=config.use_logn_attn)
+        path = resolve_model_path(model)
+        # The tokenizer (transformers' import and a 128k vocabulary: seconds) loads on a thread while the
+        # weights stream to the device: on a second start, with nothing to compile, these two are the start.
+        with ThreadPoolExecutor(1, thread_name_prefix="lmjax-tokenizer") as pool:
+            tokenizer_future = pool.submit(load_tokenizer, path, tokenizer)
+            loaded = load_model(path, config.dtype, tp=config.tp, rope_scaling_factor=config.rope_scaling_factor,
+                                use_dynamic_ntk=config.use_dynamic_ntk, use_logn_attn=config.use_logn_attn)
+            self.tokenizer = tokenizer_future.result()
         self.model_path, self.model_config = loaded.path, loaded.config
         self.load_seconds = loaded.load_seconds  # per load phase (read, place, transpose, sync, ...)
-        self.tokenizer = load_tokenizer(loaded.path, tokenizer)
         self.session_len = config.session_len or loaded.config.max_position_embeddings
         self.eos_token_ids = sorted(set(loaded.config.eos_token_ids) | _tokenizer_eos(self.tokenizer))
         num_blocks = kv_cache_blocks(config, loaded.config, loaded.dtype, self.session_len)
