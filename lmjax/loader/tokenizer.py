@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import glob
+import json
 import os
 
 
@@ -38,13 +39,30 @@ def _gguf(path: str, auto_tokenizer):
     return auto_tokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
 
 
+# tokenizer_class values for which AutoTokenizer builds transformers' plain fast tokenizer
+# (PreTrainedTokenizerFast; named TokenizersBackend since transformers 5).
+_PLAIN_FAST_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
+
+
+def _tokenizer_class(directory: str) -> str | None:
+    try:
+        with open(os.path.join(directory, "tokenizer_config.json")) as f:
+            return json.load(f).get("tokenizer_class")
+    except (OSError, ValueError):
+        return None
+
+
 @functools.lru_cache(maxsize=8)
 def _load(path: str):
-    from transformers import AutoTokenizer  # heavy import, only when a tokenizer is needed
-
     if os.path.isdir(path) and not _has_tokenizer_files(path) and (gguf := _single_gguf_in(path)):
         path = gguf
     try:
+        if os.path.isdir(path) and _tokenizer_class(path) in _PLAIN_FAST_CLASSES:
+            # What AutoTokenizer builds for this class, without AutoTokenizer's import of torch (seconds
+            # on a slow host; on a second start the tokenizer is what the engine's start waits for).
+            from transformers import PreTrainedTokenizerFast
+            return PreTrainedTokenizerFast.from_pretrained(path)
+        from transformers import AutoTokenizer  # heavy import, only when a tokenizer is needed
         if os.path.isdir(path):
             return AutoTokenizer.from_pretrained(path)
         if path.endswith(".gguf"):
