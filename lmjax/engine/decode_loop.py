@@ -14,7 +14,6 @@ V vocab, L top logprobs.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import jax
 import jax.numpy as jnp
@@ -62,8 +61,5 @@ def decode_steps(model, logits_fn, caches, inp: DecodeInputs, smeta: SamplingMet
 
     out = SamplerOutput(jnp.zeros((num_steps, B), jnp.int32), jnp.zeros((num_steps, B), jnp.float32),
                         jnp.zeros((num_steps, B, L), jnp.int32), jnp.zeros((num_steps, B, L), jnp.float32))
-    # LMJAX_DECODE_UNROLL: steps unrolled per loop iteration (a GPU experiment: XLA's while loop may
-    # cost a host sync per iteration; unrolling multiplies the compile time).
-    unroll = max(1, min(num_steps, int(os.environ.get("LMJAX_DECODE_UNROLL", "1"))))
-    caches, _, out = jax.lax.fori_loop(0, num_steps, body, (caches, inp.ids_B, out), unroll=unroll)
+    caches, _, out = jax.lax.fori_loop(0, num_steps, body, (caches, inp.ids_B, out))
     return out, caches
