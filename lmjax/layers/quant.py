@@ -11,8 +11,9 @@ path for its weights (`...q_proj.kernel`), so `lmjax.parallel`'s sharding rules 
 w8 is symmetric; w4 is asymmetric per group, the layout of AWQ / TurboMind's `model_format="awq"`
 (their zero point z is `offset = -z * scale`). Three producers fill it: round to nearest here (min/max
 onto 0..15), GPTQ at conversion (convert/gptq.py, convert/calibrate.py), and AWQ checkpoints
-(lmjax/loader/awq.py). Dequantization is plain jnp inside the jitted step; XLA fuses the unpack/scale
-into the matmul's operand, so on GPU the weights cross HBM at 1 or 0.5 bytes each.
+(lmjax/loader/awq.py). Dequantization is plain jnp inside the jitted step, except w4 at decode on one GPU:
+there XLA materialized the dequantized bf16 weight every step (Llama-3-8B decode 24.5 ms vs 6.17 ms
+bf16 on an H100), so the Pallas kernel of pallas_kernels/w4_matmul.py reads the packed bytes directly.
 A last group shorter than G is allowed (SmolLM2's hidden size 576 is 4.5 groups of 128).
 
 The model code knows nothing of this: `quantize_model` swaps every `Linear` of a built model (the
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +38,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from lmjax import parallel
 from lmjax.layers.linear import Linear
 from pallas_kernels.quant_kv import SCALE_DTYPE, ZERO_DTYPE, QuantKV, dequantize_kv  # noqa: F401 (re-exported)
+from pallas_kernels.w4_matmul import kernel_supports, w4_matmul_kernel
 
 METHODS = ("w8", "w4")
 SKIPPED = ("lm_head",)  # left in float: small next to the body, and the logits are the most sensitive
@@ -115,6 +118,24 @@ def dequantize_w4(packed_JO: jax.Array, scale_gO: jax.Array, offset_gO: jax.Arra
 
 
 # ---------------------------------------------------------------- the layer
+W4_IMPLS = ("auto", "kernel", "reference")
+W4_KERNEL_MAX_TOKENS = 64  # decode and small batches; past that the dequant + matmul is compute bound
+
+
+def _use_w4_kernel(x_TI: jax.Array, group_size: int) -> bool:
+    """Trace-time choice of the w4 path. LMJAX_W4_IMPL=kernel|reference forces one (benchmarks);
+    auto takes the Pallas kernel on GPU for at most W4_KERNEL_MAX_TOKENS tokens and no active mesh
+    (under tensor parallelism the weights are sharded: the jnp path lets XLA partition it)."""
+    impl = os.environ.get("LMJAX_W4_IMPL", "auto")
+    if impl not in W4_IMPLS:
+        raise ValueError(f"LMJAX_W4_IMPL={impl!r} must be one of {W4_IMPLS}")
+    if impl != "auto":
+        return impl == "kernel"
+    tokens = int(np.prod(x_TI.shape[:-1]))
+    return (jax.default_backend() == "gpu" and tokens <= W4_KERNEL_MAX_TOKENS and kernel_supports(group_size)
+            and jax.sharding.get_abstract_mesh().empty)
+
+
 class QuantLinear(nnx.Module):
     """A Linear with int8 or packed-int4 weights; `Linear`'s call signature and kernel path."""
 
@@ -159,6 +180,12 @@ class QuantLinear(nnx.Module):
         dtype = x_TI.dtype
         if self.spec.method == "w8":
             y_TO = (x_TI @ self.kernel[...].astype(dtype)) * self.scale[...].astype(dtype)
+        elif _use_w4_kernel(x_TI, self.spec.group_size):
+            lead, I = x_TI.shape[:-1], x_TI.shape[-1]
+            y_TO = w4_matmul_kernel(x_TI.reshape(-1, I), self.kernel[...], self.scale[...].astype(dtype),
+                                    self.offset[...].astype(dtype), self.spec.group_size,
+                                    interpret=jax.default_backend() != "gpu")  # forced off GPU: tests
+            y_TO = y_TO.reshape(*lead, -1)
         else:
             w_IO = dequantize_w4(self.kernel[...], self.scale[...], self.offset[...], self.spec.group_size, dtype)
             y_TO = x_TI @ w_IO

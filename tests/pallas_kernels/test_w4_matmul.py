@@ -1,0 +1,107 @@
+"""w4 matmul: Pallas kernel (interpret mode on CPU) vs the jnp reference vs x @ dequantize_w4 in float32."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lmjax.layers.quant import QuantLinear, QuantSpec, dequantize_w4, quantize_w4
+from pallas_kernels import w4_matmul as wm
+
+ON_GPU = jax.default_backend() == "gpu"
+INTERPRET = not ON_GPU
+TOL = {"float32": 1e-5, "bfloat16": 1e-2}
+
+
+def _inputs(seed, T, I, O, group_size, dtype):
+    rng = np.random.default_rng(seed)
+    w_IO = jnp.asarray(rng.standard_normal((I, O)), jnp.float32)
+    x_TI = jnp.asarray(rng.standard_normal((T, I)), dtype)
+    packed_JO, scale_gO, offset_gO = quantize_w4(w_IO, group_size)
+    return x_TI, packed_JO, scale_gO.astype(dtype), offset_gO.astype(dtype)
+
+
+def _dense_f32(x_TI, packed_JO, scale_gO, offset_gO, group_size):
+    """The ground truth: dequantize in float32, one float32 matmul."""
+    w_IO = dequantize_w4(packed_JO, scale_gO, offset_gO, group_size, jnp.float32)
+    return jnp.matmul(x_TI.astype(jnp.float32), w_IO, precision=jax.lax.Precision.HIGHEST)
+
+
+def _rel_err(out, ref):
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    assert np.isfinite(out).all()
+    return np.linalg.norm(out - ref) / np.linalg.norm(ref)
+
+
+# Interpret mode is slow: every case covers several edges at once (short last group, O not a
+# multiple of block_o, T not a multiple of 16, several splits).
+CASES = [  # T, I, O, group_size, dtype, config
+    (1, 1024, 512, 128, "float32", None),
+    (7, 576, 200, 128, "bfloat16", None),
+    (16, 256, 64, 64, "float32", {"num_splits": 2}),
+    (33, 576, 200, 64, "float32", {"block_o": 128, "num_splits": 3}),
+    (1, 1024, 200, 128, "bfloat16", {"num_splits": 3}),
+    (16, 576, 512, 128, "bfloat16", {"block_o": 64, "num_splits": 5}),
+]
+
+
+@pytest.mark.parametrize("T,I,O,group_size,dtype,config", CASES)
+def test_kernel_and_reference_match_dense(T, I, O, group_size, dtype, config):
+    args = _inputs(0, T, I, O, group_size, dtype)
+    dense = _dense_f32(*args, group_size)
+    kernel = jax.jit(functools.partial(wm.w4_matmul_kernel, group_size=group_size, interpret=INTERPRET,
+                                       config=config))
+    out = kernel(*args)
+    ref = jax.jit(functools.partial(wm.w4_matmul_reference, group_size=group_size))(*args)
+    for y in (out, ref):
+        assert y.shape == (T, O) and y.dtype == jnp.dtype(dtype)
+        assert _rel_err(y, dense) < TOL[dtype]
+
+
+def test_public_op_takes_the_reference_off_gpu():
+    args = _inputs(1, 3, 256, 64, 128, "float32")
+    out = wm.w4_matmul(*args, 128)
+    np.testing.assert_allclose(out, wm.w4_matmul_reference(*args, 128), rtol=0, atol=0)
+
+
+def test_quant_linear_forced_kernel_matches_jnp_path(monkeypatch):
+    rng = np.random.default_rng(2)
+    w_IO = jnp.asarray(rng.standard_normal((576, 200)), jnp.float32)
+    layer = QuantLinear.from_arrays(QuantSpec("w4", 128), *quantize_w4(w_IO, 128), dtype=jnp.float32)
+    x_BTI = jnp.asarray(rng.standard_normal((2, 3, 576)), jnp.float32)
+    monkeypatch.setenv("LMJAX_W4_IMPL", "reference")
+    want = layer(x_BTI)
+    monkeypatch.setenv("LMJAX_W4_IMPL", "kernel")
+    got = layer(x_BTI)
+    assert got.shape == (2, 3, 200)
+    assert _rel_err(got, want) < TOL["float32"]
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(packed_JO=jnp.zeros((100, 64), jnp.uint8)), r"packed_JO.shape=\(100, 64\)"),
+    (dict(packed_JO=jnp.zeros((128, 64), jnp.int8)), r"packed_JO.dtype=int8"),
+    (dict(scale_gO=jnp.zeros((3, 64))), r"scale_gO.shape=\(3, 64\)"),
+    (dict(group_size=0), r"group_size=0"),
+    (dict(impl="triton"), r"impl='triton'"),
+])
+def test_validation_names_the_bad_value(bad, match):
+    kw = dict(x_TI=jnp.zeros((1, 256)), packed_JO=jnp.zeros((128, 64), jnp.uint8),
+              scale_gO=jnp.zeros((2, 64)), offset_gO=jnp.zeros((2, 64)), group_size=128, impl="auto")
+    kw.update(bad)
+    with pytest.raises(ValueError, match=match):
+        wm.w4_matmul(**kw)
+
+
+def test_kernel_config_is_validated():
+    args = _inputs(3, 1, 256, 64, 128, "float32")
+    with pytest.raises(ValueError, match=r"config\['block_o'\]=48"):
+        wm.w4_matmul_kernel(*args, 128, interpret=True, config={"block_o": 48})
+
+
+def test_kernel_needs_power_of_two_groups_and_auto_falls_back():
+    args = _inputs(4, 2, 192, 64, 96, "float32")
+    with pytest.raises(ValueError, match=r"group_size=96 must be a power of two"):
+        wm.w4_matmul_kernel(*args, 96, interpret=True)
+    out = wm.w4_matmul(*args, 96, interpret=True)  # auto: the reference
+    assert _rel_err(out, _dense_f32(*args, 96)) < TOL["float32"]
