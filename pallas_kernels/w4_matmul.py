@@ -27,48 +27,18 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels._validate import is_power_of_two, require, require_dim, require_dtype, require_rank
 
-try:  # The Triton backend module; absent from some jax builds.
-    from jax.experimental.pallas import triton as plgpu
-except ImportError:  # pragma: no cover - depends on the jax build
-    plgpu = None
+from pallas_kernels.ragged_paged_attention import (  # jax 0.10 / 0.11 spellings of the Triton backend
+    _masked_load,
+    _masked_store,
+    _num_sms,
+    _on_gpu,
+    _triton_compiler_params,
+)
 
 IMPLS = ("auto", "kernel", "reference")
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 TUNABLES = ("block_o", "num_splits", "num_warps", "num_stages")
 MIN_ROWS = 16  # Triton's dot needs every dim >= 16
-
-
-# --------------------------------------------------------------------------
-# jax version compatibility (0.10.2 on CPU, 0.11.2 on GPU), as in ragged_paged_attention.py
-# --------------------------------------------------------------------------
-def _triton_compiler_params(num_warps: int, num_stages: int):
-    """Triton compiler params under whichever name this jax spells them."""
-    for owner, name in ((plgpu, "CompilerParams"), (plgpu, "TritonCompilerParams"),
-                        (pl, "TritonCompilerParams")):
-        cls = getattr(owner, name, None) if owner is not None else None
-        if cls is not None:
-            return cls(num_warps=num_warps, num_stages=num_stages)
-    return None
-
-
-def _masked_load(ref, mask, other):
-    if plgpu is not None and hasattr(plgpu, "load"):
-        return plgpu.load(ref, mask=mask, other=other)
-    return pl.load(ref, None, mask=mask, other=other)  # older jax spelling
-
-
-def _masked_store(ref, val, mask):
-    if plgpu is not None and hasattr(plgpu, "store"):
-        return plgpu.store(ref, val, mask=mask)
-    return pl.store(ref, None, val, mask=mask)
-
-
-def _on_gpu() -> bool:
-    return jax.default_backend() == "gpu"
-
-
-def _num_sms() -> int:
-    return getattr(jax.devices()[0], "core_count", 0) or 132
 
 
 # --------------------------------------------------------------------------
