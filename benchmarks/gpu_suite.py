@@ -12,8 +12,8 @@ under a cap, so one slow or hanging step cannot eat the others' time):
                        empty persistent compilation cache (a fresh directory per suite run).
   second-start-<shape> latency.py --start-only in a new process on the same cache: compilations (XLA cache
                        misses) and the time from LLM() to the first token of a second start.
-  throughput-<shape>   benchmarks/throughput.py: 1,000 requests of 128 + 128 tokens (the 8B shape: 300, marked
-                       "reduced"), transformers static batching at batch 64/128/256 (+ compile on the 1B shape),
+  throughput-<shape>   benchmarks/throughput.py: 1,000 requests of 128 + 128 tokens (both shapes), transformers
+                       static batching at batch 64/128/256 (+ compile on the 1B shape),
                        timed on a subset and extrapolated; a traced batch-64 decode window for the device idle time.
                        `--enforce-eager`: no start-up compilation of every (batch, width) decode bucket (28 of them
                        at max_model_len 512: minutes on the GPU machine's slow host); the untimed warm-up pass (the
@@ -50,7 +50,7 @@ def steps_for(shape: str, out: str, smoke: bool) -> list[dict]:
         lat += ["--hf-modes", "eager", "--repeats", "3"]
     start = script("latency.py") + ["--start-only", "--hf-modes", "--out", out]
     thr = script("throughput.py") + [
-        "--dtype", "bfloat16", "--num-prompts", "300" if big else "1000", "--input-len", "128", "--output-len", "128",
+        "--dtype", "bfloat16", "--num-prompts", "1000", "--input-len", "128", "--output-len", "128",
         "--max-model-len", "512", "--warmup-prompts", "0", "--warmup-tokens", "0", "--enforce-eager",
         "--hf-subprocess", "--hf-max-requests", "128" if big else "256", "--hf-timeout", "120" if big else "150",
         "--profile", os.path.join(out, f"profile-{shape}"), "--json-out", os.path.join(out, "throughput.jsonl"),
