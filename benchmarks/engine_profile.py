@@ -43,6 +43,7 @@ def profile_decode(llm, requests: list, args) -> dict:
         return {**out, "error": str(e)[:300]}
     return {**out, "span_us_per_step": s["span_us"] / steps, "busy_us_per_step": s["busy_us"] / steps,
             "idle_fraction": 1 - s["busy_us"] / s["span_us"], "kernels_per_step": s["kernels"] / steps,
+            "idle_gaps_per_step": [(label, n / steps, round(us / steps, 1)) for label, n, us in s["gaps"]],
             "top_kernels_us_per_step": [(name, round(us / steps, 1), n / steps) for name, us, n in s["top"]]}
 
 

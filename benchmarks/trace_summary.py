@@ -5,7 +5,9 @@
 TRACE_DIR is what `jax.profiler.trace(dir, create_perfetto_trace=True)` wrote (its perfetto_trace.json.gz
 is read; no TensorBoard needed). Prints, for one GPU: each kernel name's total and per-step time and
 count, the busy time (union of kernel intervals) and the span from the first kernel's start to the last
-one's end; span - busy is the device's idle time between kernels.
+one's end; span - busy is the device's idle time between kernels, and that idle time by gap length:
+gaps of a few microseconds are kernel launch latency inside a step, long ones are the device waiting on
+the host (a while loop's predicate read back each iteration, a host round trip between calls).
 """
 from __future__ import annotations
 
@@ -43,6 +45,27 @@ def busy_us(kernels: list[dict]) -> float:
     return total
 
 
+GAP_BUCKETS_US = (2.0, 5.0, 20.0, 100.0)  # upper edges; the last bucket is everything longer
+
+
+def idle_gaps_us(kernels: list[dict]) -> list[float]:
+    """Lengths of the holes in the union of kernel intervals."""
+    gaps, end = [], None
+    for e in sorted(kernels, key=lambda e: e["ts"]):
+        if end is not None and e["ts"] > end:
+            gaps.append(e["ts"] - end)
+        end = e["ts"] + e["dur"] if end is None else max(end, e["ts"] + e["dur"])
+    return gaps
+
+
+def gap_histogram(gaps: list[float]) -> list[tuple[str, int, float]]:
+    """(bucket label, count, total us) of idle gaps by length."""
+    edges = (0.0,) + GAP_BUCKETS_US + (float("inf"),)
+    return [(f"{lo:g}-{hi:g} us" if hi != float("inf") else f">={lo:g} us",
+             sum(1 for g in gaps if lo <= g < hi), sum(g for g in gaps if lo <= g < hi))
+            for lo, hi in zip(edges, edges[1:])]
+
+
 def summarize(trace_dir: str, device: int = 0, top: int = 25, steps: int = 1) -> dict:
     events, names = load_events(trace_dir)
     kernels = gpu_kernels(events, names, device)
@@ -55,6 +78,7 @@ def summarize(trace_dir: str, device: int = 0, top: int = 25, steps: int = 1) ->
     span = max(e["ts"] + e["dur"] for e in kernels) - min(e["ts"] for e in kernels)
     rows = sorted(by_name.items(), key=lambda kv: -kv[1][0])
     return {"span_us": span, "busy_us": busy_us(kernels), "kernels": len(kernels), "steps": steps,
+            "gaps": gap_histogram(idle_gaps_us(kernels)),
             "top": [(name[:90], us, n) for name, (us, n) in rows[:top]]}
 
 
@@ -62,6 +86,8 @@ def print_summary(s: dict) -> None:
     k = s["steps"]
     print(f"span {s['span_us'] / k:.1f} us/step, busy {s['busy_us'] / k:.1f} us/step "
           f"({100 * s['busy_us'] / s['span_us']:.1f}%), {s['kernels'] / k:.0f} kernels/step")
+    print("idle by gap length: " + ", ".join(f"{label}: {n / k:.1f} x, {us / k:.1f} us" for label, n, us in s["gaps"])
+          + " (per step)")
     print(f"{'us/step':>9} {'count/step':>10}  kernel")
     for name, us, n in s["top"]:
         print(f"{us / k:9.1f} {n / k:10.1f}  {name}")

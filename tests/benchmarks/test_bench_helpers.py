@@ -69,3 +69,15 @@ def test_hf_subset_extrapolates_by_output_tokens(monkeypatch):
     assert res.extra["hf_extrapolated_from_requests"] == 16
     assert res.elapsed_s == pytest.approx(res.extra["hf_timed_s"] * 40 / 16, rel=1e-2, abs=1e-3)
     assert res.output_tokens == 400 and sum(t is not None for t in tokens) == 16
+
+
+def test_trace_idle_gaps_are_the_holes_in_the_union_of_kernels():
+    import trace_summary
+
+    # two streams overlap on [11, 16); holes: [16, 30) and [31, 200)
+    kernels = [dict(ts=0, dur=11), dict(ts=11, dur=5), dict(ts=12, dur=2), dict(ts=30, dur=1), dict(ts=200, dur=1)]
+    gaps = trace_summary.idle_gaps_us(kernels)
+    assert gaps == [14, 169]
+    assert trace_summary.busy_us(kernels) + sum(gaps) == 201  # busy + idle = span
+    hist = {label: (n, us) for label, n, us in trace_summary.gap_histogram(gaps)}
+    assert hist["5-20 us"] == (1, 14) and hist[">=100 us"] == (1, 169) and hist["0-2 us"] == (0, 0)
