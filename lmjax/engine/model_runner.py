@@ -81,6 +81,13 @@ def _prompt_logprobs(logits_TV, next_ids_T, k: int):
     return chosen_T, top_ids_TK.astype(jnp.int32), top_lp_TK
 
 
+def _last_token_ids(items, B: int) -> np.ndarray:
+    """Each item's last token id, padded with 0 to B rows."""
+    ids_B = np.zeros(B, np.int32)
+    ids_B[:len(items)] = [it.seq.last_token_id for it in items]
+    return ids_B
+
+
 class ModelRunner:
     def __init__(self, model: nnx.Module, num_blocks: int, block_size: int, max_tokens_per_step: int,
                  max_batch_size: int, max_blocks_per_seq: int, kv_dtype, quant_policy: int = 0):
@@ -131,12 +138,14 @@ class ModelRunner:
         items, n = batch.items, len(batch.items)
         ahead = after.num_steps if after is not None else 0
         B, M = bucket(n, 4), self.table_width(max(len(it.seq.block_table) for it in items))
-        ids, positions, tables = np.zeros(B, np.int32), np.zeros(B, np.int32), np.zeros((B, M), np.int32)
+        positions_B, tables_BM = np.zeros(B, np.int32), np.zeros((B, M), np.int32)
         for b, it in enumerate(items):
-            ids[b], positions[b] = it.seq.last_token_id, it.seq.num_computed_tokens + ahead
-            tables[b, :len(it.seq.block_table)] = it.seq.block_table
-        ids_B = after.out.token_ids_B[-1] if after is not None else ids
-        inputs = DecodeInputs(ids_B, positions, tables, np.int32(n))
+            positions_B[b] = it.seq.num_computed_tokens + ahead
+            tables_BM[b, :len(it.seq.block_table)] = it.seq.block_table
+        # Chained, the input tokens are the previous call's last ones, on the device: the host's
+        # last_token_id is K tokens behind, so only an unchained call reads it.
+        ids_B = after.out.token_ids_B[-1] if after is not None else _last_token_ids(items, B)
+        inputs = DecodeInputs(ids_B, positions_B, tables_BM, np.int32(n))
         smeta, flags = build_sampling_metadata(rows, pad_to=B)
         if self.mesh is not None:
             inputs, smeta = parallel.replicate((inputs, smeta), self.mesh)
