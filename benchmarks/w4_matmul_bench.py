@@ -131,7 +131,8 @@ def time_shapes(shapes, tokens, interpret):
         paths = {p: sec[p] for p in paths_for(T)}
         kernels = ", ".join(f"{p} {v * 1e6:.0f} us ({sec['bf16'] / v:.2f}x faster than bf16)"
                             for p, v in paths.items())
-        print(f"one decoder layer, T={T}: {kernels}; jnp {sec['jnp'] * 1e6:.0f} us, bf16 {sec['bf16'] * 1e6:.0f} us")
+        print(f"one decoder layer, T={T}: {kernels}; jnp {sec['jnp'] * 1e6:.0f} us, "
+              f"bf16 {sec['bf16'] * 1e6:.0f} us")
 
 
 def _try(interpret, x, quant, cfg, path, label):
