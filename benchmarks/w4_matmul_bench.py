@@ -1,14 +1,18 @@
-"""w4 matmul kernel on the GPU: correctness on Llama-3-8B shapes, then timing vs the jnp dequant path
-and a bf16 matmul of the same shape.
+"""w4 matmul kernel on the GPU: correctness on Llama-3-8B shapes, then timing of its two paths (gemv
+for T <= 4, dot) vs the jnp dequant path and a bf16 matmul of the same shape.
 
-Run on the GPU machine:  python benchmarks/w4_matmul_bench.py [--sweep] [--tokens 1 16]
+Run on the GPU machine:  python benchmarks/w4_matmul_bench.py [--sweep] [--sweep-dot] [--tokens 1 16]
 On CPU:                  python benchmarks/w4_matmul_bench.py --smoke   (interpret mode, tiny shapes)
 
-check   kernel vs w4_matmul_reference (float32 algebra), bf16, T = 1 and 16, every shape.
-time    per shape and T: kernel, jnp (x @ dequantize_w4(...), what QuantLinear did), bf16 x @ w;
-        GB/s counts the packed weight + scale + offset bytes; "vs bf16" = bf16 time / kernel time.
+check   each path (gemv where T <= 4, dot) vs x @ dequantize_w4 in float32, bf16, every shape and T;
+        the reference's error alongside.
+time    per shape and T: gemv and dot paths, jnp (x @ dequantize_w4(...)), bf16 x @ w; GB/s counts
+        the packed weight + scale + offset bytes; "vs bf16" = bf16 time / best kernel path time.
         The last rows sum one 8B decoder layer (q, k, v, o, gate, up, down).
-sweep   (--sweep) block_o x num_splits x num_warps at T = 1 for every shape; best config per shape.
+sweep   (--sweep) the gemv path at T = 1 for every shape, coordinate descent: block_o x rows x
+        num_warps (auto splits), then num_splits x num_stages around the best, then unpack; best
+        configs per shape next to the heuristic's. (--sweep-dot) the dot path: block_o x num_splits
+        x num_warps.
 """
 from __future__ import annotations
 
@@ -49,8 +53,13 @@ def rel_err(out, ref):
     return float(np.linalg.norm(out - ref) / np.linalg.norm(ref)), bool(np.isfinite(out).all())
 
 
-def kernel_fn(interpret, config=None):
-    return jax.jit(functools.partial(wm.w4_matmul_kernel, group_size=GROUP, interpret=interpret, config=config))
+def kernel_fn(interpret, config=None, path="auto"):
+    return jax.jit(functools.partial(wm.w4_matmul_kernel, group_size=GROUP, interpret=interpret, config=config,
+                                     path=path))
+
+
+def paths_for(T):
+    return ("gemv", "dot") if T <= wm.GEMV_MAX_T else ("dot",)
 
 
 @jax.jit
@@ -64,19 +73,20 @@ def bf16_matmul(x_TI, w_IO):
 
 
 def check(shapes, tokens, interpret) -> bool:
-    """Kernel and reference (bf16 out) vs x @ dequantize_w4 in float32."""
+    """Each kernel path and the reference (bf16 out) vs x @ dequantize_w4 in float32."""
     ok = True
     ref = jax.jit(functools.partial(wm.w4_matmul_reference, group_size=GROUP))
     for (I, O), T in itertools.product(shapes, tokens):
         _, *quant = make_weights(I, O)
         x = make_x(T, I)
         dense = dense_f32(x, *quant)
-        err, finite = rel_err(kernel_fn(interpret)(x, *quant), dense)
         ref_err, _ = rel_err(ref(x, *quant), dense)
-        good = finite and err < 1e-2
-        ok &= good
-        print(f"check I={I:6d} O={O:6d} T={T:3d}  kernel rel_err={err:.2e}  reference rel_err={ref_err:.2e}  "
-              f"{'ok' if good else 'FAIL'}")
+        for path in paths_for(T):
+            err, finite = rel_err(kernel_fn(interpret, path=path)(x, *quant), dense)
+            good = finite and err < 1e-2
+            ok &= good
+            print(f"check I={I:6d} O={O:6d} T={T:3d} {path:>4}  kernel rel_err={err:.2e}  "
+                  f"reference rel_err={ref_err:.2e}  {'ok' if good else 'FAIL'}")
     return ok
 
 
@@ -94,53 +104,105 @@ def timer(interpret):
 
 def time_shapes(shapes, tokens, interpret):
     t = timer(interpret)
-    print(f"\n{'I':>6} {'O':>6} {'T':>3} {'kernel us':>10} {'GB/s':>7} {'jnp us':>9} {'bf16 us':>8} "
-          f"{'vs bf16':>8} {'vs jnp':>7}")
-    layer = {T: [0.0, 0.0, 0.0] for T in tokens}
+    print(f"\n{'I':>6} {'O':>6} {'T':>3} {'gemv us':>8} {'GB/s':>6} {'dot us':>8} {'GB/s':>6} {'jnp us':>8} "
+          f"{'bf16 us':>8} {'vs bf16':>8} {'gemv/dot':>9}")
+    names = ("gemv", "dot", "jnp", "bf16")
+    layer = {T: dict.fromkeys(names, 0.0) for T in tokens}
     for (I, O), count in shapes.items():
         w_IO, *quant = make_weights(I, O)
         for T in tokens:
             x = make_x(T, I)
-            tk = t(kernel_fn(interpret), x, *quant)
-            tj = t(jnp_dequant_matmul, x, *quant)
-            tb = t(bf16_matmul, x, w_IO)
-            gbs = wm.packed_bytes(I, O, GROUP) / tk / 1e9
-            print(f"{I:6d} {O:6d} {T:3d} {tk * 1e6:10.1f} {gbs:7.0f} {tj * 1e6:9.1f} {tb * 1e6:8.1f} "
-                  f"{tb / tk:7.2f}x {tj / tk:6.1f}x")
-            for i, v in enumerate((tk, tj, tb)):
-                layer[T][i] += count * v
-    for T, (tk, tj, tb) in layer.items():
-        print(f"one decoder layer, T={T}: kernel {tk * 1e6:.0f} us, jnp {tj * 1e6:.0f} us, bf16 {tb * 1e6:.0f} us"
-              f" -> {tb / tk:.2f}x faster than bf16")
+            sec = {path: t(kernel_fn(interpret, path=path), x, *quant) for path in paths_for(T)}
+            sec["jnp"] = t(jnp_dequant_matmul, x, *quant)
+            sec["bf16"] = t(bf16_matmul, x, w_IO)
+            best = min(sec[p] for p in paths_for(T))
+            cells = []
+            for path in ("gemv", "dot"):
+                if path in sec:
+                    cells.append(f"{sec[path] * 1e6:8.1f} {wm.packed_bytes(I, O, GROUP) / sec[path] / 1e9:6.0f}")
+                else:
+                    cells.append(f"{'-':>8} {'-':>6}")
+            ratio = f"{sec['dot'] / sec['gemv']:8.2f}x" if "gemv" in sec else f"{'-':>9}"
+            print(f"{I:6d} {O:6d} {T:3d} {' '.join(cells)} {sec['jnp'] * 1e6:8.1f} {sec['bf16'] * 1e6:8.1f} "
+                  f"{sec['bf16'] / best:7.2f}x {ratio}")
+            for name in names:
+                layer[T][name] += count * sec.get(name, float("nan"))
+    for T, sec in layer.items():
+        paths = {p: sec[p] for p in paths_for(T)}
+        kernels = ", ".join(f"{p} {v * 1e6:.0f} us ({sec['bf16'] / v:.2f}x faster than bf16)"
+                            for p, v in paths.items())
+        print(f"one decoder layer, T={T}: {kernels}; jnp {sec['jnp'] * 1e6:.0f} us, "
+              f"bf16 {sec['bf16'] * 1e6:.0f} us")
 
 
-def sweep(shapes, interpret):
-    t = timer(interpret)
-    x_cache = {}
+def _try(interpret, x, quant, cfg, path, label):
+    """Seconds for one config, or None where Triton cannot compile it (reported, then skipped)."""
+    try:
+        return timer(interpret)(kernel_fn(interpret, cfg, path), x, *quant)
+    except Exception as e:  # noqa: BLE001 - a config Triton cannot compile is skipped
+        print(f"  {label} {cfg}: {type(e).__name__}: {str(e)[:100]}")
+        return None
+
+
+def _report(I, O, auto, results):
+    results = sorted((r for r in results if r[0] is not None), key=lambda r: r[0])
+    print(f"sweep I={I:6d} O={O:6d} auto={auto}; best:")
+    for sec, cfg in results[:3]:
+        print(f"    {sec * 1e6:8.1f} us  {wm.packed_bytes(I, O, GROUP) / sec / 1e9:6.0f} GB/s  {cfg}")
+    return results
+
+
+def _gemv_stage1(I, O):
+    """block_o x rows x num_warps, at most 256 packed bytes per thread per iteration (register room)."""
+    for block_o, rows, warps in itertools.product((128, 256, 512, 1024), (16, 32, 64, 128, 256), (4, 8)):
+        if block_o <= max(128, O) and rows <= I // 2 and block_o * rows <= 256 * 32 * warps:
+            yield dict(block_o=block_o, rows=rows, num_warps=warps)
+
+
+def sweep_gemv(shapes, interpret):
+    """Coordinate descent over the gemv path's tunables at T = 1 (the full product is too many compiles)."""
     for I, O in shapes:
         _, *quant = make_weights(I, O)
-        x = x_cache.setdefault(I, make_x(1, I))
+        x = make_x(1, I)
+        label = f"gemv I={I} O={O}"
+        auto = wm._choose_gemv_config(I // 2, O, GROUP // 2, on_gpu=not interpret)
+        auto = {k: auto[k] for k in wm.GEMV_TUNABLES}
+        results = [(_try(interpret, x, quant, None, "gemv", label), {"auto": True, **auto})]
+        results += [(_try(interpret, x, quant, cfg, "gemv", label), cfg) for cfg in _gemv_stage1(I, O)]
+        best = min((r for r in results if r[0] is not None), key=lambda r: r[0])[1]
+        base = {k: best[k] for k in ("block_o", "rows", "num_warps")}
+        iters = -(-(I // 2) // base["rows"])
+        for splits, stages in itertools.product((1, 2, 4, 8, 16, 32, 64), (1, 2, 3, 4)):
+            if splits <= iters:
+                cfg = dict(base, num_splits=splits, num_stages=stages)
+                results.append((_try(interpret, x, quant, cfg, "gemv", label), cfg))
+        best = _report(I, O, auto, results)[0][1]
+        cfg = dict({k: v for k, v in best.items() if k != "auto"}, unpack="convert")  # the exponent trick's worth
+        sec = _try(interpret, x, quant, cfg, "gemv", label)
+        if sec is not None:
+            print(f"    {sec * 1e6:8.1f} us  {wm.packed_bytes(I, O, GROUP) / sec / 1e9:6.0f} GB/s  {cfg}")
+
+
+def sweep_dot(shapes, interpret):
+    for I, O in shapes:
+        _, *quant = make_weights(I, O)
+        x = make_x(1, I)
         groups = -(-I // GROUP)
         results = []
         for block_o, splits, warps in itertools.product((64, 128, 256), (1, 2, 4, 8, 16, 32), (4, 8)):
             if splits > groups or (block_o == 256 and warps == 4):
                 continue
             cfg = dict(block_o=block_o, num_splits=splits, num_warps=warps)
-            try:
-                results.append((t(kernel_fn(interpret, cfg), x, *quant), cfg))
-            except Exception as e:  # noqa: BLE001 - a config Triton cannot compile is skipped
-                print(f"  I={I} O={O} {cfg}: {type(e).__name__}: {str(e)[:80]}")
-        results.sort(key=lambda r: r[0])
+            results.append((_try(interpret, x, quant, cfg, "dot", f"dot I={I} O={O}"), cfg))
         auto = wm._choose_config(1, I // 2, O, groups, on_gpu=not interpret)
-        print(f"sweep I={I:6d} O={O:6d} auto=(block_o={auto['block_o']}, splits={auto['num_splits']}); best:")
-        for sec, cfg in results[:3]:
-            print(f"    {sec * 1e6:8.1f} us  {wm.packed_bytes(I, O, GROUP) / sec / 1e9:6.0f} GB/s  {cfg}")
+        _report(I, O, {k: auto[k] for k in ("block_o", "num_splits")}, results)
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true", help="CPU: interpret mode, tiny shapes")
-    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="the gemv path's tunables, T = 1")
+    ap.add_argument("--sweep-dot", action="store_true", help="the dot path's tunables, T = 1")
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16])
     args = ap.parse_args()
     interpret = args.smoke or jax.default_backend() != "gpu"
@@ -149,7 +211,9 @@ def main():
     ok = check(shapes, args.tokens, interpret)
     time_shapes(shapes, args.tokens, interpret)
     if args.sweep:
-        sweep(shapes, interpret)
+        sweep_gemv(shapes, interpret)
+    if args.sweep_dot:
+        sweep_dot(shapes, interpret)
     print(f"# timer calls: {_TIMER}")
     sys.exit(0 if ok else 1)
 

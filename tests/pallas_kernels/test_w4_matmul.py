@@ -36,27 +36,55 @@ def _rel_err(out, ref):
 
 # Interpret mode is slow: every case covers several edges at once (short last group, O not a
 # multiple of block_o, T not a multiple of 16, several splits).
-CASES = [  # T, I, O, group_size, dtype, config
-    (1, 1024, 512, 128, "float32", None),
-    (7, 576, 200, 128, "bfloat16", None),
-    (16, 256, 64, 64, "float32", {"num_splits": 2}),
-    (33, 576, 200, 64, "float32", {"block_o": 128, "num_splits": 3}),
-    (1, 1024, 200, 128, "bfloat16", {"num_splits": 3}),
-    (16, 576, 512, 128, "bfloat16", {"block_o": 64, "num_splits": 5}),
+CASES = [  # T, I, O, group_size, dtype, config, path
+    (1, 1024, 512, 128, "float32", None, "dot"),
+    (7, 576, 200, 128, "bfloat16", None, "auto"),
+    (16, 256, 64, 64, "float32", {"num_splits": 2}, "auto"),
+    (33, 576, 200, 64, "float32", {"block_o": 128, "num_splits": 3}, "auto"),
+    (1, 1024, 200, 128, "bfloat16", {"num_splits": 3}, "dot"),
+    (16, 576, 512, 128, "bfloat16", {"block_o": 64, "num_splits": 5}, "auto"),
+]
+# The gemv path: chunks smaller than a group (rows < G/2), tiles of several groups (rows > G/2) with a
+# masked split tail, the int->float convert variant, one split (stores x's dtype) and several.
+GEMV_CASES = [
+    (1, 1024, 512, 128, "float32", None, "auto"),
+    (2, 576, 200, 128, "bfloat16", {"block_o": 64, "num_splits": 3}, "gemv"),
+    (3, 576, 640, 64, "float32", {"block_o": 128, "rows": 16, "num_splits": 4}, "gemv"),
+    (1, 576, 200, 64, "bfloat16", {"rows": 128, "num_splits": 2}, "auto"),
+    (3, 1024, 256, 128, "float32", {"unpack": "convert", "num_splits": 2, "num_warps": 8}, "auto"),
+    (4, 1024, 96, 128, "bfloat16", {"block_o": 32, "rows": 256}, "gemv"),
 ]
 
 
-@pytest.mark.parametrize("T,I,O,group_size,dtype,config", CASES)
-def test_kernel_and_reference_match_dense(T, I, O, group_size, dtype, config):
+@pytest.mark.parametrize("T,I,O,group_size,dtype,config,path", CASES + GEMV_CASES)
+def test_kernel_and_reference_match_dense(T, I, O, group_size, dtype, config, path):
     args = _inputs(0, T, I, O, group_size, dtype)
     dense = _dense_f32(*args, group_size)
     kernel = jax.jit(functools.partial(wm.w4_matmul_kernel, group_size=group_size, interpret=INTERPRET,
-                                       config=config))
+                                       config=config, path=path))
     out = kernel(*args)
     ref = jax.jit(functools.partial(wm.w4_matmul_reference, group_size=group_size))(*args)
     for y in (out, ref):
         assert y.shape == (T, O) and y.dtype == jnp.dtype(dtype)
         assert _rel_err(y, dense) < TOL[dtype]
+
+
+def _pallas_names(fn, *args):
+    """The pallas_call names in fn's jaxpr: which kernel path a call takes, without running it."""
+    return {name for name in ("w4_gemv", "w4_matmul") if name in str(jax.make_jaxpr(fn)(*args))}
+
+
+@pytest.mark.parametrize("T,path,want", [
+    (1, "auto", "w4_gemv"), (4, "auto", "w4_gemv"), (5, "auto", "w4_matmul"),
+    (1, "dot", "w4_matmul"), (3, "gemv", "w4_gemv"),
+])
+def test_path_is_chosen_by_tokens_or_forced(T, path, want):
+    args = _inputs(5, T, 256, 64, 128, "bfloat16")
+    assert wm.choose_path(T, path) == want.replace("w4_matmul", "dot").replace("w4_", "")
+    kernel = functools.partial(wm.w4_matmul_kernel, group_size=128, interpret=True, path=path)
+    assert _pallas_names(kernel, *args) == {want}
+    public = functools.partial(wm.w4_matmul, group_size=128, impl="kernel", interpret=True, path=path)
+    assert _pallas_names(public, *args) == {want}
 
 
 def test_public_op_takes_the_reference_off_gpu():
@@ -72,10 +100,14 @@ def test_quant_linear_forced_kernel_matches_jnp_path(monkeypatch):
     x_BTI = jnp.asarray(rng.standard_normal((2, 3, 576)), jnp.float32)
     monkeypatch.setenv("LMJAX_W4_IMPL", "reference")
     want = layer(x_BTI)
+    want_1 = layer(x_BTI[:1, :1])
     monkeypatch.setenv("LMJAX_W4_IMPL", "kernel")
-    got = layer(x_BTI)
+    got = layer(x_BTI)  # 6 tokens: the dot path
     assert got.shape == (2, 3, 200)
     assert _rel_err(got, want) < TOL["float32"]
+    got_1 = layer(x_BTI[:1, :1])  # one token: the gemv path
+    assert got_1.shape == (1, 1, 200)
+    assert _rel_err(got_1, want_1) < TOL["float32"]
 
 
 @pytest.mark.parametrize("bad,match", [
@@ -84,6 +116,8 @@ def test_quant_linear_forced_kernel_matches_jnp_path(monkeypatch):
     (dict(scale_gO=jnp.zeros((3, 64))), r"scale_gO.shape=\(3, 64\)"),
     (dict(group_size=0), r"group_size=0"),
     (dict(impl="triton"), r"impl='triton'"),
+    (dict(path="gemm"), r"path='gemm'"),
+    (dict(path="gemv", x_TI=jnp.zeros((5, 256))), r"path='gemv' needs T=5 <= GEMV_MAX_T=4"),
 ])
 def test_validation_names_the_bad_value(bad, match):
     kw = dict(x_TI=jnp.zeros((1, 256)), packed_JO=jnp.zeros((128, 64), jnp.uint8),
@@ -93,10 +127,18 @@ def test_validation_names_the_bad_value(bad, match):
         wm.w4_matmul(**kw)
 
 
-def test_kernel_config_is_validated():
+@pytest.mark.parametrize("config,path,match", [
+    ({"block_o": 48}, "auto", r"config\['block_o'\]=48"),
+    ({"block_o": 48}, "dot", r"config\['block_o'\]=48"),
+    ({"rows": 24}, "auto", r"config\['rows'\]=24"),
+    ({"unpack": "lut"}, "gemv", r"config\['unpack'\]='lut'"),
+    ({"rows": 64}, "dot", r"config key 'rows' must be one of .* \(path 'dot'\)"),
+    ({"num_warps": 0}, "gemv", r"config\['num_warps'\]=0"),
+])
+def test_kernel_config_is_validated(config, path, match):
     args = _inputs(3, 1, 256, 64, 128, "float32")
-    with pytest.raises(ValueError, match=r"config\['block_o'\]=48"):
-        wm.w4_matmul_kernel(*args, 128, interpret=True, config={"block_o": 48})
+    with pytest.raises(ValueError, match=match):
+        wm.w4_matmul_kernel(*args, 128, interpret=True, config=config, path=path)
 
 
 def test_kernel_needs_power_of_two_groups_and_auto_falls_back():
