@@ -11,6 +11,10 @@ Tensor parallelism stays out of the model: when the step runs under a mesh with 
 (`lmjax.parallel.use_mesh`), `paged_attention` wraps the op in shard_map over the head axis, so each
 device attends its own query heads over its own KV-cache heads. A cache may store each KV head r times
 (r = cache heads / K, see `lmjax.parallel.kv_cache_heads`); `write_kv` repeats K/V to match.
+
+`rope_and_write_kv` is what the model calls after its q/k/v projections: RoPE of q and k plus the cache
+write, fused into one Pallas launch on GPU (a batch-1 decode step is launch-bound), or apply_rope then
+`write_kv` (the reference; quantized caches; tp meshes).
 """
 from __future__ import annotations
 
@@ -24,7 +28,10 @@ from jax.sharding import PartitionSpec
 
 from lmjax import parallel
 from lmjax.layers.quant import QuantKV, paged_attention_quant, quant_kv_spec, write_kv_quant
+from lmjax.layers.rope import apply_rope
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+from pallas_kernels.rope import RopeSpec, inv_freq_TF
+from pallas_kernels.rope_kv_write import rope_kv_write, scatter_kv_reference
 
 
 @jax.tree_util.register_dataclass
@@ -43,13 +50,43 @@ def write_kv(k_cache_PSKH, v_cache_PSKH, k_TKH, v_TKH, slot_mapping_T):
     """Scatter this step's K/V into their slots (in place when the cache is donated to the step)."""
     if isinstance(k_cache_PSKH, QuantKV):  # quant_policy 8 / 4: quantized on write
         return write_kv_quant(k_cache_PSKH, v_cache_PSKH, k_TKH, v_TKH, slot_mapping_T)
-    P, S, K, H = k_cache_PSKH.shape
-    if K != k_TKH.shape[1]:  # the cache repeats each KV head K / k_TKH.shape[1] times
-        repeats = K // k_TKH.shape[1]
-        k_TKH, v_TKH = jnp.repeat(k_TKH, repeats, axis=1), jnp.repeat(v_TKH, repeats, axis=1)
-    k_flat = k_cache_PSKH.reshape(P * S, K, H).at[slot_mapping_T].set(k_TKH.astype(k_cache_PSKH.dtype))
-    v_flat = v_cache_PSKH.reshape(P * S, K, H).at[slot_mapping_T].set(v_TKH.astype(v_cache_PSKH.dtype))
-    return k_flat.reshape(P, S, K, H), v_flat.reshape(P, S, K, H)
+    # The cache may repeat each KV head (cache heads / k_TKH's heads times): the scatter repeats K/V.
+    return scatter_kv_reference(k_cache_PSKH, v_cache_PSKH, k_TKH, v_TKH, slot_mapping_T)
+
+
+def kv_write_impl(impl: str | None = None) -> str:
+    """"kernel" or "reference" for `rope_and_write_kv`: `impl`, else LMJAX_KV_WRITE_IMPL, else
+    LMJAX_ATTENTION_IMPL (so one variable switches a whole engine to its references), else "auto":
+    the kernel on GPU. "tiled" (an attention choice) means the XLA path here."""
+    impl = impl or os.environ.get("LMJAX_KV_WRITE_IMPL") or os.environ.get("LMJAX_ATTENTION_IMPL", "auto")
+    if impl not in ("auto", "kernel", "reference", "tiled"):
+        raise ValueError(f"kv write impl={impl!r} must be one of ('auto', 'kernel', 'reference', 'tiled')")
+    return "kernel" if impl == "kernel" or (impl == "auto" and jax.default_backend() == "gpu") else "reference"
+
+
+def _mesh_tp():
+    """The mesh a step is being traced under (`lmjax.parallel.use_mesh`) and its tp size (0: none)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return mesh, 0 if mesh.empty or parallel.TP_AXIS not in mesh.axis_names else mesh.shape[parallel.TP_AXIS]
+
+
+def rope_and_write_kv(q_TNH, k_TKH, v_TKH, positions_T, cache, meta: AttentionMetadata, spec: RopeSpec,
+                      *, impl: str | None = None):
+    """RoPE on q and k, then K/V into this step's cache slots: (rotated q_TNH, (k_cache, v_cache)).
+
+    The kernel path is one fused Pallas launch (pallas_kernels.rope_kv_write; Pallas interpret mode off
+    GPU, for tests). Quantized caches and steps under a tp mesh take the XLA path (apply_rope, then
+    write_kv): GSPMD shards it by itself, where the kernel would need its own shard_map.
+    """
+    k_cache, v_cache = cache
+    if kv_write_impl(impl) == "reference" or isinstance(k_cache, QuantKV) or _mesh_tp()[1] > 1:
+        q_TNH, k_TKH = apply_rope(q_TNH, k_TKH, positions_T, meta.seq_lens_T, spec)
+        return q_TNH, write_kv(k_cache, v_cache, k_TKH, v_TKH, meta.slot_mapping_T)
+    inv_freq = inv_freq_TF(spec, meta.seq_lens_T)
+    q_TNH, k_cache, v_cache = rope_kv_write(
+        q_TNH, k_TKH, v_TKH, positions_T, inv_freq, spec.attention_scaling, k_cache, v_cache,
+        meta.slot_mapping_T, impl="kernel", interpret=jax.default_backend() != "gpu")
+    return q_TNH, (k_cache, v_cache)
 
 
 def paged_attention(q_TNH, k_cache_PSKH, v_cache_PSKH, meta: AttentionMetadata, *, sm_scale: float,
@@ -71,8 +108,7 @@ def paged_attention(q_TNH, k_cache_PSKH, v_cache_PSKH, meta: AttentionMetadata, 
                                       cu_q_lens_B1, sm_scale=sm_scale, sliding_window=sliding_window, impl=impl)
 
     args = (q_TNH, k_cache_PSKH, v_cache_PSKH, meta.kv_lens_B, meta.block_tables_BM, meta.cu_q_lens_B1)
-    mesh = jax.sharding.get_abstract_mesh()
-    tp = 0 if mesh.empty or parallel.TP_AXIS not in mesh.axis_names else mesh.shape[parallel.TP_AXIS]
+    mesh, tp = _mesh_tp()
     if tp <= 1:
         return attend(*args)
     N, K = q_TNH.shape[1], k_cache_PSKH.shape[2]

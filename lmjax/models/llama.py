@@ -2,7 +2,7 @@
 Qwen3 (q/k norm) and InternLM2 (loaded through a weight map onto this same module tree).
 
 Data flow of one step: token ids [T] and positions [T] in; per layer: RMSNorm -> q/k/v projections ->
-RoPE -> write K/V into the paged cache -> paged attention over each sequence's context -> o_proj ->
+RoPE + write K/V into the paged cache (one fused op) -> paged attention over each sequence's context -> o_proj ->
 residual -> RMSNorm -> SwiGLU MLP -> residual; final norm -> hidden [T, D]. `compute_logits` applies the
 lm_head only to the rows the caller asks for (the last token of each sequence, in the engine).
 
@@ -15,10 +15,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from lmjax.layers.attention import AttentionMetadata, paged_attention, write_kv
+from lmjax.layers.attention import AttentionMetadata, paged_attention, rope_and_write_kv
 from lmjax.layers.linear import Linear
 from lmjax.layers.norm import RMSNorm
-from lmjax.layers.rope import apply_rope, logn_scale_T
+from lmjax.layers.rope import logn_scale_T
 from lmjax.models.config import ModelConfig
 
 KVCache = tuple[jax.Array, jax.Array]  # (k_PSKH, v_PSKH) of one layer
@@ -42,10 +42,10 @@ class Attention(nnx.Module):
         v_TKH = self.v_proj(x_TD).reshape(T, cfg.num_kv_heads, cfg.head_dim)
         if self.q_norm is not None:
             q_TNH, k_TKH = self.q_norm(q_TNH), self.k_norm(k_TKH)
-        q_TNH, k_TKH = apply_rope(q_TNH, k_TKH, positions_T, meta.seq_lens_T, cfg.rope)
-        if cfg.use_logn_attn:
+        # RoPE of q and k and the K/V cache write: one fused launch on GPU (lmjax.layers.attention).
+        q_TNH, (k_cache, v_cache) = rope_and_write_kv(q_TNH, k_TKH, v_TKH, positions_T, cache, meta, cfg.rope)
+        if cfg.use_logn_attn:  # after RoPE, on q only: K in the cache is unscaled either way
             q_TNH = q_TNH * logn_scale_T(positions_T, cfg.logn_max_position)[:, None, None].astype(q_TNH.dtype)
-        k_cache, v_cache = write_kv(*cache, k_TKH, v_TKH, meta.slot_mapping_T)
         out_TNH = paged_attention(q_TNH, k_cache, v_cache, meta, sm_scale=cfg.head_dim**-0.5,
                                   sliding_window=self.sliding_window)
         return self.o_proj(out_TNH.reshape(T, -1)), (k_cache, v_cache)
