@@ -51,7 +51,7 @@ GEMV_CASES = [
     (2, 576, 200, 128, "bfloat16", {"block_o": 64, "num_splits": 3}, "gemv"),
     (3, 576, 640, 64, "float32", {"block_o": 128, "rows": 16, "num_splits": 4}, "gemv"),
     (1, 576, 200, 64, "bfloat16", {"rows": 128, "num_splits": 2}, "auto"),
-    (3, 1024, 256, 128, "float32", {"unpack": "convert", "num_splits": 2, "num_warps": 8}, "auto"),
+    (3, 1024, 256, 128, "float32", {"unpack": "convert", "num_splits": 2, "num_warps": 8}, "gemv"),
     (4, 1024, 96, 128, "bfloat16", {"block_o": 32, "rows": 256}, "gemv"),
 ]
 
@@ -75,7 +75,7 @@ def _pallas_names(fn, *args):
 
 
 @pytest.mark.parametrize("T,path,want", [
-    (1, "auto", "w4_gemv"), (4, "auto", "w4_gemv"), (5, "auto", "w4_matmul"),
+    (1, "auto", "w4_gemv"), (2, "auto", "w4_matmul"), (5, "auto", "w4_matmul"),
     (1, "dot", "w4_matmul"), (3, "gemv", "w4_gemv"),
 ])
 def test_path_is_chosen_by_tokens_or_forced(T, path, want):
