@@ -135,8 +135,13 @@ def test_lowers_to_one_triton_call_for_gpu():
     fn = functools.partial(rope_kv_write, attention_scaling=scaling, impl="kernel")
     lowered = jax.jit(fn).trace(*args, k_cache_PSKH=cache_args[0], v_cache_PSKH=cache_args[1],
                                 slot_mapping_T=cache_args[2])
-    # off GPU, lower for CUDA anyway; on a GPU machine its own backend is that platform
-    lowered = lowered.lower() if jax.default_backend() == "gpu" else lowered.lower(lowering_platforms=("cuda",))
+    if ON_GPU:
+        lowered = lowered.lower()
+    elif tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 11):
+        # jax 0.11 lowers Triton calls only with a GPU present; run this file with JAX_PLATFORMS=cuda there
+        pytest.skip(f"jax {jax.__version__} cannot lower for CUDA without a GPU")
+    else:  # jax 0.10 (CI): cross-platform lowering checks the Triton rules without a GPU
+        lowered = lowered.lower(lowering_platforms=("cuda",))
     assert lowered.as_text().count("__gpu$xla.gpu.triton") == 1
 
 
