@@ -12,6 +12,8 @@ from pallas_kernels import w4_matmul as wm
 ON_GPU = jax.default_backend() == "gpu"
 INTERPRET = not ON_GPU
 TOL = {"float32": 1e-5, "bfloat16": 1e-2}
+# QuantLinear's jnp path on a GPU: XLA's float32 dots may run as tf32 (issue 4's GPU tolerance)
+LAYER_TOL_F32 = 5e-4 if ON_GPU else 1e-5
 
 
 def _inputs(seed, T, I, O, group_size, dtype):
@@ -87,10 +89,11 @@ def test_path_is_chosen_by_tokens_or_forced(T, path, want):
     assert _pallas_names(public, *args) == {want}
 
 
-def test_public_op_takes_the_reference_off_gpu():
+def test_public_op_takes_the_reference_off_gpu_and_the_kernel_on_it():
     args = _inputs(1, 3, 256, 64, 128, "float32")
     out = wm.w4_matmul(*args, 128)
-    np.testing.assert_allclose(out, wm.w4_matmul_reference(*args, 128), rtol=0, atol=0)
+    want = wm.w4_matmul_kernel(*args, 128) if ON_GPU else wm.w4_matmul_reference(*args, 128)
+    np.testing.assert_allclose(out, want, rtol=0, atol=0)
 
 
 def test_quant_linear_forced_kernel_matches_jnp_path(monkeypatch):
@@ -104,10 +107,10 @@ def test_quant_linear_forced_kernel_matches_jnp_path(monkeypatch):
     monkeypatch.setenv("LMJAX_W4_IMPL", "kernel")
     got = layer(x_BTI)  # 6 tokens: the dot path
     assert got.shape == (2, 3, 200)
-    assert _rel_err(got, want) < TOL["float32"]
+    assert _rel_err(got, want) < LAYER_TOL_F32
     got_1 = layer(x_BTI[:1, :1])  # one token: the gemv path
     assert got_1.shape == (1, 1, 200)
-    assert _rel_err(got_1, want_1) < TOL["float32"]
+    assert _rel_err(got_1, want_1) < LAYER_TOL_F32
 
 
 @pytest.mark.parametrize("bad,match", [
