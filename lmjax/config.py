@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import difflib
 import functools
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")

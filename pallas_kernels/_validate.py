@@ -6,7 +6,6 @@ caller can see at once which argument is wrong. Only static properties
 """
 from __future__ import annotations
 
-import numpy as np
 
 def require(cond: bool, message: str) -> None:
     """Raise ValueError(message) unless cond holds."""

@@ -16,7 +16,6 @@ requested dtype while restoring; quantized kernels keep their integer dtype.
 """
 from __future__ import annotations
 
-import json
 import os
 
 import jax
