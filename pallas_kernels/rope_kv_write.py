@@ -7,9 +7,12 @@ in one kernel.
 Status (H200, 2026-11-23): 3.9 us vs 6.3 us for the XLA path on 8B heads at one token, correct on
 random inputs (rel. err 2.2e-3 in bf16, the reference's rounding), but no faster inside the decode
 step, and two tests fail on the GPU (run with JAX_PLATFORMS=cuda): several tokens writing the same
-slot (the engine's padding rows, all aimed at the never-read sink slot 0) leave elements there from
-none of the writers, and a neighbouring slot is changed. Until that is understood the engine takes it
-only when asked (LMJAX_KV_WRITE_IMPL=kernel); the CPU tests (interpret mode) pass.
+slot (the engine's padding rows, all aimed at the never-read sink slot 0) corrupt another token's slot
+(test_repeated_slot_with_different_rows_holds_one_of_them: row 2's own slot is wrong). Inside the step
+XLA also copies q, k and v out of its merged projection GEMM for this custom call (3 slice fusions, ~120 us
+a step on 8B), which cancels the gain; taking one merged qkv projection would avoid that (BENCHMARKS.md).
+Until both are fixed the engine takes it only when asked (LMJAX_KV_WRITE_IMPL=kernel); the CPU tests
+(interpret mode) pass.
 
 Shape letters: T tokens, N query heads, K kv heads of k/v, C heads the cache stores (C = r * K: under
 tensor parallelism the cache may repeat each kv head r times, cache head c holding kv head c // r),
