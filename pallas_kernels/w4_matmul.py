@@ -160,6 +160,13 @@ def _choose_gemv_config(J, O, half_group, on_gpu, block_o=None, rows=None, num_s
     to 64 while the programs do not even fill one wave. Splits take whole loop iterations,
     preferring a count that divides them (no masked tail)."""
     sms = _num_sms() if on_gpu else 0
+    if on_gpu and block_o is None and rows is None and num_splits is None:
+        # Measured (H200, 2026-11-23, `w4_matmul_bench.py --tokens 1 --sweep`, 8B shapes, g128): one
+        # loop iteration per split. Wide weights: 512-byte rows, 8 warps, 32 splits (4096x14336 24.7 ->
+        # 21.1 us); the others: two groups a tile, 16 splits (4096x4096 9.2 -> 8.4, 4096x1024 7.4 -> 4.3 us).
+        wide = O >= 8192 or J >= 4096
+        block_o, rows, num_splits = (512, half_group, 32) if wide else (128, max(2 * half_group, 2), 16)
+        num_warps = 8 if wide else num_warps
     rows = rows or half_group
     iters = -(-J // rows)
     max_splits = max(1, min(iters, J // 256))
