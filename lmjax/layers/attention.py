@@ -13,8 +13,8 @@ device attends its own query heads over its own KV-cache heads. A cache may stor
 (r = cache heads / K, see `lmjax.parallel.kv_cache_heads`); `write_kv` repeats K/V to match.
 
 `rope_and_write_kv` is what the model calls after its q/k/v projections: RoPE of q and k plus the cache
-write, fused into one Pallas launch on GPU (a batch-1 decode step is launch-bound), or apply_rope then
-`write_kv` (the reference; quantized caches; tp meshes).
+write, as apply_rope then `write_kv` (the default everywhere), or one fused Pallas launch when asked for
+(LMJAX_KV_WRITE_IMPL=kernel; see `kv_write_impl` for why it is not the default).
 """
 from __future__ import annotations
 
@@ -59,8 +59,9 @@ def kv_write_impl(impl: str | None = None) -> str:
     LMJAX_ATTENTION_IMPL (so one variable switches a whole engine to its references), else "auto":
     the XLA path everywhere for now. The fused kernel is faster on its own (H200, 8B heads, one token:
     3.9 vs 6.3 us) but measured no faster inside the decode step (batch 1, 2026-11-23: 1B 1.137 vs
-    1.107 ms, 8B 4.578 ms both), where XLA already fuses the RoPE into its neighbours; it is kept
-    behind LMJAX_KV_WRITE_IMPL=kernel until a profile says why. "tiled" means the XLA path here."""
+    1.107 ms, 8B 4.578 ms both): XLA copies q, k and v out of its merged projection GEMM to hand them
+    to the custom call (~120 us a step on 8B), and the kernel mis-writes repeated slots on the GPU
+    (pallas_kernels/rope_kv_write.py). "tiled" means the XLA path here."""
     impl = impl or os.environ.get("LMJAX_KV_WRITE_IMPL") or os.environ.get("LMJAX_ATTENTION_IMPL", "auto")
     if impl not in ("auto", "kernel", "reference", "tiled"):
         raise ValueError(f"kv write impl={impl!r} must be one of ('auto', 'kernel', 'reference', 'tiled')")
@@ -77,8 +78,8 @@ def rope_and_write_kv(q_TNH, k_TKH, v_TKH, positions_T, cache, meta: AttentionMe
                       *, impl: str | None = None):
     """RoPE on q and k, then K/V into this step's cache slots: (rotated q_TNH, (k_cache, v_cache)).
 
-    The kernel path is one fused Pallas launch (pallas_kernels.rope_kv_write; Pallas interpret mode off
-    GPU, for tests). Quantized caches and steps under a tp mesh take the XLA path (apply_rope, then
+    The kernel path (only when asked for, see `kv_write_impl`) is one fused Pallas launch
+    (pallas_kernels.rope_kv_write; Pallas interpret mode off GPU, for tests). Quantized caches and steps under a tp mesh take the XLA path (apply_rope, then
     write_kv): GSPMD shards it by itself, where the kernel would need its own shard_map.
     """
     k_cache, v_cache = cache

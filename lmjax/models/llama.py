@@ -2,7 +2,7 @@
 Qwen3 (q/k norm) and InternLM2 (loaded through a weight map onto this same module tree).
 
 Data flow of one step: token ids [T] and positions [T] in; per layer: RMSNorm -> q/k/v projections ->
-RoPE + write K/V into the paged cache (one fused op) -> paged attention over each sequence's context -> o_proj ->
+RoPE + write K/V into the paged cache (`rope_and_write_kv`) -> paged attention over each sequence's context -> o_proj ->
 residual -> RMSNorm -> SwiGLU MLP -> residual; final norm -> hidden [T, D]. `compute_logits` applies the
 lm_head only to the rows the caller asks for (the last token of each sequence, in the engine).
 
@@ -42,7 +42,7 @@ class Attention(nnx.Module):
         v_TKH = self.v_proj(x_TD).reshape(T, cfg.num_kv_heads, cfg.head_dim)
         if self.q_norm is not None:
             q_TNH, k_TKH = self.q_norm(q_TNH), self.k_norm(k_TKH)
-        # RoPE of q and k and the K/V cache write: one fused launch on GPU (lmjax.layers.attention).
+        # RoPE of q and k and the K/V cache write (one fused launch when LMJAX_KV_WRITE_IMPL=kernel).
         q_TNH, (k_cache, v_cache) = rope_and_write_kv(q_TNH, k_TKH, v_TKH, positions_T, cache, meta, cfg.rope)
         if cfg.use_logn_attn:  # after RoPE, on q only: K in the cache is unscaled either way
             q_TNH = q_TNH * logn_scale_T(positions_T, cfg.logn_max_position)[:, None, None].astype(q_TNH.dtype)

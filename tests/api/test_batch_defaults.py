@@ -34,3 +34,14 @@ def test_mem_fraction_is_taken_into_account(monkeypatch):
 
 def test_cpu_gets_the_small_defaults():
     assert batch_defaults(jax.devices("cpu")[0]) == (256, 8192)
+
+
+def test_llm_takes_the_device_defaults_unless_given(monkeypatch):
+    import lmjax.api.llm as llm_mod
+
+    seen = []
+    monkeypatch.setattr(llm_mod, "batch_defaults", lambda: (7, 333))
+    monkeypatch.setattr(llm_mod, "LLMEngine", lambda model, config, tokenizer: seen.append(config))
+    llm_mod.LLM("unused")
+    llm_mod.LLM("unused", max_num_seqs=5, max_num_batched_tokens=64)
+    assert [(c.max_batch_size, c.max_prefill_token_num) for c in seen] == [(7, 333), (5, 64)]

@@ -157,3 +157,15 @@ def test_kernel_validator_rejects_odd_head_dim():
         rpa.ragged_paged_attention(*args.values(), sm_scale=0.1, impl="kernel", interpret=True)
     # The reference takes any head_dim.
     rpa.ragged_paged_attention(*args.values(), sm_scale=0.1, impl="reference")
+
+
+@pytest.mark.parametrize("batch, context, block_n, num_splits", [
+    (1, 512, 128, 4),     # batch 1: the context splits (was unsplit below 4 kv tiles per split)
+    (1, 8192, 128, 8),    # at most 8 splits
+    (32, 2048, 128, 1),   # enough q tiles: no split, long kv tiles
+    (1024, 256, 64, 1),   # thousands of programs: 64-key tiles
+])
+def test_gpu_decode_tiling_follows_the_h200_sweeps(monkeypatch, batch, context, block_n, num_splits):
+    monkeypatch.setattr(rpa, "_num_sms", lambda: 132)
+    cfg = rpa._choose_config(batch, batch, 32, 8, 128, context, on_gpu=True)
+    assert (cfg["block_n"], cfg["num_splits"]) == (block_n, num_splits)

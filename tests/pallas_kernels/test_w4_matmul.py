@@ -150,3 +150,13 @@ def test_kernel_needs_power_of_two_groups_and_auto_falls_back():
         wm.w4_matmul_kernel(*args, 96, interpret=True)
     out = wm.w4_matmul(*args, 96, interpret=True)  # auto: the reference
     assert _rel_err(out, _dense_f32(*args, 96)) < TOL["float32"]
+
+
+@pytest.mark.parametrize("I, O, want", [
+    (4096, 4096, dict(block_o=128, rows=128, num_splits=16, num_warps=4)),
+    (4096, 14336, dict(block_o=512, rows=64, num_splits=32, num_warps=8)),
+])
+def test_gemv_gpu_tiling_follows_the_h200_sweep(monkeypatch, I, O, want):
+    monkeypatch.setattr(wm, "_num_sms", lambda: 132)
+    cfg = wm._choose_gemv_config(I // 2, O, 64, on_gpu=True)
+    assert {k: cfg[k] for k in want} == want
