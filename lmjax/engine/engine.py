@@ -232,7 +232,8 @@ class LLMEngine:
         start, compiled = time.perf_counter(), self.runner.num_compilations
         rows = [SamplingRow(p, seed=0) for p in (sampling_params or [SamplingParams(temperature=0.0)])]
         top = bucket(min(max_batch_size or self.config.max_batch_size, self.config.max_batch_size), 4)
-        sizes = [1 << i for i in range(2, top.bit_length())]
+        floor = self.runner.min_decode_B if self.config.num_scheduler_steps > 1 else 4
+        sizes = [1 << i for i in range(floor.bit_length() - 1, top.bit_length())]
         widths = [self.runner.max_M] if self.runner.fixed_M else \
             [1 << i for i in range(self.runner.max_M.bit_length())]
         for row in rows:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +43,17 @@ _STEP = 1  # step kinds a leader sends its followers (lmjax.parallel.send_step)
 def bucket(n: int, minimum: int) -> int:
     """Next power of two >= max(n, minimum)."""
     return 1 << (max(n, minimum) - 1).bit_length()
+
+
+def decode_batch_floor() -> int:
+    """Smallest batch bucket of the multi-step decode call: 1 on GPU, 4 elsewhere (LMJAX_DECODE_BATCH_FLOOR
+    overrides, for A/B runs). On GPU a batch-1 step padded to 4 rows streams the same weights but runs
+    4-row GEMMs, 3 padding rows through every small fusion, and keeps w4 layers off their one-token GEMV
+    path (pallas_kernels/w4_matmul.py); on CPU each extra bucket is one more compilation of seconds."""
+    floor = int(os.environ.get("LMJAX_DECODE_BATCH_FLOOR", 1 if jax.default_backend() == "gpu" else 4))
+    if floor < 1 or floor & (floor - 1):
+        raise ValueError(f"LMJAX_DECODE_BATCH_FLOOR={floor} must be a power of two >= 1")
+    return floor
 
 
 @jax.tree_util.register_dataclass
@@ -99,6 +111,7 @@ class ModelRunner:
         if self.mesh is None:  # committed (aliased, no copy), as the step's donated outputs are: else
             self.caches = jax.device_put(self.caches, jax.devices()[0])  # the second step compiles again
         self.max_T = bucket(max_tokens_per_step, 16)
+        self.min_decode_B = decode_batch_floor()
         self.max_B = bucket(max_batch_size, 4)
         self.max_M = bucket(max_blocks_per_seq, 1)
         self.fixed_M = cost_follows_context()  # one block-table width: fewer compilations
@@ -137,7 +150,7 @@ class ModelRunner:
         call's last tokens, still on the device (the host has not read them)."""
         items, n = batch.items, len(batch.items)
         ahead = after.num_steps if after is not None else 0
-        B, M = bucket(n, 4), self.table_width(max(len(it.seq.block_table) for it in items))
+        B, M = bucket(n, self.min_decode_B), self.table_width(max(len(it.seq.block_table) for it in items))
         positions_B, tables_BM = np.zeros(B, np.int32), np.zeros((B, M), np.int32)
         for b, it in enumerate(items):
             positions_B[b] = it.seq.num_computed_tokens + ahead

@@ -93,6 +93,30 @@ def test_warmup_compiles_every_decode_bucket_up_front(tiny, steps, caplog):
     assert [len(o.outputs[0].token_ids) for o in got] == [p.max_tokens for p in params]
 
 
+def test_gpu_decode_floor_of_one_row_gives_the_same_tokens(tiny, monkeypatch, caplog):
+    """On GPU the multi-step decode call pads a batch to 1, 2, 4, ... rows (not 4 at least): a batch-1
+    step runs one row. Forced here on CPU: same greedy tokens as the 4-row floor, decode compiled at
+    B=1 and B=2, and the warm-up covers those buckets too."""
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(4, 256, n).tolist() for n in (7, 19)]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (12, 30)]
+    _, want = _run(tiny, 8, prompts, params)
+    monkeypatch.setenv("LMJAX_DECODE_BATCH_FLOOR", "1")
+    with caplog.at_level("INFO", logger="lmjax.engine"):
+        llm, got = _run(tiny, 8, prompts, params)
+    assert got == want and llm.llm_engine.runner.min_decode_B == 1
+    batches = {r.getMessage().split("B=")[1].split()[0] for r in caplog.records if "step decode" in r.getMessage()}
+    assert batches == {"1", "2"}  # both rows, then the longer one alone
+    runner = llm.llm_engine.runner
+    widths = 1 if runner.fixed_M else runner.max_M.bit_length()
+    before = runner.num_compilations
+    assert llm.llm_engine.warmup(max_batch_size=4)["compilations"] == runner.num_compilations - before
+    assert runner.num_compilations - before == 3 * widths - len(batches)  # buckets 1, 2, 4: 1 and 2 cached
+    monkeypatch.setenv("LMJAX_DECODE_BATCH_FLOOR", "3")
+    with pytest.raises(ValueError, match="LMJAX_DECODE_BATCH_FLOOR=3"):
+        LLM(tiny, max_model_len=256)
+
+
 def test_multistep_while_requests_wait(tiny):
     """With more requests than max_num_seqs, the full batch still decodes K steps per round trip (K
     stopping at the first max_tokens, so waiting requests join as soon as a slot frees), with
