@@ -37,7 +37,7 @@ from random_model import SHAPES  # noqa: E402
 from lmjax import parallel  # noqa: E402
 from lmjax.config import SamplingParams  # noqa: E402
 from lmjax.engine.decode_loop import DecodeInputs  # noqa: E402
-from lmjax.engine.model_runner import ModelRunner, StepInputs, bucket  # noqa: E402
+from lmjax.engine.model_runner import ModelRunner, StepInputs, bucket, decode_batch_floor  # noqa: E402
 from lmjax.layers.attention import AttentionMetadata  # noqa: E402
 from lmjax.layers.sampler import SamplingRow, build_sampling_metadata  # noqa: E402
 from lmjax.loader.model_loader import load_model  # noqa: E402
@@ -73,8 +73,9 @@ def random_model(shape: str, dtype, tp: int):
 
 
 def decode_inputs(context: int, block_size: int, vocab: int):
-    """Numpy StepInputs for one decode token of one sequence at position context - 1 (as build_inputs pads)."""
-    T, B = bucket(1, 16), bucket(1, 4)
+    """Numpy StepInputs for one decode token of one sequence at position context - 1 (T padded as build_inputs
+    pads; B as the multi-step decode call pads, which time_multi_step reuses)."""
+    T, B = bucket(1, 16), bucket(1, decode_batch_floor())
     blocks = -(-context // block_size)
     M = bucket(blocks, 1)
     table = np.zeros((B, M), np.int32)
