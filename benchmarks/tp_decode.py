@@ -72,10 +72,10 @@ def random_model(shape: str, dtype, tp: int):
     return nnx.merge(graphdef, nnx.from_flat_state(flat)), cfg
 
 
-def decode_inputs(context: int, block_size: int, vocab: int):
+def decode_inputs(context: int, block_size: int, vocab: int, model=None):
     """Numpy StepInputs for one decode token of one sequence at position context - 1 (T padded as build_inputs
     pads; B as the multi-step decode call pads, which time_multi_step reuses)."""
-    T, B = bucket(1, 16), bucket(1, decode_batch_floor())
+    T, B = bucket(1, 16), bucket(1, decode_batch_floor(model))
     blocks = -(-context // block_size)
     M = bucket(blocks, 1)
     table = np.zeros((B, M), np.int32)
@@ -136,7 +136,7 @@ def bench(args, tp: int) -> dict:
         model, cfg = random_model(args.shape, dtype, tp)
     jax.block_until_ready(nnx.state(model))
     load_s = time.perf_counter() - t0
-    inputs, num_blocks = decode_inputs(args.context, args.block_size, cfg.vocab_size)
+    inputs, num_blocks = decode_inputs(args.context, args.block_size, cfg.vocab_size, model)
     runner = ModelRunner(model, num_blocks, args.block_size, 1, 1, inputs.attn.block_tables_BM.shape[1], dtype)
     smeta, flags = build_sampling_metadata([SamplingRow(SamplingParams(temperature=0), seed=0)],
                                            pad_to=inputs.last_rows_B.shape[0])

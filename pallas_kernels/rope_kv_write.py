@@ -4,17 +4,16 @@ Why: a batch-1 decode step is launch-bound (~2-3 us a launch). Unfused, each lay
 for q, a scatter fusion for K (with its RoPE) and one for V before attention; this op does all of it
 in one kernel.
 
-Status (H200, 2026-11-23): 3.9 us vs 6.3 us for the XLA path on 8B heads at one token, correct on
-random inputs (rel. err 2.2e-3 in bf16, the reference's rounding), but no faster inside the decode
-step, and two tests fail on the GPU (run with JAX_PLATFORMS=cuda): several tokens writing the same
-slot (the engine's padding rows, all aimed at the never-read sink slot 0) corrupt another token's slot
-(test_repeated_slot_with_different_rows_holds_one_of_them: row 2's own slot is wrong). Inside the step
-XLA also copies q, k and v out of its merged projection GEMM for this custom call (3 slice fusions, ~120 us
-a step on 8B), which cancels the gain; taking one merged qkv projection would avoid that (BENCHMARKS.md).
-Until both are fixed the engine takes it only when asked (LMJAX_KV_WRITE_IMPL=kernel); the CPU tests
-(interpret mode) pass.
+Two entry points: `rope_kv_write_qkv` takes the merged projection output qkv [T, N + 2K, H] (what
+a model with one q/k/v weight computes: the kernel reads q, k and v straight from it), and
+`rope_kv_write` takes q, k and v apart (concatenated first: a copy, for callers without a merged weight).
 
-Shape letters: T tokens, N query heads, K kv heads of k/v, C heads the cache stores (C = r * K: under
+Status (H200, 2026-11-23): 3.9 us vs 6.3 us for the XLA path on 8B heads at one token, correct on
+random inputs (rel. err 2.2e-3 in bf16, the reference's rounding). Fed separate q/k/v inside the decode
+step it gained nothing: XLA copied q, k and v out of its merged projection GEMM for the custom call
+(3 slice fusions, ~120 us a step on 8B); the merged entry point exists to avoid that copy.
+
+Shape letters: T tokens, N query heads, K kv heads of k/v, X = N + 2K merged heads, C heads the cache stores (C = r * K: under
 tensor parallelism the cache may repeat each kv head r times, cache head c holding kv head c // r),
 H head dim, F = rotary_dim // 2 frequencies, P cache pages, S slots per page, Z = P * S flat slots.
 In the kernel E = a head count padded to a power of two, D = H padded to a power of two.
@@ -27,7 +26,8 @@ contents bit for bit. Numerics and argument checks match `rope_kv_write_referenc
 RoPE of pallas_kernels.rope, then the scatter of lmjax's `write_kv`).
 
 Repeated slots: two tokens naming one slot both write it; which one lands is unspecified (so in the
-reference, XLA's scatter), element by element in the kernel. lmjax's engine repeats only the padding
+reference, XLA's scatter), element by element in the kernel. Slots outside [0, Z) are dropped, as XLA's
+scatter drops them (a negative slot, which jnp would wrap, is dropped too; the engine makes neither). lmjax's engine repeats only the padding
 sink (slot 0 of block 0, which no sequence reads), so its result equals the reference's wherever it
 is ever read; see `tests/pallas_kernels/test_rope_kv_write.py`.
 """
@@ -77,6 +77,21 @@ def validate_rope_kv_write(q_TNH, k_TKH, v_TKH, positions_T, inv_freq_TF, attent
     require_dtype("slot_mapping_T", slot_mapping_T, ("int32",))
 
 
+def validate_qkv(qkv_TXH, num_kv_heads: int) -> None:
+    require_rank("qkv_TXH", qkv_TXH, 3, "T, N + 2K, H")
+    require(isinstance(num_kv_heads, int) and num_kv_heads > 0,
+            f"num_kv_heads={num_kv_heads!r} must be a positive int")
+    require(qkv_TXH.shape[1] > 2 * num_kv_heads,
+            f"qkv_TXH.shape={tuple(qkv_TXH.shape)} must hold N + 2 * {num_kv_heads=} heads with N > 0")
+
+
+def split_qkv(qkv_TXH, num_kv_heads: int):
+    """(q_TNH, k_TKH, v_TKH) of a merged [T, N + 2K, H] projection output: q heads first, then k, then v."""
+    validate_qkv(qkv_TXH, num_kv_heads)
+    N = qkv_TXH.shape[1] - 2 * num_kv_heads
+    return qkv_TXH[:, :N], qkv_TXH[:, N:N + num_kv_heads], qkv_TXH[:, N + num_kv_heads:]
+
+
 # ---------------------------------------------------------------- reference
 def scatter_kv_reference(k_cache_PSKH, v_cache_PSKH, k_TKH, v_TKH, slot_mapping_T):
     """k/v of each token into flat slot slot_mapping_T[t] (= page * S + s), cast to the cache dtype,
@@ -124,11 +139,12 @@ def _rope_tables_D(position, inv_freq_TF_ref, t, head_dim, attention_scaling):
     return h_D, partner_D, rot_D, cos_D, signed_sin_D
 
 
-def _head_lanes_E(heads: int, stride: int = 1):
-    """Lane e of a [E, D] tile reads head e // stride; padded lanes point out of bounds, masked off."""
+def _head_lanes_E(heads: int, stride: int = 1, offset: int = 0):
+    """Lane e of a [E, D] tile is head e of the output and reads merged head offset + e // stride;
+    padded lanes point out of bounds of the output (masked off) and at head `offset` of the input."""
     e_E = jnp.arange(_next_pow2(heads), dtype=jnp.int32)
     ok_E = e_E < heads
-    return jnp.where(ok_E, e_E, heads), jnp.where(ok_E, e_E // stride, heads), ok_E
+    return jnp.where(ok_E, e_E, heads), offset + jnp.where(ok_E, e_E // stride, 0), ok_E
 
 
 def _load_heads(x_ref, t, src_E, h_D, ok_ED):
@@ -150,66 +166,75 @@ def _rope_kv_write_kernel(
     positions_T_ref,     # [T] int32
     inv_freq_TF_ref,     # [T, F] float32
     slot_mapping_T_ref,  # [T] int32 flat slots
-    q_TNH_ref,           # [T, N, H]
-    k_TKH_ref,           # [T, K, H]
-    v_TKH_ref,           # [T, K, H]
+    qkv_TXH_ref,         # [T, N + 2K, H]: q heads, then k, then v
     k_cache_in_ref,      # [Z, C, H] aliased by k_cache_ZCH_ref
     v_cache_in_ref,      # [Z, C, H] aliased by v_cache_ZCH_ref
     q_out_TNH_ref,       # [T, N, H] rotated q
     k_cache_ZCH_ref,     # [Z, C, H]: only row slot_mapping[t] is written
     v_cache_ZCH_ref,     # [Z, C, H]
-    *, attention_scaling,
+    *, num_kv_heads, attention_scaling,
 ):
     del k_cache_in_ref, v_cache_in_ref  # the same buffers as the outputs
     t = pl.program_id(0)
-    num_heads, head_dim = q_TNH_ref.shape[1:]
-    num_kv_heads, cache_heads = k_TKH_ref.shape[1], k_cache_ZCH_ref.shape[1]
+    num_heads, head_dim = q_out_TNH_ref.shape[1:]
+    num_slots, cache_heads = k_cache_ZCH_ref.shape[:2]
     tables = _rope_tables_D(positions_T_ref[t], inv_freq_TF_ref, t, head_dim, attention_scaling)
     h_ok_D = tables[0] < head_dim
     # q: every head of token t into the new array.
-    n_E, _, n_ok_E = _head_lanes_E(num_heads)
+    n_E, src_E, n_ok_E = _head_lanes_E(num_heads)
     ok_ED = n_ok_E[:, None] & h_ok_D[None, :]
-    q_ED = _rotate(q_TNH_ref, t, n_E, ok_ED, tables)
+    q_ED = _rotate(qkv_TXH_ref, t, src_E, ok_ED, tables)
     _masked_store(q_out_TNH_ref.at[t, n_E[:, None], tables[0][None, :]], q_ED.astype(q_out_TNH_ref.dtype), ok_ED)
-    # k, v: cache head c of slot slot_mapping[t] gets kv head c // r.
+    # k, v: cache head c of slot slot_mapping[t] gets kv head c // r (dropped when the slot is out of range).
     slot = slot_mapping_T_ref[t]
-    c_E, kv_E, c_ok_E = _head_lanes_E(cache_heads, cache_heads // num_kv_heads)
-    ok_ED = c_ok_E[:, None] & h_ok_D[None, :]
-    dst = (slot, c_E[:, None], tables[0][None, :])
-    k_ED = _rotate(k_TKH_ref, t, kv_E, ok_ED, tables)
+    stride = cache_heads // num_kv_heads
+    c_E, k_src_E, c_ok_E = _head_lanes_E(cache_heads, stride, offset=num_heads)
+    ok_ED = c_ok_E[:, None] & h_ok_D[None, :] & (slot >= 0) & (slot < num_slots)
+    dst = (jnp.clip(slot, 0, num_slots - 1), c_E[:, None], tables[0][None, :])
+    k_ED = _rotate(qkv_TXH_ref, t, k_src_E, ok_ED, tables)
     _masked_store(k_cache_ZCH_ref.at[dst], k_ED.astype(k_cache_ZCH_ref.dtype), ok_ED)
-    v_ED = _masked_load(v_TKH_ref.at[t, kv_E[:, None], tables[0][None, :]], ok_ED, 0.0)
+    v_src_E = k_src_E + num_kv_heads
+    v_ED = _masked_load(qkv_TXH_ref.at[t, v_src_E[:, None], tables[0][None, :]], ok_ED, 0.0)
     _masked_store(v_cache_ZCH_ref.at[dst], v_ED.astype(v_cache_ZCH_ref.dtype), ok_ED)
 
 
-@functools.partial(jax.jit, static_argnames=("attention_scaling", "interpret"))
-def _rope_kv_write_pallas(q_TNH, k_TKH, v_TKH, positions_T, inv_freq_TF, k_cache_PSKH, v_cache_PSKH,
-                          slot_mapping_T, *, attention_scaling, interpret):
+@functools.partial(jax.jit, static_argnames=("num_kv_heads", "attention_scaling", "interpret"))
+def _rope_kv_write_pallas(qkv_TXH, positions_T, inv_freq_TF, k_cache_PSKH, v_cache_PSKH, slot_mapping_T, *,
+                          num_kv_heads, attention_scaling, interpret):
     P, S, C, H = k_cache_PSKH.shape
-    num_tokens, num_heads = q_TNH.shape[:2]
+    num_tokens, num_heads = qkv_TXH.shape[0], qkv_TXH.shape[1] - 2 * num_kv_heads
     widest = _next_pow2(max(num_heads, C)) * _next_pow2(H)
-    kernel = functools.partial(_rope_kv_write_kernel, attention_scaling=float(attention_scaling))
+    kernel = functools.partial(_rope_kv_write_kernel, num_kv_heads=num_kv_heads,
+                               attention_scaling=float(attention_scaling))
     cache_ZCH = jax.ShapeDtypeStruct((P * S, C, H), k_cache_PSKH.dtype)
     q_TNH, k_ZCH, v_ZCH = pl.pallas_call(
         kernel,
-        out_shape=(jax.ShapeDtypeStruct(q_TNH.shape, q_TNH.dtype), cache_ZCH, cache_ZCH),
+        out_shape=(jax.ShapeDtypeStruct((num_tokens, num_heads, H), qkv_TXH.dtype), cache_ZCH, cache_ZCH),
         grid=(num_tokens,),
-        input_output_aliases={6: 1, 7: 2},  # caches in place
+        input_output_aliases={4: 1, 5: 2},  # caches in place
         compiler_params=_triton_compiler_params(num_warps=8 if widest > 4096 else 4, num_stages=1),
         interpret=interpret,
         name="rope_kv_write",
-    )(positions_T, inv_freq_TF, slot_mapping_T, q_TNH, k_TKH, v_TKH,
+    )(positions_T, inv_freq_TF, slot_mapping_T, qkv_TXH,
       k_cache_PSKH.reshape(P * S, C, H), v_cache_PSKH.reshape(P * S, C, H))
     return q_TNH, k_ZCH.reshape(P, S, C, H), v_ZCH.reshape(P, S, C, H)
 
 
+def _merge_qkv(q_TNH, k_TKH, v_TKH):
+    require(q_TNH.dtype == k_TKH.dtype == v_TKH.dtype,
+            f"q_TNH.dtype={q_TNH.dtype}, k_TKH.dtype={k_TKH.dtype} and v_TKH.dtype={v_TKH.dtype} must be "
+            "equal for the kernel")
+    return jnp.concatenate([q_TNH, k_TKH, v_TKH], axis=1)
+
+
 def rope_kv_write_kernel(q_TNH, k_TKH, v_TKH, positions_T, inv_freq_TF, attention_scaling,
                          k_cache_PSKH, v_cache_PSKH, slot_mapping_T, *, interpret: bool = False):
-    """The Pallas kernel with rope_kv_write_reference's arguments and results."""
+    """The Pallas kernel with rope_kv_write_reference's arguments and results (q, k, v concatenated first)."""
     validate_rope_kv_write(q_TNH, k_TKH, v_TKH, positions_T, inv_freq_TF, attention_scaling,
                            k_cache_PSKH, v_cache_PSKH, slot_mapping_T)
-    return _rope_kv_write_pallas(q_TNH, k_TKH, v_TKH, positions_T, inv_freq_TF, k_cache_PSKH, v_cache_PSKH,
-                                 slot_mapping_T, attention_scaling=attention_scaling, interpret=interpret)
+    return _rope_kv_write_pallas(_merge_qkv(q_TNH, k_TKH, v_TKH), positions_T, inv_freq_TF, k_cache_PSKH,
+                                 v_cache_PSKH, slot_mapping_T, num_kv_heads=k_TKH.shape[1],
+                                 attention_scaling=attention_scaling, interpret=interpret)
 
 
 def rope_kv_write(q_TNH, k_TKH, v_TKH, positions_T, inv_freq_TF, attention_scaling,
@@ -226,3 +251,20 @@ def rope_kv_write(q_TNH, k_TKH, v_TKH, positions_T, inv_freq_TF, attention_scali
     if impl == "reference" or (impl == "auto" and not (interpret or _on_gpu())):
         return rope_kv_write_reference(*args)
     return rope_kv_write_kernel(*args, interpret=interpret)
+
+
+def rope_kv_write_qkv(qkv_TXH, num_kv_heads: int, positions_T, inv_freq_TF, attention_scaling,
+                      k_cache_PSKH, v_cache_PSKH, slot_mapping_T, *, impl: str = "auto",
+                      interpret: bool = False):
+    """`rope_kv_write` of a merged projection output qkv_TXH = [q | k | v] heads: (q_TNH, k_cache, v_cache).
+
+    The kernel reads q, k and v in place from qkv_TXH (no split copies); the reference splits it."""
+    q_TNH, k_TKH, v_TKH = split_qkv(qkv_TXH, num_kv_heads)
+    validate_rope_kv_write(q_TNH, k_TKH, v_TKH, positions_T, inv_freq_TF, attention_scaling,
+                           k_cache_PSKH, v_cache_PSKH, slot_mapping_T, impl)
+    if impl == "reference" or (impl == "auto" and not (interpret or _on_gpu())):
+        return rope_kv_write_reference(q_TNH, k_TKH, v_TKH, positions_T, inv_freq_TF, attention_scaling,
+                                       k_cache_PSKH, v_cache_PSKH, slot_mapping_T)
+    return _rope_kv_write_pallas(qkv_TXH, positions_T, inv_freq_TF, k_cache_PSKH, v_cache_PSKH, slot_mapping_T,
+                                 num_kv_heads=num_kv_heads, attention_scaling=attention_scaling,
+                                 interpret=interpret)

@@ -31,6 +31,7 @@ from lmjax.engine.block_manager import BlockManager
 from lmjax.engine.decode_loop import DecodeInputs, decode_steps
 from lmjax.engine.scheduler import ScheduledBatch
 from lmjax.layers.attention import AttentionMetadata, cost_follows_context
+from lmjax.layers.quant import QuantLinear
 from lmjax.layers.sampler import SamplerOutput, SamplingFlags, SamplingRow, build_sampling_metadata, sample
 from lmjax.models.forward import make_kv_caches
 
@@ -45,15 +46,25 @@ def bucket(n: int, minimum: int) -> int:
     return 1 << (max(n, minimum) - 1).bit_length()
 
 
-def decode_batch_floor() -> int:
-    """Smallest batch bucket of the multi-step decode call: 1 on GPU, 4 elsewhere (LMJAX_DECODE_BATCH_FLOOR
-    overrides, for A/B runs). On GPU a batch-1 step padded to 4 rows streams the same weights but runs
-    4-row GEMMs, 3 padding rows through every small fusion, and keeps w4 layers off their one-token GEMV
-    path (pallas_kernels/w4_matmul.py); on CPU each extra bucket is one more compilation of seconds."""
-    floor = int(os.environ.get("LMJAX_DECODE_BATCH_FLOOR", 1 if jax.default_backend() == "gpu" else 4))
+def decode_batch_floor(model: nnx.Module | None = None) -> int:
+    """Smallest batch bucket of the multi-step decode call (LMJAX_DECODE_BATCH_FLOOR overrides, for A/B
+    runs): 1 on GPU for a model with int4 weights, so a batch-1 step runs one row and its QuantLinears take
+    the one-token GEMV of pallas_kernels/w4_matmul.py; else 4. For bf16 weights XLA handles one-row
+    dots worse than four-row ones (H200, 2026-11-23, tp_decode batch 1: 8B 5.58 vs 4.57 ms a step, 1B
+    1.56 vs 1.11 ms: it turns them into Triton GEMMs and reductions), and on CPU every extra bucket is one
+    more compilation of seconds."""
+    default = 4
+    if model is not None and jax.default_backend() == "gpu":
+        default = 1 if any(isinstance(m, QuantLinear) and m.spec.method == "w4" for _, m in _modules(model)) else 4
+    floor = int(os.environ.get("LMJAX_DECODE_BATCH_FLOOR", default))
     if floor < 1 or floor & (floor - 1):
         raise ValueError(f"LMJAX_DECODE_BATCH_FLOOR={floor} must be a power of two >= 1")
     return floor
+
+
+def _modules(model: nnx.Module):
+    iter_modules = getattr(nnx, "iter_modules", None) or type(model).iter_modules  # flax 0.12 spelling first
+    return iter_modules(model)
 
 
 @jax.tree_util.register_dataclass
@@ -111,7 +122,7 @@ class ModelRunner:
         if self.mesh is None:  # committed (aliased, no copy), as the step's donated outputs are: else
             self.caches = jax.device_put(self.caches, jax.devices()[0])  # the second step compiles again
         self.max_T = bucket(max_tokens_per_step, 16)
-        self.min_decode_B = decode_batch_floor()
+        self.min_decode_B = decode_batch_floor(model)
         self.max_B = bucket(max_batch_size, 4)
         self.max_M = bucket(max_blocks_per_seq, 1)
         self.fixed_M = cost_follows_context()  # one block-table width: fewer compilations

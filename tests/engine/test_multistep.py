@@ -94,8 +94,8 @@ def test_warmup_compiles_every_decode_bucket_up_front(tiny, steps, caplog):
 
 
 def test_gpu_decode_floor_of_one_row_gives_the_same_tokens(tiny, monkeypatch, caplog):
-    """On GPU the multi-step decode call pads a batch to 1, 2, 4, ... rows (not 4 at least): a batch-1
-    step runs one row. Forced here on CPU: same greedy tokens as the 4-row floor, decode compiled at
+    """With int4 weights on GPU the multi-step decode call pads a batch to 1, 2, 4, ... rows (not 4 at
+    least): a batch-1 step runs one row. Forced here on CPU: same greedy tokens as the 4-row floor, decode compiled at
     B=1 and B=2, and the warm-up covers those buckets too."""
     rng = np.random.default_rng(4)
     prompts = [rng.integers(4, 256, n).tolist() for n in (7, 19)]

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import rope
-from pallas_kernels.rope_kv_write import rope_kv_write, rope_kv_write_reference
+from pallas_kernels.rope_kv_write import rope_kv_write, rope_kv_write_qkv, rope_kv_write_reference
 
 ON_GPU = jax.default_backend() == "gpu"
 INTERPRET = not ON_GPU
@@ -100,7 +100,8 @@ def test_engine_padding_rows_share_the_sink_slot():
     pad = slice(8, None)  # rows 8.. are padding: copies of one row, position 0, slot 0
     q, k, v = (x.at[pad].set(x[8]) for x in (q, k, v))
     positions, inv_freq = positions.at[pad].set(0), inv_freq.at[pad].set(inv_freq[8])
-    slots = jnp.where(jnp.arange(12) >= 8, 0, cache_args[2] + PAGE_SIZE)  # real rows avoid block 0
+    real = np.random.default_rng(2).permutation(np.arange(PAGE_SIZE, 12 * PAGE_SIZE))[:12]  # outside block 0
+    slots = jnp.where(jnp.arange(12) >= 8, 0, jnp.asarray(real, jnp.int32))
     got, want = _run_both((q, k, v, positions, inv_freq), scaling, (*cache_args[:2], slots))
     for g, w in zip(got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6, equal_nan=True)
@@ -110,13 +111,44 @@ def test_repeated_slot_with_different_rows_holds_one_of_them():
     """Rows that differ but share a slot (not something the engine reads back): every element of that
     slot comes from one of the writers, the other slots equal the reference."""
     args, scaling, cache_args = _inputs(3, "default", 6, 4, 2, 64, "float32")
-    slots = cache_args[2].at[3:].set(0)
+    slots = jnp.asarray([41, 32, 14, 0, 0, 0], jnp.int32)  # rows 0-2 their own slots, 3-5 all slot 0
     (_, kc, _), (_, kc_ref, _) = _run_both(args, scaling, (*cache_args[:2], slots))
     k_rot = rope.apply_rope_reference(args[1], args[3], args[4], scaling)
     sink = _flat_slots(kc)[0]
     assert np.any(np.isclose(sink[None], np.asarray(k_rot)[3:], rtol=1e-5, atol=1e-6), axis=0).all()
     others = np.asarray(slots[:3])
     np.testing.assert_allclose(_flat_slots(kc)[others], _flat_slots(kc_ref)[others], rtol=1e-5, atol=1e-6)
+
+
+def test_merged_qkv_entry_point_equals_separate_q_k_v():
+    """rope_kv_write_qkv reads q, k and v from one [T, N + 2K, H] array (a merged projection's output):
+    the same results as the separate-array op, kernel and reference."""
+    args, scaling, cache_args = _inputs(7, "llama3", 9, 8, 2, 64, "bfloat16")
+    q, k, v, positions, inv_freq = args
+    qkv = jnp.concatenate([q, k, v], axis=1)
+    merged = jax.jit(functools.partial(rope_kv_write_qkv, num_kv_heads=2, attention_scaling=scaling,
+                                       impl="kernel", interpret=INTERPRET))
+    got = merged(qkv, positions_T=positions, inv_freq_TF=inv_freq, k_cache_PSKH=cache_args[0],
+                 v_cache_PSKH=cache_args[1], slot_mapping_T=cache_args[2])
+    _, want = _run_both(args, scaling, cache_args)
+    ref = rope_kv_write_qkv(qkv, 2, positions, inv_freq, scaling, *cache_args, impl="reference")
+    for g, w, r in zip(got, want, ref):
+        np.testing.assert_array_equal(np.asarray(r, np.float32), np.asarray(w, np.float32))
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=1e-2, atol=1e-2)
+    with pytest.raises(ValueError, match=r"qkv_TXH.shape=\(9, 4, 64\) must hold N \+ 2 \* num_kv_heads=2"):
+        rope_kv_write_qkv(qkv[:, :4], 2, positions, inv_freq, scaling, *cache_args)
+
+
+def test_out_of_range_slots_are_dropped():
+    """A slot past the cache (or negative) writes nothing, as XLA's scatter drops it; the rest is written."""
+    args, scaling, cache_args = _inputs(8, "default", 5, 4, 2, 64, "float32", num_pages=3)
+    slots = jnp.asarray([3, 12, 7, -1, 100], jnp.int32)  # 12 slots in the cache
+    (_, kc, vc), _ = _run_both(args, scaling, (*cache_args[:2], slots))
+    k_rot = rope.apply_rope_reference(args[1], args[3], args[4], scaling)
+    for got, want in ((kc, k_rot), (vc, args[2])):
+        flat = _flat_slots(got)
+        np.testing.assert_allclose(flat[[3, 7]], np.asarray(want)[[0, 2]], rtol=1e-5, atol=1e-6)
+        assert np.isnan(np.delete(flat, [3, 7], axis=0)).all()
 
 
 def test_auto_on_cpu_is_reference():
