@@ -30,7 +30,7 @@ from lmjax.config import SamplingParams
 from lmjax.engine.block_manager import BlockManager
 from lmjax.engine.decode_loop import DecodeInputs, decode_steps
 from lmjax.engine.scheduler import ScheduledBatch
-from lmjax.layers.attention import AttentionMetadata, cost_follows_context
+from lmjax.layers.attention import AttentionMetadata, cost_follows_context, kv_write_impl
 from lmjax.layers.quant import QuantLinear
 from lmjax.layers.sampler import SamplerOutput, SamplingFlags, SamplingRow, build_sampling_metadata, sample
 from lmjax.models.forward import make_kv_caches
@@ -114,10 +114,15 @@ def _last_token_ids(items, B: int) -> np.ndarray:
 class ModelRunner:
     def __init__(self, model: nnx.Module, num_blocks: int, block_size: int, max_tokens_per_step: int,
                  max_batch_size: int, max_blocks_per_seq: int, kv_dtype, quant_policy: int = 0):
+        mesh = parallel.mesh_of(nnx.state(model))  # None on one device
+        if mesh is None and quant_policy == 0 and kv_write_impl(merged=True) == "kernel" \
+                and hasattr(model, "merge_qkv"):
+            # One q/k/v weight, whose output the fused RoPE + KV-write kernel reads whole (on GPU).
+            logger.info("merged the q/k/v projections of %d layers", model.merge_qkv())
         self.graphdef, self.state = nnx.split(model)
         self.config = model.config
         self.block_size = block_size
-        self.mesh = parallel.mesh_of(self.state)  # None on one device
+        self.mesh = mesh
         self.caches = make_kv_caches(model.config, num_blocks, block_size, kv_dtype, self.mesh, quant_policy)
         if self.mesh is None:  # committed (aliased, no copy), as the step's donated outputs are: else
             self.caches = jax.device_put(self.caches, jax.devices()[0])  # the second step compiles again

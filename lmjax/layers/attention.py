@@ -13,8 +13,9 @@ device attends its own query heads over its own KV-cache heads. A cache may stor
 (r = cache heads / K, see `lmjax.parallel.kv_cache_heads`); `write_kv` repeats K/V to match.
 
 `rope_and_write_kv` is what the model calls after its q/k/v projections: RoPE of q and k plus the cache
-write, as apply_rope then `write_kv` (the default everywhere), or one fused Pallas launch when asked for
-(LMJAX_KV_WRITE_IMPL=kernel; see `kv_write_impl` for why it is not the default).
+write, as apply_rope then `write_kv`, or one fused Pallas launch (pallas_kernels.rope_kv_write).
+`rope_and_write_kv_qkv` does the same from a merged [q | k | v] projection output: there the fused
+kernel is the GPU default (see `kv_write_impl`).
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from lmjax.layers.quant import QuantKV, paged_attention_quant, quant_kv_spec, wr
 from lmjax.layers.rope import apply_rope
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 from pallas_kernels.rope import RopeSpec, inv_freq_TF
-from pallas_kernels.rope_kv_write import rope_kv_write, scatter_kv_reference
+from pallas_kernels.rope_kv_write import rope_kv_write, rope_kv_write_qkv, scatter_kv_reference, split_qkv
 
 
 @jax.tree_util.register_dataclass
@@ -54,17 +55,18 @@ def write_kv(k_cache_PSKH, v_cache_PSKH, k_TKH, v_TKH, slot_mapping_T):
     return scatter_kv_reference(k_cache_PSKH, v_cache_PSKH, k_TKH, v_TKH, slot_mapping_T)
 
 
-def kv_write_impl(impl: str | None = None) -> str:
-    """"kernel" or "reference" for `rope_and_write_kv`: `impl`, else LMJAX_KV_WRITE_IMPL, else
-    LMJAX_ATTENTION_IMPL (so one variable switches a whole engine to its references), else "auto":
-    the XLA path everywhere for now. The fused kernel is faster on its own (H200, 8B heads, one token:
-    3.9 vs 6.3 us) but measured no faster inside the decode step (batch 1, 2026-11-23: 1B 1.137 vs
-    1.107 ms, 8B 4.578 ms both): XLA copies q, k and v out of its merged projection GEMM to hand them
-    to the custom call (~120 us a step on 8B), and the kernel mis-writes repeated slots on the GPU
-    (pallas_kernels/rope_kv_write.py). "tiled" means the XLA path here."""
+def kv_write_impl(impl: str | None = None, *, merged: bool = False) -> str:
+    """"kernel" or "reference" for the RoPE + KV write: `impl`, else LMJAX_KV_WRITE_IMPL, else
+    LMJAX_ATTENTION_IMPL (so one variable switches a whole engine to its references), else "auto".
+    "auto" is the fused kernel on GPU for a merged q/k/v projection (`rope_and_write_kv_qkv`) and the XLA
+    path otherwise: fed q, k and v apart, the kernel measured no faster inside the decode step (H200,
+    batch 1, 2026-11-23: 1B 1.137 vs 1.107 ms, 8B 4.578 ms both) because XLA copies them out of its
+    merged projection GEMM for the custom call (~120 us a step on 8B). "tiled" means the XLA path here."""
     impl = impl or os.environ.get("LMJAX_KV_WRITE_IMPL") or os.environ.get("LMJAX_ATTENTION_IMPL", "auto")
     if impl not in ("auto", "kernel", "reference", "tiled"):
         raise ValueError(f"kv write impl={impl!r} must be one of ('auto', 'kernel', 'reference', 'tiled')")
+    if impl == "auto":
+        return "kernel" if merged and jax.default_backend() == "gpu" else "reference"
     return "kernel" if impl == "kernel" else "reference"
 
 
@@ -90,6 +92,20 @@ def rope_and_write_kv(q_TNH, k_TKH, v_TKH, positions_T, cache, meta: AttentionMe
     q_TNH, k_cache, v_cache = rope_kv_write(
         q_TNH, k_TKH, v_TKH, positions_T, inv_freq, spec.attention_scaling, k_cache, v_cache,
         meta.slot_mapping_T, impl="kernel", interpret=jax.default_backend() != "gpu")
+    return q_TNH, (k_cache, v_cache)
+
+
+def rope_and_write_kv_qkv(qkv_TXH, num_kv_heads: int, positions_T, cache, meta: AttentionMetadata,
+                          spec: RopeSpec, *, impl: str | None = None):
+    """`rope_and_write_kv` of a merged projection output qkv_TXH = [q | k | v] heads. The fused kernel
+    (the default on GPU, see `kv_write_impl`) reads it whole; other paths split it first."""
+    k_cache, v_cache = cache
+    if kv_write_impl(impl, merged=True) == "reference" or isinstance(k_cache, QuantKV) or _mesh_tp()[1] > 1:
+        q_TNH, k_TKH, v_TKH = split_qkv(qkv_TXH, num_kv_heads)
+        return rope_and_write_kv(q_TNH, k_TKH, v_TKH, positions_T, cache, meta, spec, impl="reference")
+    q_TNH, k_cache, v_cache = rope_kv_write_qkv(
+        qkv_TXH, num_kv_heads, positions_T, inv_freq_TF(spec, meta.seq_lens_T), spec.attention_scaling,
+        k_cache, v_cache, meta.slot_mapping_T, impl="kernel", interpret=jax.default_backend() != "gpu")
     return q_TNH, (k_cache, v_cache)
 
 

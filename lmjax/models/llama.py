@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from lmjax.layers.attention import AttentionMetadata, paged_attention, rope_and_write_kv
+from lmjax.layers.attention import AttentionMetadata, paged_attention, rope_and_write_kv, rope_and_write_kv_qkv
 from lmjax.layers.linear import Linear
 from lmjax.layers.norm import RMSNorm
 from lmjax.layers.rope import logn_scale_T
@@ -33,17 +33,44 @@ class Attention(nnx.Module):
         self.o_proj = Linear(N * H, D, bias=cfg.o_bias, dtype=dtype)
         self.q_norm = RMSNorm(H, cfg.rms_norm_eps, dtype=dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(H, cfg.rms_norm_eps, dtype=dtype) if cfg.qk_norm else None
+        self.qkv_proj = nnx.data(None)  # set by merge_qkv: q_proj, k_proj and v_proj as one weight
         self.cfg, self.sliding_window = cfg, cfg.sliding_window(layer)
+
+    def merge_qkv(self) -> bool:
+        """Replace q_proj, k_proj and v_proj by one Linear `qkv_proj` whose output is [q | k | v] (same
+        numbers: the columns of the three kernels side by side). Why: the fused RoPE + KV write kernel
+        reads q, k and v straight from that one output; three projections (which XLA merges into one
+        GEMM anyway) would be copied apart for it. Only for float Linears and no q/k norm; False when not
+        merged. Not for tensor parallelism: the column shards of q, k and v would interleave."""
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        if self.qkv_proj is not None or self.q_norm is not None or any(type(p) is not Linear for p in projs):
+            return self.qkv_proj is not None
+        kernel_DX = jnp.concatenate([p.kernel[...] for p in projs], axis=1)
+        bias_X = None if projs[0].bias is None else jnp.concatenate([p.bias[...] for p in projs])
+        merged = nnx.eval_shape(lambda: Linear(*kernel_DX.shape, bias=bias_X is not None, dtype=kernel_DX.dtype))
+        merged.kernel = nnx.Param(kernel_DX)
+        if bias_X is not None:
+            merged.bias = nnx.Param(bias_X)
+        self.qkv_proj, self.q_proj, self.k_proj, self.v_proj = merged, None, None, None
+        return True
 
     def __call__(self, x_TD, positions_T, cache: KVCache, meta: AttentionMetadata):
         cfg, T = self.cfg, x_TD.shape[0]
+        if self.qkv_proj is not None:  # one GEMM; the fused kernel takes its output whole
+            qkv_TXH = self.qkv_proj(x_TD).reshape(T, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)
+            q_TNH, cache = rope_and_write_kv_qkv(qkv_TXH, cfg.num_kv_heads, positions_T, cache, meta, cfg.rope)
+            return self._attend(q_TNH, cache, positions_T, meta, T)
         q_TNH = self.q_proj(x_TD).reshape(T, cfg.num_heads, cfg.head_dim)
         k_TKH = self.k_proj(x_TD).reshape(T, cfg.num_kv_heads, cfg.head_dim)
         v_TKH = self.v_proj(x_TD).reshape(T, cfg.num_kv_heads, cfg.head_dim)
         if self.q_norm is not None:
             q_TNH, k_TKH = self.q_norm(q_TNH), self.k_norm(k_TKH)
         # RoPE of q and k and the K/V cache write (one fused launch when LMJAX_KV_WRITE_IMPL=kernel).
-        q_TNH, (k_cache, v_cache) = rope_and_write_kv(q_TNH, k_TKH, v_TKH, positions_T, cache, meta, cfg.rope)
+        q_TNH, cache = rope_and_write_kv(q_TNH, k_TKH, v_TKH, positions_T, cache, meta, cfg.rope)
+        return self._attend(q_TNH, cache, positions_T, meta, T)
+
+    def _attend(self, q_TNH, cache: KVCache, positions_T, meta: AttentionMetadata, T: int):
+        cfg, (k_cache, v_cache) = self.cfg, cache
         if cfg.use_logn_attn:  # after RoPE, on q only: K in the cache is unscaled either way
             q_TNH = q_TNH * logn_scale_T(positions_T, cfg.logn_max_position)[:, None, None].astype(q_TNH.dtype)
         out_TNH = paged_attention(q_TNH, k_cache, v_cache, meta, sm_scale=cfg.head_dim**-0.5,
@@ -101,6 +128,10 @@ class LlamaForCausalLM(nnx.Module):
             x_TD, cache = layer(x_TD, positions_T, cache, meta)
             new_caches.append(cache)
         return self.norm(x_TD), new_caches
+
+    def merge_qkv(self) -> int:
+        """`Attention.merge_qkv` in every layer (in place); returns how many layers merged."""
+        return sum(layer.self_attn.merge_qkv() for layer in self.layers)
 
     def compute_logits(self, hidden_XD) -> jax.Array:
         """float32 logits for the given rows of hidden states."""

@@ -85,3 +85,25 @@ def test_turbomind_rope_scaling_factor_means_dynamic_ntk(tmp_path):
     ids = _prompts(np.random.default_rng(3), [33])[0]
     got = prompt_logits(loaded.model, [ids])[0]
     assert np.max(np.abs(got - _hf_logits(dyn_model, ids))) <= TOL
+
+
+@pytest.mark.parametrize("case,merges", [("qwen2", True), ("llama-dynamic", True), ("qwen3", False)])
+@pytest.mark.parametrize("impl", ["kernel", "reference"])
+def test_merged_qkv_projection_keeps_the_logits(tmp_path, monkeypatch, case, merges, impl):
+    """`merge_qkv` (one [q | k | v] weight, what the engine does for the fused RoPE + KV write on GPU):
+    logits still match transformers, through the fused kernel (interpret mode here) or the split path;
+    q/k-norm models (Qwen3) keep their separate projections."""
+    cfg_cls, overrides = CASES[case]
+    hf_model = _save(tmp_path, cfg_cls, overrides)
+    model = load_model(str(tmp_path), dtype="float32").model
+    assert model.merge_qkv() == (BASE["num_hidden_layers"] if merges else 0)
+    assert (model.layers[0].self_attn.q_proj is None) == merges
+    monkeypatch.setenv("LMJAX_KV_WRITE_IMPL", impl)
+    from pallas_kernels import rope_kv_write as module
+
+    traced, kernel = [], module._rope_kv_write_pallas  # proves which path ran
+    monkeypatch.setattr(module, "_rope_kv_write_pallas", lambda *a, **kw: traced.append(1) or kernel(*a, **kw))
+    prompts = _prompts(np.random.default_rng(2), [7, 30])
+    for ids, got in zip(prompts, prompt_logits(model, prompts, block_size=8)):
+        assert np.max(np.abs(got - _hf_logits(hf_model, ids))) <= TOL
+    assert bool(traced) == (impl == "kernel")  # merged or not, "kernel" forces the fused launch

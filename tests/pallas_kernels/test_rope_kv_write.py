@@ -225,12 +225,14 @@ def tiny_llama(tmp_path_factory):
 
 
 def _generate(path, impl, monkeypatch):
+    from flax import nnx
+
     from lmjax import LLM, SamplingParams
     from pallas_kernels import rope_kv_write as module
 
     traced = []  # kernel calls per trace: proves which path ran
-    kernel = module.rope_kv_write_kernel
-    monkeypatch.setattr(module, "rope_kv_write_kernel", lambda *a, **kw: traced.append(1) or kernel(*a, **kw))
+    kernel = module._rope_kv_write_pallas
+    monkeypatch.setattr(module, "_rope_kv_write_pallas", lambda *a, **kw: traced.append(1) or kernel(*a, **kw))
     monkeypatch.setenv("LMJAX_KV_WRITE_IMPL", impl)  # read when the steps are traced
     llm = LLM(path, max_model_len=128, num_scheduler_steps=4, block_size=8, max_num_batched_tokens=32)
     rng = np.random.default_rng(0)
@@ -238,6 +240,8 @@ def _generate(path, impl, monkeypatch):
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=1)
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert bool(traced) == (impl == "kernel") and llm.llm_engine.num_decode_loops > 0  # K-step loops ran
+    attn = nnx.merge(llm.llm_engine.runner.graphdef, llm.llm_engine.runner.state).layers[0].self_attn
+    assert (attn.qkv_proj is not None) == (impl == "kernel") == (attn.q_proj is None)  # merged for the kernel
     return [(o.outputs[0].token_ids, [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
             for o in outs]
 
@@ -262,6 +266,9 @@ def test_layer_falls_back_for_quantized_caches_and_reads_the_env(monkeypatch):
     monkeypatch.setenv("LMJAX_KV_WRITE_IMPL", "kernel")
     assert attention.kv_write_impl() == "kernel"
     assert attention.kv_write_impl("tiled") == "reference"
+    # "auto": the kernel only for a merged projection on GPU
+    assert attention.kv_write_impl("auto", merged=True) == ("kernel" if ON_GPU else "reference")
+    assert attention.kv_write_impl("auto") == "reference"
     with pytest.raises(ValueError, match="impl='fused'"):
         attention.kv_write_impl("fused")
     # quant_policy 8: impl="kernel" still takes apply_rope + write_kv (quantize on write).
