@@ -26,7 +26,7 @@ from lmjax.engine.stop import StopStringMatcher
 from lmjax.layers.sampler import SamplingRow, row_banned_ids, tokenize_bad_words
 from lmjax.loader.model_loader import load_model
 from lmjax.loader.resolve import resolve_model_path
-from lmjax.loader.tokenizer import load_tokenizer
+from lmjax.loader.tokenizer import load_tokenizer, tokenizer_source
 
 logger = logging.getLogger("lmjax.engine")
 _GREEDY_ROW = SamplingRow(SamplingParams(temperature=0.0), seed=0)
@@ -37,6 +37,7 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         self.compilation_cache_dir = enable_compilation_cache()  # a second start compiles nothing
         path = resolve_model_path(model)
+        tokenizer_source(path, tokenizer)  # no tokenizer there: fail now, not after the weights load
         # The tokenizer (transformers' import and a 128k vocabulary: seconds) loads on a thread while the
         # weights stream to the device: on a second start, with nothing to compile, these two are the start.
         with ThreadPoolExecutor(1, thread_name_prefix="lmjax-tokenizer") as pool:

@@ -52,10 +52,27 @@ def _tokenizer_class(directory: str) -> str | None:
         return None
 
 
+def tokenizer_source(model_path: str, tokenizer_path: str | None = None) -> str:
+    """The directory or .gguf file `load_tokenizer` will read, checked without reading it (milliseconds),
+    so a checkpoint with no tokenizer fails before its weights load, not after. Errors name the path."""
+    path = os.path.abspath(tokenizer_path or model_path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"tokenizer path not found: {path}")
+    if os.path.isdir(path):
+        if _has_tokenizer_files(path):
+            return path
+        if gguf := _single_gguf_in(path):
+            return gguf
+        raise TokenizerLoadError(f"could not load a tokenizer from {path}: no tokenizer.json, "
+                                 "tokenizer_config.json, tokenizer.model or vocab.json, and not exactly one .gguf "
+                                 "file (pass tokenizer=PATH for a tokenizer kept elsewhere)")
+    if not path.endswith(".gguf"):
+        raise TokenizerLoadError(f"could not load a tokenizer from {path}: expected a directory or a .gguf file")
+    return path
+
+
 @functools.lru_cache(maxsize=8)
 def _load(path: str):
-    if os.path.isdir(path) and not _has_tokenizer_files(path) and (gguf := _single_gguf_in(path)):
-        path = gguf
     try:
         if os.path.isdir(path) and _tokenizer_class(path) in _PLAIN_FAST_CLASSES:
             # What AutoTokenizer builds for this class, without AutoTokenizer's import of torch (seconds
@@ -74,7 +91,4 @@ def _load(path: str):
 
 def load_tokenizer(model_path: str, tokenizer_path: str | None = None):
     """A transformers tokenizer for `tokenizer_path` (if given) or `model_path`."""
-    path = os.path.abspath(tokenizer_path or model_path)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"tokenizer path not found: {path}")
-    return _load(path)
+    return _load(tokenizer_source(model_path, tokenizer_path))

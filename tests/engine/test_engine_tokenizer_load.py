@@ -92,7 +92,18 @@ def test_missing_tokenizer_path_fails_the_constructor_naming_it(tiny, tmp_path):
         LLMEngine(tiny, _config(), tokenizer=missing)
 
 
-def test_checkpoint_without_tokenizer_fails_the_constructor_naming_it(weights_only):
+def test_checkpoint_without_tokenizer_fails_before_the_weights_load(weights_only, monkeypatch):
+    """No tokenizer file and no .gguf: the constructor fails at once naming the path, without loading
+    the weights first (an 8B checkpoint takes seconds to minutes)."""
+    monkeypatch.setattr(engine_module, "load_model", lambda *a, **kw: pytest.fail("weights loaded first"))
+    with pytest.raises(TokenizerLoadError, match=f"could not load a tokenizer from {weights_only}: no tokenizer"):
+        LLMEngine(weights_only, _config())
+
+
+def test_unreadable_tokenizer_fails_the_constructor_naming_it(weights_only):
+    """A tokenizer file that exists but does not parse is found by the load itself (on its thread)."""
+    with open(os.path.join(weights_only, "tokenizer.json"), "w") as f:
+        f.write("{not json")
     with pytest.raises(TokenizerLoadError, match=f"could not load a tokenizer from {weights_only}"):
         LLMEngine(weights_only, _config())
 
@@ -103,6 +114,8 @@ def test_weights_error_is_not_hidden_by_the_tokenizer_thread(weights_only, monke
     def broken_weights(path, *args, **kwargs):
         raise ValueError(f"no weights in {path}")
 
+    with open(os.path.join(weights_only, "tokenizer.json"), "w") as f:
+        f.write("{not json")
     monkeypatch.setattr(engine_module, "load_model", broken_weights)
     with pytest.raises(ValueError, match=f"no weights in {weights_only}"):
         LLMEngine(weights_only, _config())
