@@ -62,6 +62,24 @@ def decode_batch_floor(model: nnx.Module | None = None) -> int:
     return floor
 
 
+def merge_gate_up_enabled() -> bool:
+    """LMJAX_MERGE_GATE_UP=1: one gate/up weight (one GEMM launch instead of two). Off by default until
+    measured on a GPU (XLA keeps the two GEMMs apart: H200 8B profile, BENCHMARKS.md session 5)."""
+    value = os.environ.get("LMJAX_MERGE_GATE_UP", "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"LMJAX_MERGE_GATE_UP={value!r} must be '0' or '1'")
+    return value == "1"
+
+
+def _merge_projections(model: nnx.Module, quant_policy: int) -> None:
+    """On one device: q/k/v as one weight when the fused RoPE + KV-write kernel will read its output
+    whole (GPU, unquantized cache: `kv_write_impl`), gate/up when asked; float or quantized weights."""
+    if quant_policy == 0 and kv_write_impl(merged=True) == "kernel" and hasattr(model, "merge_qkv"):
+        logger.info("merged the q/k/v projections of %d layers", model.merge_qkv())
+    if merge_gate_up_enabled() and hasattr(model, "merge_gate_up"):
+        logger.info("merged the gate/up projections of %d layers", model.merge_gate_up())
+
+
 def _modules(model: nnx.Module):
     iter_modules = getattr(nnx, "iter_modules", None) or type(model).iter_modules  # flax 0.12 spelling first
     return iter_modules(model)
@@ -115,10 +133,8 @@ class ModelRunner:
     def __init__(self, model: nnx.Module, num_blocks: int, block_size: int, max_tokens_per_step: int,
                  max_batch_size: int, max_blocks_per_seq: int, kv_dtype, quant_policy: int = 0):
         mesh = parallel.mesh_of(nnx.state(model))  # None on one device
-        if mesh is None and quant_policy == 0 and kv_write_impl(merged=True) == "kernel" \
-                and hasattr(model, "merge_qkv"):
-            # One q/k/v weight, whose output the fused RoPE + KV-write kernel reads whole (on GPU).
-            logger.info("merged the q/k/v projections of %d layers", model.merge_qkv())
+        if mesh is None:
+            _merge_projections(model, quant_policy)
         self.graphdef, self.state = nnx.split(model)
         self.config = model.config
         self.block_size = block_size

@@ -17,6 +17,7 @@ from flax import nnx
 
 from lmjax.layers.attention import AttentionMetadata, paged_attention, rope_and_write_kv, rope_and_write_kv_qkv
 from lmjax.layers.linear import Linear
+from lmjax.layers.merge import merge_linears
 from lmjax.layers.norm import RMSNorm
 from lmjax.layers.rope import logn_scale_T
 from lmjax.models.config import ModelConfig
@@ -37,22 +38,15 @@ class Attention(nnx.Module):
         self.cfg, self.sliding_window = cfg, cfg.sliding_window(layer)
 
     def merge_qkv(self) -> bool:
-        """Replace q_proj, k_proj and v_proj by one Linear `qkv_proj` whose output is [q | k | v] (same
-        numbers: the columns of the three kernels side by side). Why: the fused RoPE + KV write kernel
-        reads q, k and v straight from that one output; three projections (which XLA merges into one
-        GEMM anyway) would be copied apart for it. Only for float Linears and no q/k norm; False when not
-        merged. Not for tensor parallelism: the column shards of q, k and v would interleave."""
-        projs = (self.q_proj, self.k_proj, self.v_proj)
-        if self.qkv_proj is not None or self.q_norm is not None or any(type(p) is not Linear for p in projs):
-            return self.qkv_proj is not None
-        kernel_DX = jnp.concatenate([p.kernel[...] for p in projs], axis=1)
-        bias_X = None if projs[0].bias is None else jnp.concatenate([p.bias[...] for p in projs])
-        merged = nnx.eval_shape(lambda: Linear(*kernel_DX.shape, bias=bias_X is not None, dtype=kernel_DX.dtype))
-        merged.kernel = nnx.Param(kernel_DX)
-        if bias_X is not None:
-            merged.bias = nnx.Param(bias_X)
-        self.qkv_proj, self.q_proj, self.k_proj, self.v_proj = merged, None, None, None
-        return True
+        """Replace q_proj, k_proj and v_proj by one layer `qkv_proj` whose output is [q | k | v] (same
+        numbers: the three weights' columns side by side; float or quantized, see lmjax.layers.merge).
+        Why: the fused RoPE + KV write kernel reads q, k and v straight from that one output. Not with a
+        q/k norm (Qwen3); not for tensor parallelism. False when not merged."""
+        if self.qkv_proj is None and self.q_norm is None:
+            merged = merge_linears([self.q_proj, self.k_proj, self.v_proj])
+            if merged is not None:
+                self.qkv_proj, self.q_proj, self.k_proj, self.v_proj = merged, None, None, None
+        return self.qkv_proj is not None
 
     def __call__(self, x_TD, positions_T, cache: KVCache, meta: AttentionMetadata):
         cfg, T = self.cfg, x_TD.shape[0]
@@ -84,8 +78,21 @@ class MLP(nnx.Module):
         self.gate_proj = Linear(D, I, bias=cfg.mlp_bias, dtype=dtype)
         self.up_proj = Linear(D, I, bias=cfg.mlp_bias, dtype=dtype)
         self.down_proj = Linear(I, D, bias=cfg.mlp_bias, dtype=dtype)
+        self.gate_up_proj = nnx.data(None)  # set by merge_gate_up
+
+    def merge_gate_up(self) -> bool:
+        """Replace gate_proj and up_proj by one layer `gate_up_proj` ([gate | up] columns): one GEMM
+        launch instead of two (XLA keeps them apart). False when not merged (lmjax.layers.merge)."""
+        if self.gate_up_proj is None:
+            merged = merge_linears([self.gate_proj, self.up_proj])
+            if merged is not None:
+                self.gate_up_proj, self.gate_proj, self.up_proj = merged, None, None
+        return self.gate_up_proj is not None
 
     def __call__(self, x_TD):
+        if self.gate_up_proj is not None:
+            gate_TI, up_TI = jnp.split(self.gate_up_proj(x_TD), 2, axis=-1)
+            return self.down_proj(jax.nn.silu(gate_TI) * up_TI)
         return self.down_proj(jax.nn.silu(self.gate_proj(x_TD)) * self.up_proj(x_TD))
 
 
@@ -132,6 +139,10 @@ class LlamaForCausalLM(nnx.Module):
     def merge_qkv(self) -> int:
         """`Attention.merge_qkv` in every layer (in place); returns how many layers merged."""
         return sum(layer.self_attn.merge_qkv() for layer in self.layers)
+
+    def merge_gate_up(self) -> int:
+        """`MLP.merge_gate_up` in every layer (in place); returns how many layers merged."""
+        return sum(layer.mlp.merge_gate_up() for layer in self.layers)
 
     def compute_logits(self, hidden_XD) -> jax.Array:
         """float32 logits for the given rows of hidden states."""
