@@ -45,51 +45,35 @@ device's idle time between decode steps (host gaps) is idle = span - busy.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
-import random
-import subprocess
 import sys
-import tempfile
 import time
 
+# The transformers side, the report and the workload records live in throughput_hf.py,
+# throughput_report.py and throughput_workload.py; this script runs lmjax and both sides in turn.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from engine_profile import StepProfile, profile_decode  # noqa: E402
-from hf_baseline import _hf_batch, hf_compiled, hf_pad_id, load_hf, run_bounded  # noqa: E402
 from random_model import SHAPES, ensure_checkpoint  # noqa: E402
+from throughput_hf import _run_hf_guarded, _timed_groups, best_hf, hf_in_subprocess, run_hf  # noqa: E402
+from throughput_report import _note, agreement, print_profile, print_table, summary  # noqa: E402
+from throughput_workload import (  # noqa: E402
+    Request,
+    Result,
+    _budget,
+    _check_counts,
+    _prompt_tokens,
+    make_workload,
+)
+
+__all__ = [  # the script's own names and, re-exported, those of the modules it was split into
+    "main", "parse_args", "set_threads", "model_path", "CompileClock", "run_lmjax", "Request", "Result",
+    "make_workload", "_check_counts", "_prompt_tokens", "_budget", "_timed_groups", "run_hf", "best_hf",
+    "_run_hf_guarded", "hf_in_subprocess", "agreement", "print_table", "_note", "print_profile", "summary",
+]
 
 
-@dataclasses.dataclass
-class Request:
-    prompt_ids: list[int]
-    max_tokens: int
-
-
-@dataclasses.dataclass
-class Result:
-    name: str
-    elapsed_s: float
-    num_requests: int
-    prompt_tokens: int
-    output_tokens: int
-    extra: dict = dataclasses.field(default_factory=dict)
-
-    def rates(self) -> dict:
-        t = self.elapsed_s
-        return {"requests_per_s": self.num_requests / t, "output_tokens_per_s": self.output_tokens / t,
-                "total_tokens_per_s": (self.prompt_tokens + self.output_tokens) / t}
-
-
-# ------------------------------------------------------------------ workload
-def make_workload(tokenizer, vocab_size: int, num: int, in_range, out_range, seed: int) -> list[Request]:
-    rng = random.Random(seed)
-    special = set(getattr(tokenizer, "all_special_ids", []) or [])
-    pool = [i for i in range(min(vocab_size, len(tokenizer))) if i not in special]
-    return [Request([rng.choice(pool) for _ in range(rng.randint(*in_range))], rng.randint(*out_range))
-            for _ in range(num)]
-
-
+# ------------------------------------------------------------------ the model both engines load
 def model_path(args) -> str:
     if args.shape:
         # Random weights of a named shape (written once under the temp dir, torch on the GPU if any);
@@ -160,186 +144,6 @@ def run_lmjax(path: str, requests: list[Request], args) -> tuple[Result, list[li
     if args.profile:
         extra["device_profile"] = profile_decode(llm, requests, args)
     return Result("lmjax", elapsed, len(requests), _prompt_tokens(requests), _budget(requests), extra), tokens
-
-
-def _check_counts(name: str, tokens: list[list[int]], requests: list[Request]) -> None:
-    wrong = [(len(t), r.max_tokens) for t, r in zip(tokens, requests) if len(t) != r.max_tokens]
-    if wrong:
-        raise RuntimeError(f"{name} generated the wrong number of tokens (got, wanted): {wrong[:5]}")
-
-
-def _prompt_tokens(requests) -> int:
-    return sum(len(r.prompt_ids) for r in requests)
-
-
-def _budget(requests) -> int:
-    return sum(r.max_tokens for r in requests)
-
-
-# ------------------------------------------------------------------ transformers
-def _timed_groups(groups: list[list[int]], max_requests: int) -> list[list[int]]:
-    """All batches, or (max_requests > 0) about max_requests' worth of whole batches spread evenly over the
-    full-size ones (a smaller last batch is another shape: with --hf-compile it would compile in the clock)."""
-    n = min(len(groups), max(1, max_requests // len(groups[0]))) if max_requests else len(groups)
-    if n >= len(groups):
-        return groups
-    full = [g for g in groups if len(g) == len(groups[0])]
-    n = min(n, len(full))
-    return [full[round(i * (len(full) - 1) / max(n - 1, 1))] for i in range(n)]
-
-
-def run_hf(model, requests: list[Request], batch_size: int, pad_id: int, static: bool = False,
-           max_requests: int = 0) -> tuple[Result, list[list[int] | None]]:
-    order = sorted(range(len(requests)), key=lambda i: requests[i].max_tokens)
-    groups = _timed_groups([order[s:s + batch_size] for s in range(0, len(order), batch_size)], max_requests)
-    if static:  # compiles this batch size's shapes (and records its CUDA graphs) before the clock starts
-        first = groups[0]
-        _hf_batch(model, [requests[i].prompt_ids for i in first], max(requests[i].max_tokens for i in first),
-                  pad_id, static=True)
-    else:
-        _hf_batch(model, [r.prompt_ids for r in requests[:2]], 4, pad_id)  # warm-up: one small batch
-    tokens: list[list[int] | None] = [None] * len(requests)
-    discarded = padded = 0
-    start = time.perf_counter()
-    for group in groups:
-        budget = max(requests[i].max_tokens for i in group)
-        out, pads = _hf_batch(model, [requests[i].prompt_ids for i in group], budget, pad_id, static=static)
-        for i, ids in zip(group, out):
-            tokens[i] = ids[:requests[i].max_tokens]  # count only what the request asked for
-            discarded += budget - requests[i].max_tokens
-        padded += pads
-    elapsed = time.perf_counter() - start
-    timed = [i for g in groups for i in g]
-    _check_counts("transformers", [tokens[i] for i in timed], [requests[i] for i in timed])
-    extra = {"hf_batch_size": batch_size, "hf_static_cache": static, "hf_compiled": static and hf_compiled(model),
-             "hf_discarded_tokens": discarded, "hf_pad_tokens": padded}
-    if len(timed) < len(requests):  # extrapolate by output tokens: the rates of the timed batches
-        timed_out = sum(requests[i].max_tokens for i in timed)
-        extra.update({"hf_extrapolated_from_requests": len(timed), "hf_timed_s": round(elapsed, 3)})
-        elapsed *= _budget(requests) / timed_out
-    return Result("transformers", elapsed, len(requests), _prompt_tokens(requests), _budget(requests), extra), tokens
-
-
-def best_hf(path: str, requests: list[Request], args) -> tuple[Result, list[list[int] | None]] | None:
-    """Every --hf-batch-size in this process (each result also appended to --hf-result as it finishes);
-    the fastest is the baseline."""
-    import torch
-
-    device = args.hf_device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = load_hf(path, args.dtype, device)
-    pad_id = hf_pad_id(model)
-    runs = []
-    for bs in args.hf_batch_size:
-        run = _run_hf_guarded(model, requests, bs, pad_id, args)
-        res = run[0]
-        print(f"transformers batch {bs}{' static+compile' if res.extra['hf_compiled'] else ''}: {res.elapsed_s:.2f} s"
-              f"{' (extrapolated)' if 'hf_timed_s' in res.extra else ''}, "
-              f"{res.rates()['output_tokens_per_s']:.2f} out tok/s", file=sys.stderr, flush=True)
-        if args.hf_result:
-            with open(args.hf_result, "a") as f:
-                f.write(json.dumps({"result": dataclasses.asdict(res), "tokens": run[1]}) + "\n")
-        runs.append(run)
-    return min(runs, key=lambda run: run[0].elapsed_s) if runs else None
-
-
-def _run_hf_guarded(model, requests, bs: int, pad_id: int, args):
-    """--hf-compile where it works; a failure is recorded and the batch size rerun eager."""
-    if not args.hf_compile:
-        return run_hf(model, requests, bs, pad_id, max_requests=args.hf_max_requests)
-    try:
-        return run_hf(model, requests, bs, pad_id, static=True, max_requests=args.hf_max_requests)
-    except Exception as e:  # noqa: BLE001 - torch.compile / StaticCache failures vary by version
-        message = f"{type(e).__name__}: {str(e).strip()[-300:]}"
-        print(f"transformers batch {bs}: static+compile failed ({message}); eager instead", file=sys.stderr)
-        res, tokens = run_hf(model, requests, bs, pad_id, max_requests=args.hf_max_requests)
-        res.extra["hf_compile_error"] = message
-        return res, tokens
-
-
-def hf_in_subprocess(argv: list[str], args) -> tuple[Result, list[list[int] | None]] | None:
-    """Run this script's transformers side in a child (--skip-lmjax --hf-result FILE) under --hf-timeout;
-    returns the fastest batch size it finished, or None."""
-    fd, result_file = tempfile.mkstemp(prefix="lmjax-throughput-hf-", suffix=".jsonl")
-    os.close(fd)
-    child = [a for a in argv if a != "--hf-subprocess"]
-    cmd = [sys.executable, os.path.abspath(__file__), *child, "--skip-lmjax", "--hf-result", result_file]
-    code, _ = run_bounded(cmd, args.hf_timeout, stdout=subprocess.DEVNULL)
-    status = f"timed out after {args.hf_timeout} s" if code is None else "ok" if code == 0 else f"exit code {code}"
-    with open(result_file) as f:
-        runs = [json.loads(line) for line in f if line.strip()]
-    os.unlink(result_file)
-    print(f"transformers child: {status}, {len(runs)} of {len(args.hf_batch_size)} batch sizes measured",
-          file=sys.stderr)
-    if not runs:
-        return None
-    best = min(runs, key=lambda r: r["result"]["elapsed_s"])
-    res = Result(**best["result"])
-    res.extra.update({"hf_child_status": status, "hf_all_batch_sizes": {
-        r["result"]["extra"]["hf_batch_size"]: round(Result(**r["result"]).rates()["output_tokens_per_s"], 1)
-        for r in runs}})
-    return res, best["tokens"]
-
-
-# ------------------------------------------------------------------ report
-def agreement(a: list[list[int]], b: list[list[int] | None]) -> dict:
-    """Greedy sanity check: same weights, same prompts -> mostly the same tokens (ties may differ).
-    Only requests both engines ran (transformers may have timed a subset)."""
-    pairs = [(x, y) for x, y in zip(a, b) if y is not None]
-    if not pairs:
-        return {"identical_outputs": "0/0", "mean_common_prefix": None}
-    same = sum(x == y for x, y in pairs)
-    prefix = [next((k for k, (u, v) in enumerate(zip(x, y)) if u != v), len(x)) / max(len(x), 1) for x, y in pairs]
-    return {"identical_outputs": f"{same}/{len(pairs)}", "mean_common_prefix": round(sum(prefix) / len(prefix), 3)}
-
-
-def print_table(results: list[Result]) -> None:
-    print(f"{'engine':<14}{'elapsed s':>11}{'req/s':>9}{'out tok/s':>12}{'total tok/s':>13}  note")
-    for r in results:
-        x = r.rates()
-        print(f"{r.name:<14}{r.elapsed_s:>11.2f}{x['requests_per_s']:>9.3f}{x['output_tokens_per_s']:>12.2f}"
-              f"{x['total_tokens_per_s']:>13.2f}  {_note(r)}")
-
-
-def _note(r: Result) -> str:
-    e = r.extra
-    if r.name == "lmjax":
-        return (f"warm-up {e['warmup_s']:.1f} s ({e['warmup_compilations']} compiles); in timed pass "
-                f"{e['compilations_in_timed_pass']} compiles, {e['compile_s_in_timed_pass']:.1f} s")
-    note = f"batch {e['hf_batch_size']}, " + ("static+compile" if e.get("hf_compiled") else
-                                               "static cache, not compiled" if e.get("hf_static_cache") else "eager")
-    if "hf_extrapolated_from_requests" in e:
-        note += f", extrapolated from {e['hf_extrapolated_from_requests']} requests ({e['hf_timed_s']:.1f} s)"
-    if "hf_compile_error" in e:
-        note += f", compile failed: {e['hf_compile_error'][:80]}"
-    if "hf_all_batch_sizes" in e:
-        note += f"; out tok/s by batch size {e['hf_all_batch_sizes']}"
-    return note
-
-
-def print_profile(p: dict) -> None:
-    if "error" in p:
-        print(f"profile: {p['error']}")
-        return
-    wall, span, busy = p["wall_ms_per_step"], p["span_us_per_step"] / 1e3, p["busy_us_per_step"] / 1e3
-    print(f"profile (batch {p['batch']}, {p['decode_steps']} decode steps traced): wall {wall:.3f} ms/step, GPU span "
-          f"{span:.3f} ms, busy {busy:.3f} ms -> device idle {100 * p['idle_fraction']:.1f}% of the span "
-          f"({100 * (1 - busy / wall):.1f}% of the wall time)")
-    for name, us, n in p["top_kernels_us_per_step"][:5]:
-        print(f"  {us:9.1f} us/step {n:6.1f}x  {name[:70]}")
-
-
-def summary(args, path, requests, results, agree) -> dict:
-    out = {"model": args.shape or path, "dtype": args.dtype, "num_prompts": len(requests),
-           "prompt_tokens": _prompt_tokens(requests), "output_tokens": _budget(requests),
-           "threads": args.threads, "loadavg": os.getloadavg()}
-    for r in results:
-        out[r.name] = {"elapsed_s": round(r.elapsed_s, 3), **{k: round(v, 3) for k, v in r.rates().items()},
-                       **r.extra}
-    if "lmjax" in out and "transformers" in out:
-        out["output_tps_ratio"] = round(out["lmjax"]["output_tokens_per_s"]
-                                        / out["transformers"]["output_tokens_per_s"], 3)
-        out["agreement"] = agree
-    return out
 
 
 # ------------------------------------------------------------------ main

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
-from benchmarks.kernels import _TIMER, _time_wall, bench  # noqa: E402
+from benchmarks.kernels_common import _TIMER, _time_wall, bench  # noqa: E402
 from lmjax.layers.quant import dequantize_w4, quantize_w4  # noqa: E402
 from pallas_kernels import w4_matmul as wm  # noqa: E402
 

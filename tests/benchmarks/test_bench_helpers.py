@@ -54,7 +54,7 @@ def test_timed_groups_spread_over_the_workload():
 
 
 def test_hf_subset_extrapolates_by_output_tokens(monkeypatch):
-    import throughput
+    import throughput_hf
 
     calls = []
 
@@ -62,9 +62,9 @@ def test_hf_subset_extrapolates_by_output_tokens(monkeypatch):
         calls.append((len(prompts), new_tokens))
         return [[7] * new_tokens for _ in prompts], 0
 
-    monkeypatch.setattr(throughput, "_hf_batch", fake_batch)
+    monkeypatch.setattr(throughput_hf, "_hf_batch", fake_batch)  # where run_hf calls it
     requests = [Request([1, 2, 3], 10) for _ in range(40)]
-    res, tokens = throughput.run_hf(None, requests, 8, 0, max_requests=16)
+    res, tokens = throughput_hf.run_hf(None, requests, 8, 0, max_requests=16)
     assert calls[1:] == [(8, 10), (8, 10)]  # a warm-up, then 2 of the 5 batches
     assert res.extra["hf_extrapolated_from_requests"] == 16
     assert res.elapsed_s == pytest.approx(res.extra["hf_timed_s"] * 40 / 16, rel=1e-2, abs=1e-3)

@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+from conftest import write_tiny_llama
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 START = """
@@ -44,19 +46,7 @@ def _python(code: str, env_updates: dict, *args: str) -> dict:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    import torch
-    import transformers
-
-    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
-    from random_model import write_tokenizer
-
-    path = tmp_path_factory.mktemp("tiny")
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
-    write_tokenizer(256, str(path))
-    return str(path)
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny"))
 
 
 def test_second_start_compiles_nothing(tiny, tmp_path):

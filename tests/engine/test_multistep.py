@@ -3,26 +3,14 @@ and finish reasons of one step at a time: greedy and seeded sampling, stop token
 max_tokens that end inside a K-step window."""
 import numpy as np
 import pytest
-import transformers
 
+from conftest import write_tiny_llama
 from lmjax import LLM, SamplingParams
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    import torch
-
-    path = tmp_path_factory.mktemp("tiny")
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                                   eos_token_id=3)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
-    import sys
-    sys.path.insert(0, "benchmarks")
-    from random_model import write_tokenizer
-    write_tokenizer(256, str(path))
-    return str(path)
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny"), eos_token_id=3)
 
 
 def _run(path, steps, prompts, params):

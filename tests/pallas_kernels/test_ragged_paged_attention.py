@@ -166,6 +166,8 @@ def test_kernel_validator_rejects_odd_head_dim():
     (1024, 256, 64, 1),   # thousands of programs: 64-key tiles
 ])
 def test_gpu_decode_tiling_follows_the_h200_sweeps(monkeypatch, batch, context, block_n, num_splits):
-    monkeypatch.setattr(rpa, "_num_sms", lambda: 132)
+    from pallas_kernels import ragged_paged_attention_kernel as rpa_kernel
+
+    monkeypatch.setattr(rpa_kernel, "_num_sms", lambda: 132)  # where the tiling reads it
     cfg = rpa._choose_config(batch, batch, 32, 8, 128, context, on_gpu=True)
     assert (cfg["block_n"], cfg["num_splits"]) == (block_n, num_splits)

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import write_tiny_llama
 from pallas_kernels import rope
 from pallas_kernels.rope_kv_write import rope_kv_write, rope_kv_write_qkv, rope_kv_write_reference
 
@@ -204,24 +205,10 @@ def test_errors_name_the_bad_value(change, match, impl):
 # ---------------------------------------------------------------- through the model
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
-    """A tiny random Llama (GQA 2, llama3 rope) with a tokenizer, as tests/engine/test_multistep.py builds."""
-    import sys
-
-    import torch
-    import transformers
-
-    path = tmp_path_factory.mktemp("tiny_kvwrite")
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                                   eos_token_id=3, rope_scaling={"rope_type": "llama3", "factor": 8.0,
-                                                                 "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                                                 "original_max_position_embeddings": 16})
-    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
-    sys.path.insert(0, "benchmarks")
-    from random_model import write_tokenizer
-    write_tokenizer(256, str(path))
-    return str(path)
+    """A tiny random Llama (GQA 2, llama3 rope) with a tokenizer (conftest.write_tiny_llama, as tests/engine/test_multistep.py's)."""
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny_kvwrite"), eos_token_id=3,
+                            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                          "high_freq_factor": 4.0, "original_max_position_embeddings": 16})
 
 
 def _generate(path, impl, monkeypatch):

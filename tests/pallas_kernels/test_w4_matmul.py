@@ -157,6 +157,8 @@ def test_kernel_needs_power_of_two_groups_and_auto_falls_back():
     (4096, 14336, dict(block_o=512, rows=64, num_splits=32, num_warps=8)),
 ])
 def test_gemv_gpu_tiling_follows_the_h200_sweep(monkeypatch, I, O, want):
-    monkeypatch.setattr(wm, "_num_sms", lambda: 132)
+    from pallas_kernels import w4_gemv
+
+    monkeypatch.setattr(w4_gemv, "_num_sms", lambda: 132)  # where the gemv tiling reads it
     cfg = wm._choose_gemv_config(I // 2, O, 64, on_gpu=True)
     assert {k: cfg[k] for k in want} == want
