@@ -87,7 +87,8 @@ def _layer_runner(model, prompts: list[list[int]]):
     @nnx.jit  # every layer has the same structure (taps or not): one compilation for each kind
     def run(layer, x_TD):
         cache = (jnp.zeros(shape, x_TD.dtype), jnp.zeros(shape, x_TD.dtype))
-        return layer(x_TD, positions_T, cache, meta)[0]
+        mlp_TD, residual_TD, _ = layer(x_TD, None, positions_T, cache, meta)
+        return mlp_TD + residual_TD  # the layer's whole output hidden state
     return run, x_TD
 
 

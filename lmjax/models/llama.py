@@ -6,6 +6,12 @@ RoPE + write K/V into the paged cache (`rope_and_write_kv`) -> paged attention o
 residual -> RMSNorm -> SwiGLU MLP -> residual; final norm -> hidden [T, D]. `compute_logits` applies the
 lm_head only to the rows the caller asks for (the last token of each sequence, in the engine).
 
+The residual stream is carried as vLLM carries it: a layer returns its MLP output and the residual
+apart, and each "residual add, then RMSNorm" pair is one `RMSNorm.add_and_norm` call (the next layer's
+input norm, or the final norm), so that it can run as one fused launch (LMJAX_NORM_IMPL=kernel). The
+sums are the same additions in the same order as `x + attn`, `x + mlp` (float addition commutes), so
+the default path is bit for bit the plain one.
+
 Shape letters: T tokens, D hidden, N q heads, K kv heads, H head dim, I intermediate, V vocab.
 Layers are a Python list (unrolled under jit): measured faster than scanning stacked weights on GPU.
 """
@@ -103,11 +109,14 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.mlp = MLP(cfg, dtype)
 
-    def __call__(self, x_TD, positions_T, cache: KVCache, meta: AttentionMetadata):
-        attn_TD, cache = self.self_attn(self.input_layernorm(x_TD), positions_T, cache, meta)
-        x_TD = x_TD + attn_TD
-        x_TD = x_TD + self.mlp(self.post_attention_layernorm(x_TD))
-        return x_TD, cache
+    def __call__(self, x_TD, residual_TD, positions_T, cache: KVCache, meta: AttentionMetadata):
+        """(mlp_out_TD, residual_TD, cache): the layer's output is mlp_out + residual, left unsummed so
+        that the next norm adds it (`RMSNorm.add_and_norm`, one fused launch when asked for).
+        residual_TD None: x_TD is the whole hidden state (the first layer, or a layer run on its own)."""
+        h_TD, residual_TD = self.input_layernorm.add_and_norm(x_TD, residual_TD)
+        attn_TD, cache = self.self_attn(h_TD, positions_T, cache, meta)
+        h_TD, residual_TD = self.post_attention_layernorm.add_and_norm(attn_TD, residual_TD)
+        return self.mlp(h_TD), residual_TD, cache
 
 
 class Embedding(nnx.Module):
@@ -129,12 +138,13 @@ class LlamaForCausalLM(nnx.Module):
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype)
 
     def __call__(self, ids_T, positions_T, caches: list[KVCache], meta: AttentionMetadata):
-        x_TD = self.embed_tokens(ids_T)
+        x_TD, residual_TD = self.embed_tokens(ids_T), None
         new_caches = []
         for layer, cache in zip(self.layers, caches):
-            x_TD, cache = layer(x_TD, positions_T, cache, meta)
+            x_TD, residual_TD, cache = layer(x_TD, residual_TD, positions_T, cache, meta)
             new_caches.append(cache)
-        return self.norm(x_TD), new_caches
+        hidden_TD, _ = self.norm.add_and_norm(x_TD, residual_TD)
+        return hidden_TD, new_caches
 
     def merge_qkv(self) -> int:
         """`Attention.merge_qkv` in every layer (in place); returns how many layers merged."""

@@ -84,6 +84,17 @@ def test_notebook_shard_model_runs_same_step(checkpoints):
     _check_param_bytes(out["runs"]["4"], 4)
 
 
+def test_fused_add_norm_kernel_under_tp(checkpoints):
+    """LMJAX_NORM_IMPL=kernel: the fused add + RMSNorm kernel (interpret mode) runs on every device's
+    replicated hidden states in shard_map; tp = 4 gives tp = 1's tokens."""
+    out = _drive({"model": checkpoints["llama-kv2"], "tp": [1, 4], "prompts": PROMPTS, "mode": "notebook"},
+                 env={"LMJAX_NORM_IMPL": "kernel"})
+    runs = out["runs"]
+    assert runs["4"]["tokens"] == runs["1"]["tokens"]
+    per_trace = 2 * TINY["num_hidden_layers"] + 1  # two per layer and the final norm
+    assert runs["1"]["norm_kernel_calls"] == runs["4"]["norm_kernel_calls"] == 2 * per_trace  # prefill, decode
+
+
 def test_step_communicates_activations_only(checkpoints):
     """The compiled engine step at tp = 4 (tied embedding, vocab-parallel logits) all-reduces [T, D]
     activations (embedding, then o_proj and down_proj per layer) and gathers only the [B, V] logits:

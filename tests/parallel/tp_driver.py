@@ -7,7 +7,7 @@ in a subprocess:
 
 Spec keys: model, tp (list), devices (forced host devices), prompts (token-id lists), max_tokens,
 mode ("engine": LLM.generate; "notebook": load at tp=1, then lmjax.parallel.shard_model and
-lmjax.models.forward.greedy_generate; "collectives": the collectives in the compiled engine step;
+lmjax.models.forward.greedy_generate, counting fused add + norm kernel calls; "collectives": the collectives in the compiled engine step;
 "kernel": the Pallas attention kernel in shard_map, interpret mode),
 leader (with several processes: process 0 alone schedules and drives the others' steps). With LMJAX_COORDINATOR_ADDRESS & co. set, the processes join
 through jax.distributed first. Prints one JSON line: {"runs": {tp: {"tokens", "device_bytes",
@@ -58,13 +58,19 @@ def run_engine(tp: int) -> dict:
 def run_notebook(tp: int) -> dict:
     from lmjax.loader.model_loader import load_model
     from lmjax.models.forward import greedy_generate
+    from pallas_kernels import add_rms_norm as norm_kernel
 
+    calls, kernel = [], norm_kernel._add_rms_norm_pallas  # traced fused add + norm calls (LMJAX_NORM_IMPL)
+    norm_kernel._add_rms_norm_pallas = lambda *a, **kw: calls.append(1) or kernel(*a, **kw)
     model = load_model(SPEC["model"], dtype="float32").model
     mesh = parallel.make_mesh(tp) if tp > 1 else None
     if mesh is not None:
         parallel.shard_model(model, mesh)
-    tokens = greedy_generate(model, SPEC["prompts"], SPEC.get("max_tokens", 8), block_size=8)
-    return {"tokens": tokens, **_bytes(model, mesh)}
+    try:
+        tokens = greedy_generate(model, SPEC["prompts"], SPEC.get("max_tokens", 8), block_size=8)
+    finally:
+        norm_kernel._add_rms_norm_pallas = kernel
+    return {"tokens": tokens, "norm_kernel_calls": len(calls), **_bytes(model, mesh)}
 
 
 def run_collectives(tp: int) -> dict:
