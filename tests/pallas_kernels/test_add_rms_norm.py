@@ -39,7 +39,7 @@ def _rel_err(out, ref):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("T,D", [(1, 64), (5, 96), (37, 64), (5, 4096), (37, 96), (1, 4096)])
+@pytest.mark.parametrize("T,D", [(1, 4096), (5, 96), (37, 64)])  # one row, odd D, many rows: CI time
 @pytest.mark.parametrize("with_residual", [True, False])
 def test_kernel_matches_reference(dtype, T, D, with_residual):
     x, residual, weight = _inputs(T * D, T, D, dtype, with_residual)
