@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels._validate import require, require_dtype, require_rank
-from pallas_kernels.ragged_paged_attention import (
+from pallas_kernels._pallas_util import (  # the shared Pallas helpers (not via the attention op)
     FLOAT_DTYPES,
     _masked_load,
     _masked_store,
