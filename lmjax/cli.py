@@ -202,10 +202,10 @@ def _add_convert(subparsers) -> None:
                    help="input rows per int4 scale with --quant w4 (default: 128)")
     p.add_argument("--w4-method", choices=("awq", "gptq", "rtn"), default="awq",
                    help="how --quant w4 picks its int4 codes, scales and offsets: awq (default) scales input "
-                        "channels by their activations and fits scales and offsets to each layer's output on a "
-                        "calibration text; gptq also adjusts the codes (fits that text closer, generalizes "
-                        "worse); rtn rounds to nearest (no calibration, fast, least accurate). Same stored "
-                        "layout either way")
+                        "channels by their activations, rounds, and fits scales and offsets to each layer's "
+                        "output on a calibration text; gptq fits the codes themselves to that text (measured "
+                        "worse on SmolLM2); rtn rounds to nearest (no calibration, fast, least accurate). Same "
+                        "stored layout either way")
     p.add_argument("--calib-text", metavar="FILE", default=None,
                    help="UTF-8 text file to calibrate --w4-method awq or gptq on (default: a built-in mix of "
                         "public-domain prose, lists and code, about 1500 tokens, convert/calibration_text.py); "
