@@ -1,11 +1,17 @@
-"""Calibrated w4 quantization: GPTQ (convert.gptq) over a model, one decoder layer at a time.
+"""Calibrated w4 quantization over a model, one decoder layer at a time: AWQ (convert.awq, the default
+of `lmjax convert --quant w4`) or GPTQ (convert.gptq).
 
-Data flow of `gptq_quantize_model`:
+Data flow of `calibrate_w4`:
   calibration text -> token ids, cut into sequences of `seq_len` -> embeddings x [T, D] (one ragged batch)
-  -> per decoder layer: every Linear wrapped in a tap that sums X^T X of its inputs; the float layer runs
-     once over x -> each Linear GPTQ-quantized from its X^T X into a w4 `QuantLinear` (same layout as
-     round-to-nearest, so restore and the engine do not care how it was made) -> the *quantized* layer
-     runs over x to give the next layer's input, so later layers calibrate on the errors they will see.
+  -> per decoder layer: every Linear wrapped in a tap that sums X^T X and |X| of its inputs; the float
+     layer runs once over x
+  -> awq: per-input-channel scales searched and folded into the float layer (its function unchanged),
+     the taps' X^T X rescaled to the scaled inputs (convert.awq.fold_layer)
+  -> each Linear quantized from its X^T X into a w4 `QuantLinear` (same layout as round-to-nearest, so
+     restore and the engine do not care how it was made): awq rounds to nearest and fits scales and
+     offsets by least squares; gptq runs GPTQ
+  -> the *quantized* layer runs over x to give the next layer's input, so later layers calibrate on the
+     errors they will see.
 Two passes of each layer in all (eager, on whatever device holds the model: CPU when converting).
 
 The lm_head stays float as in `quantize_model` (lmjax.layers.quant.SKIPPED).
@@ -18,14 +24,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from convert.awq import ALPHA_GRID, fold_layer, rtn_ls_w4
 from convert.calibration_text import DEFAULT_CALIBRATION_TEXT
 from convert.gptq import gptq_w4
 from lmjax.layers.attention import contiguous_metadata
 from lmjax.layers.quant import QuantLinear, QuantSpec, linear_slots, set_slot
 
+METHODS = ("awq", "gptq")
 CALIBRATION_SEQ_LEN = 512
-# GPTQ's paper uses 0.01 with 128 x 2048 tokens; with ~1500 tokens H is far noisier, and on SmolLM2
-# 0.1 measured better on the (separate) perplexity text: 28.3 vs 33.7 (without refinement).
+# Dampening of X^T X (fraction of its mean diagonal) for GPTQ and for the least-squares group
+# parameters. GPTQ's paper uses 0.01 with 128 x 2048 tokens; with ~1500 tokens H is far noisier, and on
+# SmolLM2 0.1 measured better on the (separate) perplexity text: 28.3 vs 33.7 (GPTQ without refinement).
 DAMP = 0.1
 _MIN_SEQ = 16  # a shorter tail of the text adds noise, not information
 
@@ -41,36 +50,63 @@ def calibration_prompts(tokenizer, text: str | None = None, seq_len: int = CALIB
 
 
 class HessianTap(nnx.Module):
-    """Stands in for a Linear during calibration: same output, and sums X^T X [I, I] of its inputs."""
+    """Stands in for a Linear during calibration: same output; sums X^T X [I, I] and |X| [I] of its
+    inputs over the `count` tokens seen."""
 
     def __init__(self, linear: nnx.Module):
         self.linear = linear
         I = linear.kernel.shape[0]
         self.xtx = nnx.Variable(jnp.zeros((I, I), jnp.float32))
+        self.abs_sum = nnx.Variable(jnp.zeros((I,), jnp.float32))
+        self.count = nnx.Variable(jnp.zeros((), jnp.float32))
 
     def __call__(self, x_TI):
-        x = x_TI.astype(jnp.float32)
+        x = x_TI.astype(jnp.float32).reshape(-1, x_TI.shape[-1])
         self.xtx[...] = self.xtx[...] + jnp.matmul(x.T, x, precision=jax.lax.Precision.HIGHEST)
+        self.abs_sum[...] = self.abs_sum[...] + jnp.abs(x).sum(axis=0)
+        self.count[...] = self.count[...] + x.shape[0]
         return self.linear(x_TI)
 
 
-def gptq_quantize_model(model: nnx.Module, spec: QuantSpec, prompts: list[list[int]], *, damp: float = DAMP,
-                        refine: bool = True, param_dtype=None) -> nnx.Module:
-    """Swap every Linear (lm_head excepted) for a GPTQ-quantized w4 QuantLinear, in place.
+def calibrate_w4(model: nnx.Module, spec: QuantSpec, prompts: list[list[int]], *, method: str = "awq",
+                 damp: float = DAMP, param_dtype=None) -> nnx.Module:
+    """Swap every Linear (lm_head excepted) for a calibrated w4 QuantLinear, in place (awq also rescales
+    the float norms and v/up columns it folds its scales into).
 
-    damp: GPTQ's dampening of the Hessian (fraction of its mean diagonal); refine: least-squares
-    scales and offsets once the codes are chosen (convert.gptq.refine_group_params); param_dtype:
+    method: "awq" or "gptq" (see the module docstring); damp: dampening of X^T X (DAMP); param_dtype:
     the dtype scales and offsets will be stored in (default: the model's)."""
     if spec.method != "w4":
         raise ValueError(f"calibrated quantization is for w4; got method={spec.method!r} (w8 rounds to nearest)")
+    if method not in METHODS:
+        raise ValueError(f"calibration method={method!r} is not supported; choose one of {METHODS}")
+    for layer, taps in _tapped_layers(model, prompts):
+        if method == "awq":
+            fold_layer(layer, {str(key): tap for _, key, tap in taps}, spec.group_size)
+        for parent, key, tap in taps:
+            set_slot(parent, key, _quantized_linear(tap, spec, method, damp, param_dtype))
+    return model
+
+
+def awq_fold_model(model: nnx.Module, prompts: list[list[int]], group_size: int, grid=ALPHA_GRID) -> nnx.Module:
+    """Only AWQ's scaling, in place: the float model with every layer's scales folded in (the same
+    function as before, up to float rounding). For tests and diagnostics; `calibrate_w4` quantizes too."""
+    for layer, taps in _tapped_layers(model, prompts):
+        fold_layer(layer, {str(key): tap for _, key, tap in taps}, group_size, grid)
+        for parent, key, tap in taps:
+            set_slot(parent, key, tap.linear)
+    return model
+
+
+def _tapped_layers(model, prompts: list[list[int]]):
+    """Yields (decoder layer, [(parent, key, tap)]) once its float pass over this layer's input has
+    filled the taps; the caller puts Linears back in the taps' slots, then the layer runs again to
+    give the next layer's input."""
     run_layer, x_TD = _layer_runner(model, prompts)
     for layer in model.layers:
         taps = _install_taps(layer)
         run_layer(layer, x_TD)
-        for parent, key, tap in taps:
-            set_slot(parent, key, _gptq_linear(tap, spec, damp, refine, param_dtype))
+        yield layer, taps
         x_TD = run_layer(layer, x_TD)
-    return model
 
 
 def _layer_runner(model, prompts: list[list[int]]):
@@ -101,11 +137,14 @@ def _install_taps(layer) -> list[tuple[object, object, HessianTap]]:
     return taps
 
 
-def _gptq_linear(tap: HessianTap, spec: QuantSpec, damp: float, refine: bool, param_dtype) -> QuantLinear:
+def _quantized_linear(tap: HessianTap, spec: QuantSpec, method: str, damp: float, param_dtype) -> QuantLinear:
     linear = tap.linear
-    w_IO = linear.kernel[...]
-    dtype = param_dtype or w_IO.dtype
-    packed, scale, offset = gptq_w4(np.asarray(w_IO, np.float32), np.asarray(tap.xtx[...]), spec.group_size,
-                                    damp=damp, param_dtype=dtype, refine=refine)
+    w_IO = np.asarray(linear.kernel[...], np.float32)
+    dtype = param_dtype or linear.kernel.dtype
+    h_II = np.asarray(tap.xtx[...])
+    if method == "awq":
+        packed, scale, offset = rtn_ls_w4(w_IO, h_II, spec.group_size, damp=damp, param_dtype=dtype)
+    else:
+        packed, scale, offset = gptq_w4(w_IO, h_II, spec.group_size, damp=damp, param_dtype=dtype)
     bias = None if linear.bias is None else linear.bias[...]
     return QuantLinear.from_arrays(spec, packed, scale, offset, bias=bias, dtype=dtype)

@@ -3,7 +3,7 @@
 Data flow of `convert_checkpoint`:
   lmjax's own loader reads SRC into host (CPU-device) arrays of `dtype`, one tensor at a time
   -> optional weight-only quantization: w8 and `w4_method="rtn"` round to nearest
-     (`lmjax.layers.quant.quantize_model`); w4 by default is GPTQ over a calibration text
+     (`lmjax.layers.quant.quantize_model`); w4 by default is AWQ (or GPTQ) over a calibration text
      (`convert.calibrate`, on a float32 copy, the result stored in `dtype`)
   -> with tp > 1, each array is laid out over tp CPU devices by `lmjax.parallel`'s rules, so Orbax
      writes one storage chunk per tensor-parallel shard (a tp restore then reads whole chunks only)
@@ -37,7 +37,7 @@ from lmjax.loader.resolve import resolve_model_path
 logger = logging.getLogger("convert")
 
 DTYPES = ("float32", "bfloat16", "float16")
-W4_METHODS = ("gptq", "rtn")
+W4_METHODS = ("awq", "gptq", "rtn")
 # Files of an HF directory that travel with the weights (tokenizer, chat template, generation defaults).
 _SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
                "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
@@ -45,15 +45,16 @@ _SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "sp
 
 
 def convert_checkpoint(src: str, out: str, dtype: str = "bfloat16", tp: int = 1, quant: str | None = None,
-                       group_size: int = 128, overwrite: bool = False, w4_method: str = "gptq",
+                       group_size: int = 128, overwrite: bool = False, w4_method: str = "awq",
                        calib_text: str | None = None) -> str:
     """Convert `src` (HF directory, .gguf file or model id) into the directory `out`; returns its path.
 
     dtype: storage (and default compute) dtype of the float parameters. tp: the tensor-parallel size
     the storage chunks are laid out for (restore works at any tp). quant: None, "w8" or "w4"
-    (`group_size` input rows per int4 scale). w4_method: "gptq" (calibrated on `calib_text`, a text
-    file; default: convert.calibration_text) or "rtn" (round to nearest, no calibration). Both
-    write the same layout."""
+    (`group_size` input rows per int4 scale). w4_method: "awq" (activation-aware scales, round to
+    nearest, least-squares group parameters) or "gptq", both calibrated on `calib_text` (a text file;
+    default: convert.calibration_text), or "rtn" (round to nearest, no calibration). All write the same
+    layout."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} is not supported; choose one of {DTYPES}")
     if tp < 1:
@@ -61,20 +62,20 @@ def convert_checkpoint(src: str, out: str, dtype: str = "bfloat16", tp: int = 1,
     spec = QuantSpec(quant, group_size) if quant else None
     if w4_method not in W4_METHODS:
         raise ValueError(f"w4_method={w4_method!r} is not supported; choose one of {W4_METHODS}")
-    gptq = spec is not None and spec.method == "w4" and w4_method == "gptq"
-    text = _read_text(calib_text) if gptq else None
+    calibrated = w4_method if spec is not None and spec.method == "w4" and w4_method != "rtn" else None
+    text = _read_text(calib_text) if calibrated else None
     path = os.path.abspath(resolve_model_path(src))
     out = os.path.abspath(os.path.expanduser(out))
     if os.path.exists(out) and not overwrite:
         raise FileExistsError(f"{out} already exists (pass overwrite=True / --overwrite to replace it)")
     os.makedirs(os.path.dirname(out), exist_ok=True)
 
-    params, loaded = _read(path, dtype, tp, spec, gptq, text)
+    params, loaded = _read(path, dtype, tp, spec, calibrated, text)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=os.path.dirname(out))
     try:
         _save_params(os.path.join(tmp, ORBAX_SUBDIR), params)
         _write_config(tmp, loaded.hf_config, dict(format=FORMAT_VERSION, dtype=dtype, tp=tp, source=path,
-                                                  quant=_quant_info(spec, gptq, calib_text)))
+                                                  quant=_quant_info(spec, calibrated, calib_text)))
         _write_tokenizer(tmp, path)
         _commit(tmp, out)
     except BaseException:
@@ -93,27 +94,28 @@ def _read_text(calib_text: str | None) -> str | None:
         return f.read()
 
 
-def _quant_info(spec: QuantSpec | None, gptq: bool, calib_text: str | None) -> dict | None:
+def _quant_info(spec: QuantSpec | None, calibrated: str | None, calib_text: str | None) -> dict | None:
     """The `quant` entry of config.json: the layout (QuantSpec) and, for the record, how it was made."""
     if spec is None:
         return None
-    how = {"algorithm": "gptq", "calibration": calib_text or "builtin"} if gptq else {"algorithm": "rtn"}
+    how = {"algorithm": calibrated, "calibration": calib_text or "builtin"} if calibrated else {"algorithm": "rtn"}
     return {**spec.to_dict(), **how}
 
 
-def _read(path: str, dtype: str, tp: int, spec: QuantSpec | None, gptq: bool = False, text: str | None = None):
-    """({key: array}, LoadedModel): parameters on CPU devices, quantized (w4 through GPTQ over `text`
-    when `gptq`; None: the built-in calibration text), laid out for tp."""
+def _read(path: str, dtype: str, tp: int, spec: QuantSpec | None, calibrated: str | None = None,
+          text: str | None = None):
+    """({key: array}, LoadedModel): parameters on CPU devices, quantized (w4 calibrated by the method
+    `calibrated` over `text`, None: the built-in calibration text), laid out for tp."""
     cpu = jax.local_devices(backend="cpu")
-    # GPTQ runs its calibration forward passes in float32 (bf16 matmuls are slow on CPU) and rounds the
-    # stored scales to `dtype` itself; every float parameter is cast to `dtype` afterwards.
-    loaded = load_model(path, "float32" if gptq else dtype, placer=lambda p, a: jax.device_put(a, cpu[0]))
-    if gptq:
-        from convert.calibrate import calibration_prompts, gptq_quantize_model
+    # Calibration runs its forward passes in float32 (bf16 matmuls are slow on CPU) and rounds the stored
+    # scales to `dtype` itself; every float parameter is cast to `dtype` afterwards.
+    loaded = load_model(path, "float32" if calibrated else dtype, placer=lambda p, a: jax.device_put(a, cpu[0]))
+    if calibrated:
+        from convert.calibrate import calibrate_w4, calibration_prompts
         from lmjax.loader.tokenizer import load_tokenizer
 
         prompts = calibration_prompts(load_tokenizer(path), text)
-        gptq_quantize_model(loaded.model, spec, prompts, param_dtype=jnp.dtype(dtype))
+        calibrate_w4(loaded.model, spec, prompts, method=calibrated, param_dtype=jnp.dtype(dtype))
     else:
         quantize_model(loaded.model, spec)
     flat = {p: _as_dtype(v[...], dtype) for p, v in nnx.to_flat_state(nnx.state(loaded.model))}

@@ -200,12 +200,14 @@ def _add_convert(subparsers) -> None:
                    help="weight-only quantization: w8 = int8 per output channel, w4 = int4 in groups")
     p.add_argument("--group-size", type=_bounded(int, "group-size", 1), default=128,
                    help="input rows per int4 scale with --quant w4 (default: 128)")
-    p.add_argument("--w4-method", choices=("gptq", "rtn"), default="gptq",
-                   help="how --quant w4 picks its int4 codes, scales and offsets: gptq (default) minimizes each "
-                        "layer's output error on a calibration text; rtn rounds to nearest (no calibration, "
-                        "fast, less accurate). Same stored layout either way")
+    p.add_argument("--w4-method", choices=("awq", "gptq", "rtn"), default="awq",
+                   help="how --quant w4 picks its int4 codes, scales and offsets: awq (default) scales input "
+                        "channels by their activations, rounds, and fits scales and offsets to each layer's "
+                        "output on a calibration text; gptq fits the codes themselves to that text (measured "
+                        "worse on SmolLM2); rtn rounds to nearest (no calibration, fast, least accurate). Same "
+                        "stored layout either way")
     p.add_argument("--calib-text", metavar="FILE", default=None,
-                   help="UTF-8 text file to calibrate --w4-method gptq on (default: a built-in mix of "
+                   help="UTF-8 text file to calibrate --w4-method awq or gptq on (default: a built-in mix of "
                         "public-domain prose, lists and code, about 1500 tokens, convert/calibration_text.py); "
                         "text like the model's workload calibrates best")
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")

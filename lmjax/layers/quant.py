@@ -10,10 +10,11 @@ path for its weights (`...q_proj.kernel`), so `lmjax.parallel`'s sharding rules 
 
 w8 is symmetric; w4 is asymmetric per group, the layout of AWQ / TurboMind's `model_format="awq"`
 (their zero point z is `offset = -z * scale`). Three producers fill it: round to nearest here (min/max
-onto 0..15), GPTQ at conversion (convert/gptq.py, convert/calibrate.py), and AWQ checkpoints
-(lmjax/loader/awq.py). Dequantization is plain jnp inside the jitted step, except w4 at decode on one GPU:
-there XLA materialized the dequantized bf16 weight every step (Llama-3-8B decode 24.5 ms vs 6.17 ms
-bf16 on an H100), so the Pallas kernel of pallas_kernels/w4_matmul.py reads the packed bytes directly.
+onto 0..15), AWQ or GPTQ at conversion (convert/awq.py, convert/gptq.py, convert/calibrate.py),
+and AWQ checkpoints (lmjax/loader/awq.py). Dequantization is plain jnp inside the jitted step, except
+w4 at decode on one GPU: there XLA materialized the dequantized bf16 weight every step (Llama-3-8B
+decode 24.5 ms vs 6.17 ms bf16 on an H100), so the Pallas kernel of pallas_kernels/w4_matmul.py reads
+the packed bytes directly.
 A last group shorter than G is allowed (SmolLM2's hidden size 576 is 4.5 groups of 128).
 
 The model code knows nothing of this: `quantize_model` swaps every `Linear` of a built model (the

@@ -15,6 +15,7 @@ from flax import nnx
 from lmjax.layers.linear import Linear
 from lmjax.layers.quant import (QuantLinear, QuantSpec, dequantize_w4, quantize_model, quantize_w4, quantize_w8,
                                 unpack_w4)
+from test_convert import TINY
 
 TEXT = os.path.join(os.path.dirname(__file__), "data", "perplexity.txt")
 
@@ -113,7 +114,7 @@ def test_smollm2_converted_w4_restores_the_quantized_model(smollm2_gguf, smollm2
     assert perplexity(restored, text_ids) == pytest.approx(perplexity(in_memory, text_ids), rel=1e-5)
 
 
-# ---------------------------------------------------------------- GPTQ (convert.gptq, convert.calibrate)
+# ---------------------------------------------------------------- calibrated w4: AWQ and GPTQ (convert/)
 def _correlated_inputs(I=256, T=1024, seed=0):
     """Inputs with a few dominant directions and an outlier channel, like real activations."""
     rng = np.random.default_rng(seed)
@@ -127,17 +128,20 @@ def _output_error(x, w, packed, scale, offset, G):
     return float(np.linalg.norm(x @ (w_hat - w)) / np.linalg.norm(x @ w))
 
 
-def test_gptq_beats_round_to_nearest_on_the_output_in_the_same_layout():
+def test_gptq_and_least_squares_beat_round_to_nearest_on_the_output_in_the_same_layout():
+    from convert.awq import rtn_ls_w4
     from convert.gptq import gptq_w4
 
     x, w = _correlated_inputs(), np.asarray(_w(256, 64, seed=3))
     rtn = quantize_w4(jnp.asarray(w), 128)
     plain = gptq_w4(w, x.T @ x, 128, refine=False)
     refined = gptq_w4(w, x.T @ x, 128)
-    for (packed, scale, offset), r in zip((plain, refined), (rtn, rtn)):
-        assert packed.shape == r[0].shape and packed.dtype == np.uint8 and scale.shape == offset.shape == r[1].shape
-    errors = [_output_error(x, w, *q, 128) for q in (rtn, plain, refined)]
-    assert errors[1] < 0.85 * errors[0] and errors[2] <= errors[1], errors
+    least_squares = rtn_ls_w4(w, x.T @ x, 128, damp=0.01)
+    for packed, scale, offset in (plain, refined, least_squares):
+        assert packed.shape == rtn[0].shape and packed.dtype == np.uint8 and scale.shape == offset.shape == rtn[1].shape
+    assert np.array_equal(least_squares[0], rtn[0])  # the codes stay round to nearest's
+    errors = [_output_error(x, w, *q, 128) for q in (rtn, plain, refined, least_squares)]
+    assert errors[1] < 0.85 * errors[0] and errors[2] <= errors[1] and errors[3] < 0.9 * errors[0], errors
 
 
 def test_calibration_text_is_not_the_perplexity_text():
@@ -148,43 +152,93 @@ def test_calibration_text_is_not_the_perplexity_text():
 
 
 @pytest.fixture(scope="module")
-def rtn_g128_ppl(smollm2_lmjax, text_ids) -> float:
-    return perplexity(quantize_model(nnx.clone(smollm2_lmjax.model), QuantSpec("w4", 128)), text_ids)
+def tiny_model(tmp_path_factory):
+    """A random 2-layer Llama in float32 (test_convert.TINY: hidden 64, 8 q heads on 4 kv heads)."""
+    import torch
+    import transformers
+
+    from lmjax.loader.model_loader import load_model
+
+    path = str(tmp_path_factory.mktemp("tiny-hf"))
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY)).save_pretrained(path)
+    return load_model(path, "float32").model
 
 
-# w4 g128 target of the issue: within 5% of float32. Not met: round to nearest measures 36.6 (+244%)
-# and GPTQ with least-squares scales, calibrated on convert/calibration_text.py, ~21.5 (+100%) against
-# 10.64. SmolLM2-135M here is itself a Q4_1 (group 32) model, whose four differently-scaled blocks per
-# group of 128 no single scale and offset can follow. The assertions guard what GPTQ does achieve.
-def test_smollm2_w4_g128_gptq_halves_the_round_to_nearest_loss(smollm2_lmjax, smollm2_tokenizer, text_ids, base_ppl,
-                                                               rtn_g128_ppl):
-    from convert.calibrate import calibration_prompts, gptq_quantize_model
+def _tiny_prompts(rows: int, seed: int) -> list[list[int]]:
+    return [list(map(int, p)) for p in np.random.default_rng(seed).integers(3, TINY["vocab_size"], (rows, 64))]
 
-    model = gptq_quantize_model(nnx.clone(smollm2_lmjax.model), QuantSpec("w4", 128),
-                                calibration_prompts(smollm2_tokenizer))
+
+def test_awq_scales_fold_into_the_float_model_exactly(tiny_model):
+    """The scaled but unquantized model computes the same logits: 1/s went into the input norms, v_proj's
+    columns (per kv head, shared by its 2 q heads here) and up_proj's columns."""
+    from convert.calibrate import awq_fold_model
+    from lmjax.models.forward import prompt_logits
+
+    model = tiny_model
+    held_out = _tiny_prompts(2, seed=1)
+    want = prompt_logits(model, held_out)
+    folded = awq_fold_model(nnx.clone(model), _tiny_prompts(4, seed=0), group_size=32, grid=(0.5,))  # alpha forced
+    for layer, before in zip(folded.layers, model.layers):
+        for get in (lambda l: l.input_layernorm.weight, lambda l: l.post_attention_layernorm.weight,
+                    lambda l: l.self_attn.v_proj.kernel, lambda l: l.mlp.up_proj.kernel,
+                    lambda l: l.self_attn.o_proj.kernel, lambda l: l.mlp.down_proj.kernel):
+            assert not np.allclose(get(layer)[...], get(before)[...], rtol=1e-3)  # every fold was made
+    for got, ref in zip(prompt_logits(folded, held_out), want):
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=2e-6 * float(np.abs(ref).max()))
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_calibrated_w4_beats_round_to_nearest_on_a_tiny_model(tiny_model, method):
+    from convert.calibrate import calibrate_w4
+    from lmjax.models.forward import prompt_logits
+
+    model, spec, held_out = tiny_model, QuantSpec("w4", 32), _tiny_prompts(2, seed=1)
+    want = prompt_logits(model, held_out)
+
+    def error(m):
+        return float(np.mean([np.mean((g - w) ** 2) for g, w in zip(prompt_logits(m, held_out), want)]))
+    calibrated = calibrate_w4(nnx.clone(model), spec, _tiny_prompts(4, seed=0), method=method)
+    assert isinstance(calibrated.layers[1].mlp.down_proj, QuantLinear)
+    assert error(calibrated) < error(quantize_model(nnx.clone(model), spec))
+
+
+@pytest.fixture(scope="module")
+def awq_g128_ppl(smollm2_lmjax, smollm2_tokenizer, text_ids) -> float:
+    """Perplexity of SmolLM2 through `lmjax convert --quant w4`'s default (AWQ, built-in calibration text),
+    in memory: computed once, compared with the converted checkpoint below."""
+    from convert.calibrate import calibrate_w4, calibration_prompts
+
+    model = calibrate_w4(nnx.clone(smollm2_lmjax.model), QuantSpec("w4", 128), calibration_prompts(smollm2_tokenizer))
     assert isinstance(model.layers[0].mlp.down_proj, QuantLinear)
-    ppl = perplexity(model, text_ids)
-    print(f"SmolLM2 perplexity: float32 {base_ppl:.4f}, w4 g128 rtn {rtn_g128_ppl:.4f}, gptq {ppl:.4f}")
-    assert ppl - base_ppl < 0.5 * (rtn_g128_ppl - base_ppl)
+    return perplexity(model, text_ids)
 
 
-def test_smollm2_converted_w4_gptq_restores_what_was_calibrated(smollm2_gguf, smollm2_lmjax, smollm2_tokenizer,
-                                                                text_ids, tmp_path):
+# w4 g128 target of the issue: within 5% of float32 (10.64). Not met: round to nearest measures 36.6 (+244%),
+# GPTQ with least-squares scales 21.5 (+102%), AWQ (convert/awq.py, the default) 18.3 (+72%); all calibrated
+# on convert/calibration_text.py. SmolLM2-135M here is itself a Q4_1 (group 32) model, whose four
+# differently-scaled blocks per group of 128 no single scale and offset can follow. The bound guards
+# AWQ's gain over GPTQ (variants of the search moved it by about +-1: see convert/awq.py).
+def test_smollm2_w4_g128_awq_beats_gptq(awq_g128_ppl, base_ppl):
+    print(f"SmolLM2 perplexity: float32 {base_ppl:.4f}, w4 g128 awq {awq_g128_ppl:.4f} (gptq 21.51, rtn 36.65)")
+    assert awq_g128_ppl < 20.0
+
+
+def test_smollm2_converted_w4_restores_what_was_calibrated(smollm2_gguf, smollm2_lmjax, text_ids, awq_g128_ppl,
+                                                           tmp_path):
     import json
 
     from convert import convert_checkpoint
-    from convert.calibrate import calibration_prompts, gptq_quantize_model
+    from convert.calibration_text import DEFAULT_CALIBRATION_TEXT
     from lmjax.loader.model_loader import load_model
 
-    calib = tmp_path / "calib.txt"  # short: this checks the wiring, not the quality
-    calib.write_text("Water moves through the world in a cycle. def add(a, b):\n    return a + b\n" * 4)
+    calib = tmp_path / "calib.txt"  # the built-in text through --calib-text: the fixture's model again
+    calib.write_text(DEFAULT_CALIBRATION_TEXT)
     out = convert_checkpoint(smollm2_gguf, tmp_path / "w4", dtype="float32", quant="w4", group_size=128,
                              calib_text=str(calib))
     quant = json.load(open(tmp_path / "w4" / "config.json"))["lmjax"]["quant"]
-    assert quant == {"method": "w4", "group_size": 128, "algorithm": "gptq", "calibration": str(calib)}
+    assert quant == {"method": "w4", "group_size": 128, "algorithm": "awq", "calibration": str(calib)}
     restored = load_model(out, "float32").model
-    in_memory = gptq_quantize_model(nnx.clone(smollm2_lmjax.model), QuantSpec("w4", 128),
-                                    calibration_prompts(smollm2_tokenizer, calib.read_text()))
-    assert perplexity(restored, text_ids) == pytest.approx(perplexity(in_memory, text_ids), rel=1e-4)
+    assert perplexity(restored, text_ids) == pytest.approx(awq_g128_ppl, rel=1e-4)
     with pytest.raises(ValueError, match="calib_text='/nonexistent.txt' is not a file"):
         convert_checkpoint(smollm2_gguf, tmp_path / "x", quant="w4", calib_text="/nonexistent.txt")
