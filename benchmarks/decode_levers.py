@@ -2,7 +2,9 @@
 (the switches are environment variables read when the step is traced), in one run so the figures compare.
 
     python benchmarks/decode_levers.py --shape llama-3-8b                 # every variant below
-    python benchmarks/decode_levers.py --shape llama-3.2-1b --variants xla fused gate-up
+    python benchmarks/decode_levers.py --shape llama-3.2-1b --variants xla fused-qkv default
+    python benchmarks/decode_levers.py --variants default --extra 'no-graphs:XLA_FLAGS=--xla_gpu_enable_command_buffer='
+
     python benchmarks/decode_levers.py --shape tiny --iters 3             # CPU smoke
 
 Each variant runs benchmarks/tp_decode.py (tp 1, random weights made on the device, the engine's own
@@ -21,19 +23,27 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 VARIANTS = {  # name -> environment for the step
-    "xla": {"LMJAX_KV_WRITE_IMPL": "reference"},  # RoPE + two scatters by XLA, q/k/v apart
-    "fused": {},  # the default: merged q/k/v weight into the fused RoPE + KV-write kernel (GPU)
-    "gate-up": {"LMJAX_MERGE_GATE_UP": "1"},  # + one gate/up weight
+    "xla": {"LMJAX_KV_WRITE_IMPL": "reference", "LMJAX_MERGE_GATE_UP": "0"},  # RoPE + two scatters by XLA
+    "fused-qkv": {"LMJAX_MERGE_GATE_UP": "0"},  # merged q/k/v weight into the fused RoPE + KV-write kernel
+    "default": {},  # the GPU default: fused-qkv + one gate/up weight
     "add-norm": {"LMJAX_NORM_IMPL": "kernel"},  # + residual add and RMSNorm in one Pallas launch
-    "all": {"LMJAX_MERGE_GATE_UP": "1", "LMJAX_NORM_IMPL": "kernel"},
 }
+
+
+def parse_extra(spec: str) -> tuple[str, dict]:
+    """'NAME:VAR=VALUE,VAR=VALUE' -> (NAME, environment); a value may itself hold '=' (XLA flags)."""
+    name, sep, assignments = spec.partition(":")
+    pairs = [a.partition("=") for a in assignments.split(",") if a]
+    if not (name and sep and pairs and all(p[1] for p in pairs)):
+        raise ValueError(f"--extra {spec!r} must look like NAME:VAR=VALUE[,VAR=VALUE]")
+    return name, {var: value for var, _, value in pairs}
 
 
 def run_variant(name: str, args) -> dict:
     cmd = [sys.executable, os.path.join(HERE, "tp_decode.py"), "--shape", args.shape, "--tp", "1",
            "--steps", str(args.steps), "--block-size", str(args.block_size), "--context", str(args.context),
            "--iters", str(args.iters), "--warmup", "2"]
-    env = {**os.environ, **VARIANTS[name]}
+    env = {**os.environ, **args.variant_env[name]}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"tp"')]
     if proc.returncode or not rows:
@@ -66,9 +76,12 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--bandwidth", type=float, default=4.26e12, help="copy bandwidth, bytes/s (H200: 4.26e12)")
     parser.add_argument("--timeout", type=float, default=180, help="seconds per variant")
+    parser.add_argument("--extra", nargs="*", default=[], help="more variants, NAME:VAR=VALUE[,VAR=VALUE], run last")
     args = parser.parse_args()
+    extras = dict(parse_extra(spec) for spec in args.extra)
+    args.variant_env = {**VARIANTS, **extras}
     results = []
-    for name in args.variants:
+    for name in [*args.variants, *extras]:
         results.append(run_variant(name, args))
         print(json.dumps(results[-1]), flush=True)
     print(table(results, args.bandwidth), flush=True)

@@ -226,8 +226,10 @@ def _combine_splits(o_VXH, lse_VX):
     w_VX = jnp.exp2(lse_VX - safe_max_X[None])
     w_VX = jnp.where(jnp.isfinite(lse_VX), w_VX, 0.0)
     total_X = jnp.sum(w_VX, axis=0)
-    out_XH = jnp.einsum("vx,vxh->xh", w_VX, jnp.where(w_VX[..., None] > 0, o_VXH, 0.0))
-    return out_XH / jnp.where(total_X > 0, total_X, 1.0)[:, None]
+    # A weighted sum, not an einsum: XLA then fuses the weights, the sum, the division and the caller's
+    # mask and cast into one reduction kernel (an einsum is a dot of its own plus a convert a layer).
+    weighted_VXH = jnp.where(w_VX[..., None] > 0, w_VX[..., None] * o_VXH, 0.0)
+    return jnp.sum(weighted_VXH, axis=0) / jnp.where(total_X > 0, total_X, 1.0)[:, None]
 
 
 def _kernel_impl(q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, block_tables_BM, cu_q_lens_B1,

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from lmjax import parallel
+from lmjax.env import env_choice
 from lmjax.layers.quant import QuantKV, paged_attention_quant, quant_kv_spec, write_kv_quant
 from lmjax.layers.rope import apply_rope
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
@@ -62,9 +63,9 @@ def kv_write_impl(impl: str | None = None, *, merged: bool = False) -> str:
     path otherwise: fed q, k and v apart, the kernel measured no faster inside the decode step (H200,
     batch 1, 2026-11-23: 1B 1.137 vs 1.107 ms, 8B 4.578 ms both) because XLA copies them out of its
     merged projection GEMM for the custom call (~120 us a step on 8B). "tiled" means the XLA path here."""
-    impl = impl or os.environ.get("LMJAX_KV_WRITE_IMPL") or os.environ.get("LMJAX_ATTENTION_IMPL", "auto")
-    if impl not in ("auto", "kernel", "reference", "tiled"):
-        raise ValueError(f"kv write impl={impl!r} must be one of ('auto', 'kernel', 'reference', 'tiled')")
+    fallback = os.environ.get("LMJAX_ATTENTION_IMPL") or "auto"
+    impl = env_choice("LMJAX_KV_WRITE_IMPL", ("auto", "kernel", "reference", "tiled"), fallback, impl,
+                      label="kv write impl")
     if impl == "auto":
         return "kernel" if merged and jax.default_backend() == "gpu" else "reference"
     return "kernel" if impl == "kernel" else "reference"

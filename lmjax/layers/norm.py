@@ -9,7 +9,6 @@ two XLA launches each. Opt-in only: the kernel has not been measured on a GPU ye
 """
 from __future__ import annotations
 
-import os
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +16,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from lmjax import parallel
+from lmjax.env import env_choice
 from pallas_kernels.add_rms_norm import add_rms_norm
 
 NORM_IMPLS = ("xla", "kernel")
@@ -24,10 +24,7 @@ NORM_IMPLS = ("xla", "kernel")
 
 def norm_impl(impl: str | None = None) -> str:
     """"xla" (the default) or "kernel" for `RMSNorm.add_and_norm`: `impl`, else LMJAX_NORM_IMPL."""
-    impl = impl or os.environ.get("LMJAX_NORM_IMPL") or "xla"
-    if impl not in NORM_IMPLS:
-        raise ValueError(f"LMJAX_NORM_IMPL / norm impl={impl!r} must be one of {NORM_IMPLS}")
-    return impl
+    return env_choice("LMJAX_NORM_IMPL", NORM_IMPLS, "xla", impl, label="norm impl")
 
 
 class RMSNorm(nnx.Module):

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +36,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from lmjax import parallel
+from lmjax.env import env_choice
 from lmjax.layers.linear import Linear
 from pallas_kernels.quant_kv import SCALE_DTYPE, ZERO_DTYPE, QuantKV, dequantize_kv  # noqa: F401 (re-exported)
 from pallas_kernels.w4_matmul import kernel_supports, w4_matmul_kernel
@@ -127,9 +127,7 @@ def _use_w4_kernel(x_TI: jax.Array, group_size: int) -> bool:
     """Trace-time choice of the w4 path. LMJAX_W4_IMPL=kernel|reference forces one (benchmarks);
     auto takes the Pallas kernel on GPU for at most W4_KERNEL_MAX_TOKENS tokens and no active mesh
     (under tensor parallelism the weights are sharded: the jnp path lets XLA partition it)."""
-    impl = os.environ.get("LMJAX_W4_IMPL", "auto")
-    if impl not in W4_IMPLS:
-        raise ValueError(f"LMJAX_W4_IMPL={impl!r} must be one of {W4_IMPLS}")
+    impl = env_choice("LMJAX_W4_IMPL", W4_IMPLS, "auto")
     if impl != "auto":
         return impl == "kernel"
     tokens = int(np.prod(x_TI.shape[:-1]))

@@ -83,18 +83,22 @@ def test_trace_idle_gaps_are_the_holes_in_the_union_of_kernels():
     assert hist["5-20 us"] == (1, 14) and hist[">=100 us"] == (1, 169) and hist["0-2 us"] == (0, 0)
 
 
-def test_decode_levers_runs_a_variant_and_tabulates_failures(monkeypatch):
+def test_decode_levers_runs_a_variant_and_tabulates_failures():
     """decode_levers.py: a variant's environment reaches its tp_decode process (a bad value fails there,
     naming it), its figures reach the table, and a failed variant is a table row, not a crash."""
     import argparse
 
     import decode_levers
 
-    args = argparse.Namespace(shape="tiny", steps=2, block_size=16, context=32, iters=2, timeout=300)
-    ok = decode_levers.run_variant("gate-up", args)
+    name, env = decode_levers.parse_extra("broken:LMJAX_MERGE_GATE_UP=maybe,XLA_FLAGS=--a=b")
+    assert (name, env) == ("broken", {"LMJAX_MERGE_GATE_UP": "maybe", "XLA_FLAGS": "--a=b"})
+    with pytest.raises(ValueError, match="'nameonly'"):
+        decode_levers.parse_extra("nameonly")
+    args = argparse.Namespace(shape="tiny", steps=2, block_size=16, context=32, iters=2, timeout=300,
+                              variant_env={**decode_levers.VARIANTS, "broken": {"LMJAX_MERGE_GATE_UP": "maybe"}})
+    ok = decode_levers.run_variant("fused-qkv", args)
     assert ok["multi_step_ms_per_step"] > 0 and len(ok["greedy_tokens"]) == 2
-    monkeypatch.setitem(decode_levers.VARIANTS, "broken", {"LMJAX_MERGE_GATE_UP": "maybe"})
     bad = decode_levers.run_variant("broken", args)
     assert "LMJAX_MERGE_GATE_UP='maybe'" in " ".join(bad["error"])
     text = decode_levers.table([ok, bad], 4.26e12)
-    assert "| gate-up |" in text and "| 1.000 | True |" in text and "| broken | failed:" in text
+    assert "| fused-qkv |" in text and "| 1.000 | True |" in text and "| broken | failed:" in text

@@ -1,7 +1,7 @@
 """ModelRunner's GPU-only choices, checked on CPU: the multi-step decode call's smallest batch bucket
 (one row only where it pays: int4 weights on GPU, whose one-token GEMV needs T = 1; four elsewhere, as
-XLA's one-row bf16 dots are slower on GPU and on CPU each bucket is a compilation), and the opt-in
-gate/up merge, through the engine."""
+XLA's one-row bf16 dots are slower on GPU and on CPU each bucket is a compilation), and the gate/up
+merge (GPU by default), through the engine."""
 import jax
 import pytest
 from flax import nnx
@@ -34,8 +34,12 @@ def test_env_overrides_and_bad_values_are_named(monkeypatch):
     assert jax.default_backend() == "cpu"  # the monkeypatch above did not leak
 
 
-def test_gate_up_merge_is_opt_in_and_bad_values_are_named(monkeypatch):
+def test_gate_up_merge_is_on_for_gpu_by_default_and_bad_values_are_named(monkeypatch):
     monkeypatch.delenv("LMJAX_MERGE_GATE_UP", raising=False)
+    assert not model_runner.merge_gate_up_enabled()  # CPU
+    monkeypatch.setattr(model_runner.jax, "default_backend", lambda: "gpu")
+    assert model_runner.merge_gate_up_enabled()
+    monkeypatch.setenv("LMJAX_MERGE_GATE_UP", "0")
     assert not model_runner.merge_gate_up_enabled()
     monkeypatch.setenv("LMJAX_MERGE_GATE_UP", "1")
     assert model_runner.merge_gate_up_enabled()
