@@ -94,18 +94,18 @@ def time_request(engine, prompt: list[int], new_tokens: int) -> dict:
     """One request through engine.step(); per call: seconds, tokens delivered, device steps run."""
     from lmjax import SamplingParams
 
-    k = engine.config.num_scheduler_steps
     t0 = time.perf_counter()
     req = engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True))
     comp, calls, last, first_token_at = req.completions[0], [], t0, None
     while not req.finished:
-        loops, had = engine.num_decode_loops, len(comp.token_ids)
+        steps_read, had = engine.num_loop_steps_read, len(comp.token_ids)
         engine.step()
         now = time.perf_counter()
         if first_token_at is None and comp.token_ids:
             first_token_at = now  # the prefill step sampled the first token
-        elif had:  # a decode call: K steps when the engine ran a multi-step loop, else 1
-            calls.append((now - last, len(comp.token_ids) - had, k if engine.num_decode_loops > loops else 1))
+        elif had:  # a decode call: the K steps of the multi-step loop it read (the last one's tail
+            # past max_tokens included: the device ran them), else one step
+            calls.append((now - last, len(comp.token_ids) - had, engine.num_loop_steps_read - steps_read or 1))
         last = now
     if len(comp.token_ids) != new_tokens:
         raise RuntimeError(f"lmjax generated {len(comp.token_ids)} tokens, wanted {new_tokens}")
@@ -114,7 +114,8 @@ def time_request(engine, prompt: list[int], new_tokens: int) -> dict:
     return {"ttft_s": first_token_at - t0, "total_s": last - t0, "decode_s": decode_s,
             "decode_steps": steps, "decode_calls": len(calls), "step_ms": 1e3 * decode_s / max(steps, 1),
             "tok_ms": 1e3 * decode_s / max(new_tokens - 1, 1),
-            "call_step_ms": [1e3 * dt / n for dt, _, n in calls], "tokens": list(comp.token_ids)}
+            "call_step_ms": [1e3 * dt / n for dt, _, n in calls], "call_tokens": [t for _, t, _ in calls],
+            "call_steps": [n for _, _, n in calls], "tokens": list(comp.token_ids)}
 
 
 def run_lmjax(path: str, prompt: list[int], args) -> dict:

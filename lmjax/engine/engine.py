@@ -65,6 +65,7 @@ class LLMEngine:
         self.num_decode_loops = 0  # multi-step decode calls (num_scheduler_steps tokens per sequence each)
         self._pending = None  # (batch, PendingDecode): a multi-step call dispatched, its tokens unread
         self.num_chained_loops = 0  # of those, dispatched while the previous call's tokens were unread
+        self.num_loop_steps_read = 0  # device steps of the multi-step calls whose tokens were read so far
         logger.info("engine ready: %s, %d KV blocks of %d tokens, session_len=%d", loaded.path, num_blocks,
                     config.block_size, self.session_len)
         if config.warmup:
@@ -297,6 +298,7 @@ class LLMEngine:
             self._pending = (batch, self.runner.dispatch_decode(batch, rows, k, after=pending))
             self.num_decode_loops += 1
             self.num_chained_loops += 1
+        self.num_loop_steps_read += pending.num_steps  # all K ran, even past a request's end
         for out in self.runner.collect(pending):
             alive = [i for i, it in enumerate(batch.items) if it.seq.seq_id in self._by_seq]
             if not alive:

@@ -102,3 +102,16 @@ def test_decode_levers_runs_a_variant_and_tabulates_failures():
     assert "LMJAX_MERGE_GATE_UP='maybe'" in " ".join(bad["error"])
     text = decode_levers.table([ok, bad], 4.26e12)
     assert "| fused-qkv |" in text and "| 1.000 | True |" in text and "| broken | failed:" in text
+
+
+def test_latency_counts_every_device_step_of_each_multi_step_call(tiny_sharded):
+    """latency.py's per-step time divides by the device steps run: the last K-step call of a request
+    runs K steps even when fewer tokens remain (11 decode tokens, K = 4: three calls, 12 steps)."""
+    from latency import time_request
+
+    from lmjax import LLM
+
+    engine = LLM(tiny_sharded, dtype="float32", max_model_len=64, num_scheduler_steps=4).llm_engine
+    run = time_request(engine, list(range(4, 12)), new_tokens=12)
+    assert run["call_steps"] == [4, 4, 4] and run["call_tokens"] == [4, 4, 3]
+    assert run["decode_steps"] == 12 and run["decode_calls"] == 3
