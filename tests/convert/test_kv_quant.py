@@ -193,14 +193,16 @@ def test_pipeline_with_turbomind_quant_policy_8(smollm2_gguf):
 
 
 def test_tensor_parallel_engine_with_quantized_kv(smollm2_gguf, greedy_prompts):
-    """tp = 3 shards the quantized cache on KV heads (one per device) and generates tp = 1's tokens."""
+    """tp = 3 shards the quantized cache on KV heads (one per device) and generates tp = 1's tokens.
+    int4 only (the packed layout, W = 32 codes a row; int8 shares the sharding code): the pair of
+    policies took 100 s of CI."""
     import json
     import os
     import subprocess
     import sys
 
     driver = os.path.join(os.path.dirname(__file__), "kv_tp_driver.py")
-    spec = {"model": smollm2_gguf, "policies": [8, 4], "prompts": greedy_prompts[:2]}
+    spec = {"model": smollm2_gguf, "policies": [4], "prompts": greedy_prompts[:2]}
     proc = subprocess.run([sys.executable, driver, json.dumps(spec)], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
