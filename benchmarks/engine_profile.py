@@ -54,7 +54,7 @@ class StepProfile:
     PARTS = ("step", "schedule", "sampling_rows", "build_inputs", "sampling_metadata", "dispatch", "execute",
              "postprocess")
 
-    def __init__(self, engine, clock):  # clock: throughput.CompileClock
+    def __init__(self, engine, clock):  # clock: compile_clock.CompileClock
         import lmjax.engine.model_runner as model_runner
 
         self.clock, self._compile_at_start, self._compile_base = clock, 0.0, clock.seconds

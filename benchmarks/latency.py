@@ -42,6 +42,7 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from compile_clock import CompileClock  # noqa: E402
 from random_model import SHAPES, checkpoint_bytes, ensure_checkpoint  # noqa: E402
 from hf_baseline import run_bounded  # noqa: E402
 
@@ -73,23 +74,6 @@ def roofline(model_dir: str, dtype: str, bandwidth: float) -> dict:
 
 
 # ------------------------------------------------------------------ lmjax
-class JaxCompileClock:
-    """Seconds JAX spent tracing, lowering and compiling (or loading from the persistent cache), and the
-    number of XLA compilations (or cache loads): these also catch recompilations without a retrace, which
-    the engine's own counter (traces) does not see."""
-
-    def __init__(self):
-        from jax import monitoring
-
-        self.seconds, self.count = 0.0, 0
-        monitoring.register_event_duration_secs_listener(self._on)
-
-    def _on(self, event: str, duration: float, **_) -> None:
-        if event.startswith("/jax/core/compile/"):
-            self.seconds += duration
-            self.count += event.endswith("backend_compile_duration")
-
-
 def time_request(engine, prompt: list[int], new_tokens: int) -> dict:
     """One request through engine.step(); per call: seconds, tokens delivered, device steps run."""
     from lmjax import SamplingParams
@@ -125,7 +109,7 @@ def run_lmjax(path: str, prompt: list[int], args) -> dict:
     from lmjax import LLM
     from lmjax.engine import compile_cache
 
-    clock = JaxCompileClock()
+    clock = CompileClock()
     t0 = time.perf_counter()
     llm = LLM(path, dtype=args.dtype, max_model_len=args.prompt_len + args.new_tokens + 64)
     engine = llm.llm_engine

@@ -53,6 +53,7 @@ import time
 # The transformers side, the report and the workload records live in throughput_hf.py,
 # throughput_report.py and throughput_workload.py; this script runs lmjax and both sides in turn.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from compile_clock import CompileClock  # noqa: E402
 from engine_profile import StepProfile, profile_decode  # noqa: E402
 from random_model import SHAPES, ensure_checkpoint  # noqa: E402
 from throughput_hf import _run_hf_guarded, _timed_groups, best_hf, hf_in_subprocess, run_hf  # noqa: E402
@@ -82,25 +83,6 @@ def model_path(args) -> str:
     from lmjax.loader.resolve import resolve_model_path
 
     return resolve_model_path(args.model)
-
-
-# ------------------------------------------------------------------ compile-time accounting
-class CompileClock:
-    """Sums JAX's own trace/lower/compile durations (jax.monitoring), so compile time is separable."""
-
-    def __init__(self):
-        from jax import monitoring
-
-        self.seconds, self.count = 0.0, 0
-        monitoring.register_event_duration_secs_listener(self._on_event)
-
-    def _on_event(self, event: str, duration: float, **_) -> None:
-        if event.startswith("/jax/core/compile/"):
-            self.seconds += duration
-            self.count += event.endswith("backend_compile_duration")
-
-    def snapshot(self) -> tuple[float, int]:
-        return self.seconds, self.count
 
 
 # ------------------------------------------------------------------ lmjax

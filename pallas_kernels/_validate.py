@@ -37,3 +37,10 @@ def require_dim(name: str, x, axis: int, expected: int, what: str) -> None:
 
 def is_power_of_two(n: int) -> bool:
     return n > 0 and (n & (n - 1)) == 0
+
+
+IMPLS = ("auto", "kernel", "reference")  # every op's impl choices ("auto": the kernel on GPU)
+
+
+def require_impl(impl, impls: tuple[str, ...] = IMPLS) -> None:
+    require(impl in impls, f"impl={impl!r} must be one of {impls}")

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels._validate import require, require_dtype, require_rank
+from pallas_kernels._validate import require, require_dtype, require_impl, require_rank
 from pallas_kernels._pallas_util import (  # the shared Pallas helpers (not via the attention op)
     FLOAT_DTYPES,
     _masked_load,
@@ -37,14 +37,13 @@ from pallas_kernels._pallas_util import (  # the shared Pallas helpers (not via 
     _triton_compiler_params,
 )
 
-IMPLS = ("auto", "kernel", "reference")
 MAX_KERNEL_D = 16384  # a whole row lives in registers: past this the kernel would spill badly
 _TILE_ELEMS = 4096  # rows per program: as many as fill a tile of this many elements (at least one)
 
 
 def validate_add_rms_norm(x_TD, residual_TD, weight_D, eps, impl="auto") -> None:
     """Shared by kernel and reference: static shapes, dtypes and scalars; errors name the bad value."""
-    require(impl in IMPLS, f"impl={impl!r} must be one of {IMPLS}")
+    require_impl(impl)
     require_rank("x_TD", x_TD, 2, "T, D")
     require_dtype("x_TD", x_TD, FLOAT_DTYPES)
     if residual_TD is not None:
@@ -125,6 +124,9 @@ def _add_rms_norm_pallas(x_TD, residual_TD, weight_D, *, eps, interpret):
         kernel,
         out_shape=(out_TD, jax.ShapeDtypeStruct(x_TD.shape, x_TD.dtype)) if has_residual else (out_TD,),
         grid=(pl.cdiv(num_tokens, block_rows),),
+        # The new residual overwrites the old one's buffer (each program reads its rows before it
+        # writes them): no second [T, D] allocation; XLA copies first only if the caller keeps the old.
+        input_output_aliases={1: 1} if has_residual else {},
         compiler_params=_triton_compiler_params(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="add_rms_norm" if has_residual else "rms_norm",

@@ -13,15 +13,17 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels._pallas_util import FLOAT_DTYPES
+from pallas_kernels._validate import IMPLS as KERNEL_IMPLS
 from pallas_kernels._validate import (
     is_power_of_two,
     require,
     require_dim,
     require_dtype,
+    require_impl,
     require_rank,
 )
 
-IMPLS = ("auto", "kernel", "reference", "tiled")
+IMPLS = (*KERNEL_IMPLS, "tiled")
 # Finite stand-in for -inf in the running max: exp2(-inf - (-inf)) would be NaN
 # for rows that have seen no key yet, exp2(-inf - _M_INIT) is 0.
 _M_INIT = -1e30
@@ -75,7 +77,7 @@ def validate_ragged_paged_attention(
         sliding_window is None or (isinstance(sliding_window, int) and sliding_window >= 1),
         f"sliding_window={sliding_window!r} must be None or an int >= 1",
     )
-    require(impl in IMPLS, f"impl={impl!r} must be one of {IMPLS}")
+    require_impl(impl, IMPLS)
     if for_kernel:
         # Triton tiles need power-of-two extents.
         require(

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels._validate import require, require_dtype
+from pallas_kernels._validate import require, require_dtype, require_impl
 from pallas_kernels._pallas_util import (  # the shared Pallas helpers (not via the attention op)
     _masked_load,
     _masked_store,
@@ -31,7 +31,6 @@ from pallas_kernels._pallas_util import (  # the shared Pallas helpers (not via 
 )
 from pallas_kernels.rope import apply_rope_reference, validate_rope_args
 
-IMPLS = ("auto", "kernel", "reference")
 _ELEMENTS_PER_TILE = 8192  # elements of one tensor's rotary half a program handles
 
 
@@ -45,7 +44,7 @@ def _validate(tensors, positions_T, inv_freq_TF, attention_scaling, impl="auto")
     require_dtype("inv_freq_TF", inv_freq_TF, ("float32",))
     require(isinstance(attention_scaling, (int, float)),
             f"attention_scaling={attention_scaling!r} must be a Python float")
-    require(impl in IMPLS, f"impl={impl!r} must be one of {IMPLS}")
+    require_impl(impl)
 
 
 def _rope_kernel(

@@ -42,7 +42,15 @@ from pallas_kernels._pallas_util import (  # jax 0.10 / 0.11 spellings of the Tr
     _on_gpu,
     _triton_compiler_params,
 )
-from pallas_kernels._validate import is_power_of_two, require, require_dim, require_dtype, require_rank
+from pallas_kernels._validate import (
+    IMPLS,
+    is_power_of_two,
+    require,
+    require_dim,
+    require_dtype,
+    require_impl,
+    require_rank,
+)
 from pallas_kernels.w4_gemv import (
     GEMV_MAX_T,
     GEMV_TUNABLES,
@@ -62,7 +70,6 @@ __all__ = [  # this module's ops and, re-exported, the gemv path's names and the
     "_gemv_impl", "_div", "_masked_load", "_masked_store", "_num_sms", "_on_gpu", "_triton_compiler_params",
 ]
 
-IMPLS = ("auto", "kernel", "reference")
 PATHS = ("auto", "gemv", "dot")
 TUNABLES = ("block_o", "num_splits", "num_warps", "num_stages")  # the dot path's
 MIN_ROWS = 16  # Triton's dot needs every dim >= 16
@@ -88,7 +95,7 @@ def validate_w4_matmul(x_TI, packed_JO, scale_gO, offset_gO, group_size, *, impl
         require_dtype(name, arr, FLOAT_DTYPES)
         require(tuple(arr.shape) == (groups, O),
                 f"{name}.shape={tuple(arr.shape)} must be (ceil(I/G), O)={(groups, O)}")
-    require(impl in IMPLS, f"impl={impl!r} must be one of {IMPLS}")
+    require_impl(impl)
     require(path in PATHS, f"path={path!r} must be one of {PATHS}")
     T = x_TI.shape[0]
     require(path != "gemv" or T <= GEMV_MAX_T, f"path='gemv' needs T={T} <= GEMV_MAX_T={GEMV_MAX_T}")
