@@ -53,9 +53,11 @@ def test_batched_greedy_equals_transformers(batched, prompts, smollm2_hf_model):
 
 
 def test_batched_greedy_equals_alone(llm, batched, prompts):
-    for ids, got in zip(prompts, batched):
-        alone = llm.generate([ids], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
-        assert alone == got
+    # One prompt of each kind (plain English and Chinese, chat, the longest chunked one, 65 random ids):
+    # all 16 alone cost 40 s of CI, and the batch they are compared against is the full one.
+    for i in (0, 4, 5, 11, 14):
+        alone = llm.generate([prompts[i]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        assert alone == batched[i], i
 
 
 def test_compilations_are_bounded_and_counted(llm):
