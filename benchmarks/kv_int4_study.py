@@ -64,13 +64,13 @@ What the variants are:
   +3.6% ppl on this run (noise about +-3 points), within the issue's 5%.
 
 Conclusion: inside the layout and capacity (no extra bytes per token), bias subtraction and clipping
-are too small (the best data-free change, K clip + V rotated, is still +13% / KL -20%); what works is a calibrated per-layer, per-KV-head [H, H] transform of K (and its inverse
-transpose on q), replacing the fixed Hadamard R by B @ R for K and B^-T @ R for q, plus the rotation of
-V (V @ R stored, R^T applied to the attention output per head) and the clip search at write time. It
-needs calibration statistics (second moments of RoPE'd K and q per layer and KV head: a forward over
-convert/calibration_text.py, at `lmjax convert` time or at engine load) and a per-layer matrix in the
-attention path (shards with the KV heads under tp); not done in this session for want of time: the
-engine is unchanged.
+are too small (the best data-free change, K clip + V rotated, is still +13% / KL -20%). What works is
+a calibrated per-layer, per-KV-head [H, H] transform: the fixed Hadamard R becomes B @ R for K and
+B^-T @ R for q, with the rotation of V (V @ R stored, R^T on the attention output per head) and the
+clip search at write time. It needs calibration statistics (second moments of RoPE'd K and q per
+layer and KV head: a forward over convert/calibration_text.py, at `lmjax convert` time or at engine
+load) and a per-layer matrix in the attention path (sharded with the KV heads under tp). Not done in
+this session for want of time: the engine is unchanged.
 """
 import dataclasses
 import os
