@@ -73,7 +73,8 @@ def merge_gate_up_enabled() -> bool:
 
 def _merge_projections(model: nnx.Module, quant_policy: int) -> None:
     """On one device: q/k/v as one weight when the fused RoPE + KV-write kernel will read its output
-    whole (GPU, unquantized cache: `kv_write_impl`), gate/up on GPU (`merge_gate_up_enabled`); float or quantized weights."""
+    whole (GPU, unquantized cache: `kv_write_impl`), gate/up on GPU (`merge_gate_up_enabled`); float
+    or quantized weights."""
     if quant_policy == 0 and kv_write_impl(merged=True) == "kernel" and hasattr(model, "merge_qkv"):
         logger.info("merged the q/k/v projections of %d layers", model.merge_qkv())
     if merge_gate_up_enabled() and hasattr(model, "merge_gate_up"):
