@@ -7,7 +7,8 @@ every add + norm pair into one call of this op: one launch that reads x and the 
 the new residual and the normed rows.
 
 Status: opt-in (LMJAX_NORM_IMPL=kernel, see `lmjax.layers.norm`); checked against the reference in
-interpret mode on CPU; not yet measured on a GPU (the tiling below is a first guess, untuned).
+interpret mode on CPU and compiled on an H200 (all tests pass); in the 8B batch-1 decode step it measured
+no faster than XLA's two launches (4.657 vs 4.533 ms, 2026-11-23; the tiling below is untuned).
 
 Semantics (those of `add_rms_norm_reference`, which are lmjax's `RMSNorm` after a jnp `x + residual`):
   new_residual = x + residual                                  one rounding to x's dtype
