@@ -20,7 +20,6 @@ kernel is the GPU default (see `kv_write_impl`).
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +30,7 @@ from lmjax import parallel
 from lmjax.env import env_choice
 from lmjax.layers.quant import QuantKV, paged_attention_quant, quant_kv_spec, write_kv_quant
 from lmjax.layers.rope import apply_rope
+from pallas_kernels.ragged_paged_attention import IMPLS as ATTENTION_IMPLS
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 from pallas_kernels.rope import RopeSpec, inv_freq_TF
 from pallas_kernels.rope_kv_write import rope_kv_write, rope_kv_write_qkv, scatter_kv_reference, split_qkv
@@ -56,6 +56,12 @@ def write_kv(k_cache_PSKH, v_cache_PSKH, k_TKH, v_TKH, slot_mapping_T):
     return scatter_kv_reference(k_cache_PSKH, v_cache_PSKH, k_TKH, v_TKH, slot_mapping_T)
 
 
+def attention_impl(impl: str | None = None) -> str:
+    """`impl`, else LMJAX_ATTENTION_IMPL (read at trace time, so kernel-vs-reference runs of one engine
+    need no code change), else "auto"; one of ragged_paged_attention's IMPLS."""
+    return env_choice("LMJAX_ATTENTION_IMPL", ATTENTION_IMPLS, "auto", impl, label="attention impl")
+
+
 def kv_write_impl(impl: str | None = None, *, merged: bool = False) -> str:
     """"kernel" or "reference" for the RoPE + KV write: `impl`, else LMJAX_KV_WRITE_IMPL, else
     LMJAX_ATTENTION_IMPL (so one variable switches a whole engine to its references), else "auto".
@@ -63,9 +69,7 @@ def kv_write_impl(impl: str | None = None, *, merged: bool = False) -> str:
     path otherwise: fed q, k and v apart, the kernel measured no faster inside the decode step (H200,
     batch 1, 2026-11-23: 1B 1.137 vs 1.107 ms, 8B 4.578 ms both) because XLA copies them out of its
     merged projection GEMM for the custom call (~120 us a step on 8B). "tiled" means the XLA path here."""
-    fallback = os.environ.get("LMJAX_ATTENTION_IMPL") or "auto"
-    impl = env_choice("LMJAX_KV_WRITE_IMPL", ("auto", "kernel", "reference", "tiled"), fallback, impl,
-                      label="kv write impl")
+    impl = env_choice("LMJAX_KV_WRITE_IMPL", ATTENTION_IMPLS, attention_impl(), impl, label="kv write impl")
     if impl == "auto":
         return "kernel" if merged and jax.default_backend() == "gpu" else "reference"
     return "kernel" if impl == "kernel" else "reference"
@@ -118,7 +122,7 @@ def paged_attention(q_TNH, k_cache_PSKH, v_cache_PSKH, meta: AttentionMetadata, 
     the LMJAX_ATTENTION_IMPL environment variable, read at trace time, so kernel-vs-reference runs of
     the same engine need no code change.
     """
-    impl = impl or os.environ.get("LMJAX_ATTENTION_IMPL", "auto")
+    impl = attention_impl(impl)
     quantized = isinstance(k_cache_PSKH, QuantKV)
 
     def attend(q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, block_tables_BM, cu_q_lens_B1):
@@ -150,7 +154,7 @@ def cost_follows_context(impl: str | None = None) -> bool:
     (the XLA tiled path off GPU loops over the blocks a tile can see). Then the engine pads every block
     table to one width and saves the compilations of width buckets. The Pallas kernel sizes its
     KV splits from the width, and the reference scans all of it: both keep width buckets."""
-    impl = impl or os.environ.get("LMJAX_ATTENTION_IMPL", "auto")
+    impl = attention_impl(impl)
     return impl == "tiled" or (impl == "auto" and jax.default_backend() != "gpu")
 
 
