@@ -113,7 +113,8 @@ def time_multi_step(runner, caches, inputs: StepInputs, smeta, flags, args):
             calls.append(time.perf_counter() - t0)
     if args.profile:
         import trace_summary  # benchmarks/trace_summary.py
-        trace_dir = os.path.join(args.profile, f"tp{len(jax.devices()) if runner.mesh is not None else 1}")
+        tp = len(jax.devices()) if runner.mesh is not None else 1
+        trace_dir = os.path.join(args.profile, f"tp{tp}" + (f"-p{jax.process_index()}" if jax.process_count() > 1 else ""))
         with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
             for _ in range(2):
                 out, caches = runner._decode(runner.state, caches, dec, smeta, flags=flags, num_steps=args.steps)
