@@ -1,4 +1,7 @@
 """lmjax: an LLM inference engine in JAX with LMDeploy's `pipeline` and vLLM's `LLM` as its two facades."""
+from lmjax.env import apply_xla_flag_defaults
+
+apply_xla_flag_defaults()  # before any JAX backend starts: XLA reads its flags once (see lmjax.env)
 from lmjax.api.async_engine import AsyncEngine
 from lmjax.api.llm import LLM
 from lmjax.api.outputs import CompletionOutput, Logprob, RequestOutput, Response

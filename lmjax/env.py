@@ -14,3 +14,27 @@ def env_choice(name: str, choices: tuple[str, ...], default: str, value: str | N
         where = f"{name} / {label}" if label else name
         raise ValueError(f"{where}={value!r} must be one of {choices}")
     return value
+
+
+# Batch-1 decode under tensor parallelism is a chain of 2 small all-reduces a layer (one hidden row, 8 KiB
+# on 8B) with nothing to overlap them with. XLA's defaults (an asynchronous one-shot all-reduce kernel on
+# its own stream) pay a cross-stream wait at each; NCCL run synchronously on the compute stream measured
+# 3.63-3.70 ms a step against 3.95-3.99 (2 x H200, 8B shape, tp_decode, 2026-11-23; tp=1: 4.42-4.48).
+# XLA reads these only from XLA_FLAGS when its backend starts (per-jit compiler_options are accepted but
+# leave the all-reduce as it was), so they go into the environment on `import lmjax`. They change only
+# multi-device all-reduces.
+TP_ALLREDUCE_CHOICES = ("nccl", "xla")
+NCCL_SYNC_XLA_FLAGS = ("--xla_gpu_disable_async_collectives=ALLREDUCE",
+                       "--xla_gpu_unsupported_use_all_reduce_one_shot_kernel=false")
+
+
+def apply_xla_flag_defaults() -> list[str]:
+    """Add NCCL_SYNC_XLA_FLAGS to XLA_FLAGS unless LMJAX_TP_ALLREDUCE=xla or XLA_FLAGS already sets either
+    option; returns the flags added. Without effect once a JAX backend has started (set XLA_FLAGS then)."""
+    if env_choice("LMJAX_TP_ALLREDUCE", TP_ALLREDUCE_CHOICES, "nccl", label="tp allreduce") == "xla":
+        return []
+    current = os.environ.get("XLA_FLAGS", "")
+    if any(flag.split("=")[0] in current for flag in NCCL_SYNC_XLA_FLAGS):
+        return []
+    os.environ["XLA_FLAGS"] = " ".join([current, *NCCL_SYNC_XLA_FLAGS]).strip()
+    return list(NCCL_SYNC_XLA_FLAGS)

@@ -241,28 +241,6 @@ def replicate(tree, mesh: Mesh | None):
     return jax.tree.map(lambda x: place(np.asarray(x), sharding), tree)
 
 
-# ---------------------------------------------------------------- collectives on GPU
-# Batch-1 decode under tp is a chain of 2 small all-reduces a layer (one hidden row, 8 KiB on 8B) with
-# nothing to overlap them with. XLA's defaults (an asynchronous one-shot all-reduce kernel on its own
-# stream) pay a cross-stream wait at each: measured on 2 x H200 (8B shape, tp_decode, 2026-11-23) 3.95-3.99
-# ms a step against 3.63-3.70 ms with NCCL run synchronously on the compute stream (tp=1: 4.42-4.48).
-ALLREDUCE_CHOICES = ("auto", "nccl", "xla")
-NCCL_SYNC_OPTIONS = {"xla_gpu_disable_async_collectives": "ALLREDUCE",
-                     "xla_gpu_unsupported_use_all_reduce_one_shot_kernel": False}
-
-
-def collective_compiler_options(mesh: Mesh | None, choice: str | None = None) -> dict:
-    """XLA compiler options for a step jitted over `mesh`: NCCL's all-reduce on the compute stream on a
-    GPU mesh with tp > 1 ("auto" or "nccl"), else none. `choice` overrides LMJAX_TP_ALLREDUCE; "xla"
-    keeps XLA's own defaults (for A/B runs)."""
-    from lmjax.env import env_choice
-
-    choice = env_choice("LMJAX_TP_ALLREDUCE", ALLREDUCE_CHOICES, "auto", choice, label="tp allreduce")
-    if choice == "xla" or tp_size(mesh) <= 1 or mesh.devices.flat[0].platform != "gpu":
-        return {}
-    return dict(NCCL_SYNC_OPTIONS)
-
-
 # ---------------------------------------------------------------- shard_map (jax spelling compat)
 def shard_map(f, mesh, in_specs, out_specs):
     """`jax.shard_map` (jax >= 0.6) or `jax.experimental.shard_map.shard_map`, without replication

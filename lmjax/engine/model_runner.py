@@ -150,11 +150,8 @@ class ModelRunner:
         self.fixed_M = cost_follows_context()  # one block-table width: fewer compilations
         self.num_compilations = 0
         self.leading = False  # process 0 driving follower processes (see lead / follow)
-        options = parallel.collective_compiler_options(self.mesh)
-        self._step = jax.jit(self._step_fn, donate_argnums=(1,), static_argnames=("flags", "num_prompt_logprobs"),
-                             compiler_options=options)
-        self._decode = jax.jit(self._decode_fn, donate_argnums=(1,), static_argnames=("flags", "num_steps"),
-                               compiler_options=options)
+        self._step = jax.jit(self._step_fn, donate_argnums=(1,), static_argnames=("flags", "num_prompt_logprobs"))
+        self._decode = jax.jit(self._decode_fn, donate_argnums=(1,), static_argnames=("flags", "num_steps"))
 
     def _step_fn(self, state, caches, inputs: StepInputs, smeta, *, flags: SamplingFlags, num_prompt_logprobs):
         # Runs once per compilation (tracing), never per step: count and log it.

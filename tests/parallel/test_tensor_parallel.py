@@ -207,28 +207,3 @@ def test_kv_cache_sizing_counts_one_device_share():
     # 2 KV heads over 4 devices: each device keeps the one KV head its query heads read.
     assert bytes_per_block(cfg(2), 16, "float32", tp=4) == bytes_per_block(cfg(2), 16, "float32") // 2
 
-
-def test_gpu_tp_steps_run_nccl_allreduce_on_the_compute_stream(monkeypatch):
-    import types
-
-    import jax
-    import numpy as np
-
-    from lmjax import parallel
-
-    def mesh(platform, tp):
-        devices = np.array([types.SimpleNamespace(platform=platform)] * tp, dtype=object)
-        return types.SimpleNamespace(devices=devices, axis_names=("tp",), shape={"tp": tp})
-
-    monkeypatch.delenv("LMJAX_TP_ALLREDUCE", raising=False)
-    options = parallel.collective_compiler_options(mesh("gpu", 2))
-    assert options == parallel.NCCL_SYNC_OPTIONS
-    assert parallel.collective_compiler_options(mesh("cpu", 2)) == {}
-    assert parallel.collective_compiler_options(mesh("gpu", 1)) == {} == parallel.collective_compiler_options(None)
-    monkeypatch.setenv("LMJAX_TP_ALLREDUCE", "xla")
-    assert parallel.collective_compiler_options(mesh("gpu", 2)) == {}
-    monkeypatch.setenv("LMJAX_TP_ALLREDUCE", "fast")
-    with pytest.raises(ValueError, match=r"LMJAX_TP_ALLREDUCE / tp allreduce='fast' must be one of"):
-        parallel.collective_compiler_options(mesh("gpu", 2))
-    # XLA validates option names and enum values whatever the backend: these are real options here.
-    assert float(jax.jit(lambda x: x + 1, compiler_options=options)(1.0)) == 2.0
