@@ -54,6 +54,8 @@ PARAM_AXES: list[tuple[str, tuple[str | None, ...]]] = [
     (r".*\.q_proj\.bias", ("heads",)),
     (r".*\.[kv]_proj\.kernel", ("embed", "kv_heads")),
     (r".*\.[kv]_proj\.bias", ("kv_heads",)),
+    (r".*\.qkv_proj\.kernel", ("embed", "heads")),  # merged q/k/v in per-device blocks (lmjax.layers.merge)
+    (r".*\.qkv_proj\.bias", ("heads",)),
     (r".*\.o_proj\.kernel", ("heads", "embed")),
     (r".*\.(gate|up)_proj\.kernel", ("embed", "mlp")),
     (r".*\.(gate|up)_proj\.bias", ("mlp",)),

@@ -71,13 +71,14 @@ def merge_gate_up_enabled() -> bool:
     return value == "1" or (value == "auto" and jax.default_backend() == "gpu")
 
 
-def _merge_projections(model: nnx.Module, quant_policy: int) -> None:
-    """On one device: q/k/v as one weight when the fused RoPE + KV-write kernel will read its output
-    whole (GPU, unquantized cache: `kv_write_impl`), gate/up on GPU (`merge_gate_up_enabled`); float
-    or quantized weights."""
+def _merge_projections(model: nnx.Module, quant_policy: int, tp: int) -> None:
+    """q/k/v as one weight when the fused RoPE + KV-write kernel will read its output whole (GPU,
+    unquantized cache: `kv_write_impl`; under tp in per-device blocks, when every device holds whole KV
+    heads), gate/up on one GPU (`merge_gate_up_enabled`); float or quantized weights. Under tp, XLA
+    already makes one GEMM of gate and up (2 x H200 profile, 2026-11-23)."""
     if quant_policy == 0 and kv_write_impl(merged=True) == "kernel" and hasattr(model, "merge_qkv"):
-        logger.info("merged the q/k/v projections of %d layers", model.merge_qkv())
-    if merge_gate_up_enabled() and hasattr(model, "merge_gate_up"):
+        logger.info("merged the q/k/v projections of %d layers", model.merge_qkv(tp))
+    if tp == 1 and merge_gate_up_enabled() and hasattr(model, "merge_gate_up"):
         logger.info("merged the gate/up projections of %d layers", model.merge_gate_up())
 
 
@@ -134,8 +135,7 @@ class ModelRunner:
     def __init__(self, model: nnx.Module, num_blocks: int, block_size: int, max_tokens_per_step: int,
                  max_batch_size: int, max_blocks_per_seq: int, kv_dtype, quant_policy: int = 0):
         mesh = parallel.mesh_of(nnx.state(model))  # None on one device
-        if mesh is None:
-            _merge_projections(model, quant_policy)
+        _merge_projections(model, quant_policy, parallel.tp_size(mesh))
         self.graphdef, self.state = nnx.split(model)
         self.config = model.config
         self.block_size = block_size

@@ -20,6 +20,7 @@ kernel is the GPU default (see `kv_write_impl`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -101,13 +102,43 @@ def rope_and_write_kv(q_TNH, k_TKH, v_TKH, positions_T, cache, meta: AttentionMe
 
 
 def rope_and_write_kv_qkv(qkv_TXH, num_kv_heads: int, positions_T, cache, meta: AttentionMetadata,
-                          spec: RopeSpec, *, impl: str | None = None):
-    """`rope_and_write_kv` of a merged projection output qkv_TXH = [q | k | v] heads. The fused kernel
-    (the default on GPU, see `kv_write_impl`) reads it whole; other paths split it first."""
+                          spec: RopeSpec, *, shards: int = 1, impl: str | None = None):
+    """`rope_and_write_kv` of a merged projection output qkv_TXH = [q | k | v] heads, or with shards > 1
+    (`lmjax.layers.merge`) [q_s | k_s | v_s] blocks. The fused kernel (the default on GPU, see
+    `kv_write_impl`) reads it whole; under a tp mesh of `shards` devices it runs in shard_map, each device
+    on its own block and cache heads. Other paths put the heads in order and split them first."""
+    mesh, tp = _mesh_tp()
+    if tp > 1 and shards == tp and cache[0].shape[2] == num_kv_heads and not isinstance(cache[0], QuantKV):
+        local = functools.partial(_write_merged, num_kv_heads=num_kv_heads // tp, spec=spec, impl=impl)
+        heads_spec = PartitionSpec(None, parallel.TP_AXIS, None)
+        cache_spec = (PartitionSpec(None, None, parallel.TP_AXIS, None),) * 2
+        sharded = parallel.shard_map(local, mesh, in_specs=(heads_spec, PartitionSpec(), cache_spec, PartitionSpec()),
+                                     out_specs=(heads_spec, cache_spec))
+        return sharded(qkv_TXH, positions_T, cache, meta)
+    if shards > 1:
+        qkv_TXH = unshard_qkv(qkv_TXH, num_kv_heads, shards)
+    impl = "reference" if tp > 1 else impl  # GSPMD shards the XLA path by itself; the kernel would not be
+    return _write_merged(qkv_TXH, positions_T, cache, meta, num_kv_heads=num_kv_heads, spec=spec, impl=impl)
+
+
+def unshard_qkv(qkv_TXH, num_kv_heads: int, shards: int):
+    """[q_0 | k_0 | v_0 | q_1 | k_1 | v_1 | ...] blocks (each of n q and k KV heads) -> [q | k | v] heads."""
+    T, X, H = qkv_TXH.shape
+    k = num_kv_heads // shards
+    blocks_TSYH = qkv_TXH.reshape(T, shards, X // shards, H)
+    n = blocks_TSYH.shape[2] - 2 * k
+    parts = (blocks_TSYH[:, :, :n], blocks_TSYH[:, :, n:n + k], blocks_TSYH[:, :, n + k:])
+    return jnp.concatenate([p.reshape(T, -1, H) for p in parts], axis=1)
+
+
+def _write_merged(qkv_TXH, positions_T, cache, meta: AttentionMetadata, *, num_kv_heads: int, spec: RopeSpec,
+                  impl: str | None):
+    """The merged [q | k | v] RoPE + KV write on the heads at hand (all of them, or one device's)."""
     k_cache, v_cache = cache
-    if kv_write_impl(impl, merged=True) == "reference" or isinstance(k_cache, QuantKV) or _mesh_tp()[1] > 1:
+    if kv_write_impl(impl, merged=True) == "reference" or isinstance(k_cache, QuantKV):
         q_TNH, k_TKH, v_TKH = split_qkv(qkv_TXH, num_kv_heads)
-        return rope_and_write_kv(q_TNH, k_TKH, v_TKH, positions_T, cache, meta, spec, impl="reference")
+        q_TNH, k_TKH = apply_rope(q_TNH, k_TKH, positions_T, meta.seq_lens_T, spec)
+        return q_TNH, write_kv(k_cache, v_cache, k_TKH, v_TKH, meta.slot_mapping_T)
     q_TNH, k_cache, v_cache = rope_kv_write_qkv(
         qkv_TXH, num_kv_heads, positions_T, inv_freq_TF(spec, meta.seq_lens_T), spec.attention_scaling,
         k_cache, v_cache, meta.slot_mapping_T, impl="kernel", interpret=jax.default_backend() != "gpu")

@@ -7,11 +7,12 @@ gate and up as two GEMMs (H200 profile, 2026-11-23, BENCHMARKS.md).
 
 Float `Linear`s merge, and so do `QuantLinear`s of one QuantSpec (w8: int8 kernel [I, O] and scale [O];
 w4: packed kernel [I/2, O], scale and offset [G, O]: every array is split by output column, so the
-columns concatenate). Only on one device: tensor parallelism shards each projection's columns, and a
-merged weight's shards would mix q, k and v.
+columns concatenate). Under tensor parallelism each projection's columns are sharded: the merged weight
+then goes shard by shard (`shards`), so each device's block is its own [q | k | v] heads.
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -32,15 +33,29 @@ def mergeable(layers) -> bool:
     return not isinstance(first, QuantLinear) or all(x.spec == first.spec for x in layers)
 
 
-def merge_linears(layers):
-    """One layer whose output is the layers' outputs concatenated, in order; None when not `mergeable`."""
+def merge_linears(layers, shards: int = 1):
+    """One layer whose output is the layers' outputs concatenated, in order; None when not `mergeable`.
+
+    shards > 1 (tensor parallelism): the columns go shard by shard, [a_0 | b_0 | a_1 | b_1 | ...] where
+    a_s is the s-th of `shards` equal column blocks of layer a, so that a column-sharded merged weight
+    gives each device its own [a_s | b_s]. The merged arrays keep the first layer's sharding."""
     if not mergeable(layers):
         return None
     merged = nnx.eval_shape(lambda: _empty_like(layers[0]))
     for name in _ARRAYS:
         if getattr(layers[0], name, None) is not None:
-            setattr(merged, name, nnx.Param(jnp.concatenate([getattr(x, name)[...] for x in layers], axis=-1)))
+            setattr(merged, name, nnx.Param(_concat_by_shard([getattr(x, name)[...] for x in layers], shards)))
     return merged
+
+
+def _concat_by_shard(arrays, shards: int):
+    """Concatenate on the last axis, block by block (each array's last axis seen as [shards, -1]), placed
+    as the first array is."""
+    if shards == 1:
+        return jnp.concatenate(arrays, axis=-1)
+    blocks = [a.reshape(*a.shape[:-1], shards, a.shape[-1] // shards) for a in arrays]
+    out = jnp.concatenate(blocks, axis=-1)
+    return jax.device_put(out.reshape(*out.shape[:-2], -1), arrays[0].sharding)
 
 
 def _empty_like(layer):

@@ -41,24 +41,31 @@ class Attention(nnx.Module):
         self.q_norm = RMSNorm(H, cfg.rms_norm_eps, dtype=dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(H, cfg.rms_norm_eps, dtype=dtype) if cfg.qk_norm else None
         self.qkv_proj = nnx.data(None)  # set by merge_qkv: q_proj, k_proj and v_proj as one weight
+        self.qkv_shards = 1  # its column blocks (tensor parallelism): [q_0 | k_0 | v_0 | q_1 | ...]
         self.cfg, self.sliding_window = cfg, cfg.sliding_window(layer)
 
-    def merge_qkv(self) -> bool:
+    def merge_qkv(self, shards: int = 1) -> bool:
         """Replace q_proj, k_proj and v_proj by one layer `qkv_proj` whose output is [q | k | v] (same
-        numbers: the three weights' columns side by side; float or quantized, see lmjax.layers.merge).
-        Why: the fused RoPE + KV write kernel reads q, k and v straight from that one output. Not with a
-        q/k norm (Qwen3); not for tensor parallelism. False when not merged."""
+        numbers: the three weights' columns side by side; float or quantized, see lmjax.layers.merge),
+        in `shards` blocks [q_s | k_s | v_s] for tensor parallelism over that many devices (each must
+        then hold whole q and KV heads). Why: the fused RoPE + KV write kernel reads q, k and v straight
+        from that one output. Not with a q/k norm (Qwen3). False when not merged."""
+        cfg = self.cfg
+        if cfg.num_heads % shards or cfg.num_kv_heads % shards:
+            return False
         if self.qkv_proj is None and self.q_norm is None:
-            merged = merge_linears([self.q_proj, self.k_proj, self.v_proj])
+            merged = merge_linears([self.q_proj, self.k_proj, self.v_proj], shards)
             if merged is not None:
                 self.qkv_proj, self.q_proj, self.k_proj, self.v_proj = merged, None, None, None
+                self.qkv_shards = shards
         return self.qkv_proj is not None
 
     def __call__(self, x_TD, positions_T, cache: KVCache, meta: AttentionMetadata):
         cfg, T = self.cfg, x_TD.shape[0]
         if self.qkv_proj is not None:  # one GEMM; the fused kernel takes its output whole
             qkv_TXH = self.qkv_proj(x_TD).reshape(T, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)
-            q_TNH, cache = rope_and_write_kv_qkv(qkv_TXH, cfg.num_kv_heads, positions_T, cache, meta, cfg.rope)
+            q_TNH, cache = rope_and_write_kv_qkv(qkv_TXH, cfg.num_kv_heads, positions_T, cache, meta, cfg.rope,
+                                                 shards=self.qkv_shards)
             return self._attend(q_TNH, cache, positions_T, meta, T)
         q_TNH = self.q_proj(x_TD).reshape(T, cfg.num_heads, cfg.head_dim)
         k_TKH = self.k_proj(x_TD).reshape(T, cfg.num_kv_heads, cfg.head_dim)
@@ -146,9 +153,9 @@ class LlamaForCausalLM(nnx.Module):
         hidden_TD, _ = self.norm.add_and_norm(x_TD, residual_TD)
         return hidden_TD, new_caches
 
-    def merge_qkv(self) -> int:
+    def merge_qkv(self, shards: int = 1) -> int:
         """`Attention.merge_qkv` in every layer (in place); returns how many layers merged."""
-        return sum(layer.self_attn.merge_qkv() for layer in self.layers)
+        return sum(layer.self_attn.merge_qkv(shards) for layer in self.layers)
 
     def merge_gate_up(self) -> int:
         """`MLP.merge_gate_up` in every layer (in place); returns how many layers merged."""

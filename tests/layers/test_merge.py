@@ -44,6 +44,24 @@ def test_merged_output_is_the_outputs_side_by_side(kind, bias, monkeypatch):
     np.testing.assert_allclose(np.asarray(merged(x_TD)), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["float", "w4"])
+def test_merged_in_shard_blocks_holds_each_shards_columns(kind, monkeypatch):
+    """shards=2 (tensor parallelism): [a_0 | b_0 | c_0 | a_1 | b_1 | c_1], which `unshard_qkv` puts back in
+    [a | b | c] order (here a = 6 "q heads", b and c = 2 "KV heads" of 8 columns)."""
+    from lmjax.layers.attention import unshard_qkv
+
+    monkeypatch.setenv("LMJAX_W4_IMPL", "reference")
+    layers = _layers(kind, bias=True)
+    merged = merge_linears(layers, shards=2)
+    x_TD = jax.random.normal(jax.random.key(9), (5, D), jnp.float32)
+    outs = [np.asarray(x(x_TD)) for x in layers]
+    got = np.asarray(merged(x_TD))
+    blocks = [o.reshape(5, 2, -1)[:, s] for s in range(2) for o in outs]
+    np.testing.assert_allclose(got, np.concatenate(blocks, axis=-1), rtol=1e-5, atol=1e-5)
+    ordered = unshard_qkv(jnp.asarray(got).reshape(5, 10, 8), num_kv_heads=2, shards=2)
+    np.testing.assert_allclose(np.asarray(ordered).reshape(5, 80), np.concatenate(outs, axis=-1), rtol=1e-5, atol=1e-5)
+
+
 def test_layers_that_differ_stay_apart():
     a, b = _linear(16, 0), _linear(16, 1, bias=False)
     assert merge_linears([a, b]) is None  # bias on one only

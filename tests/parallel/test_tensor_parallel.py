@@ -95,6 +95,18 @@ def test_fused_add_norm_kernel_under_tp(checkpoints):
     assert runs["1"]["norm_kernel_calls"] == runs["4"]["norm_kernel_calls"] == 2 * per_trace  # prefill, decode
 
 
+def test_fused_rope_kv_write_kernel_under_tp(checkpoints):
+    """LMJAX_KV_WRITE_IMPL=kernel (the GPU default; interpret mode here): q/k/v merge into one weight in
+    per-device blocks and the fused RoPE + KV-write kernel runs in shard_map on each device's heads (q/k/v
+    biases included); tp = 4 gives tp = 1's tokens and each device still holds 1/tp of the weights."""
+    out = _drive({"model": checkpoints["qwen2-tied"], "tp": [1, 4], "prompts": PROMPTS},
+                 env={"LMJAX_KV_WRITE_IMPL": "kernel"})
+    runs = out["runs"]
+    assert runs["1"]["qkv_shards"] == [1] and runs["4"]["qkv_shards"] == [4]
+    assert runs["4"]["tokens"] == runs["1"]["tokens"]
+    _check_param_bytes(runs["4"], 4)
+
+
 def test_step_communicates_activations_only(checkpoints):
     """The compiled engine step at tp = 4 (tied embedding, vocab-parallel logits) all-reduces [T, D]
     activations (embedding, then o_proj and down_proj per layer) and gathers only the [B, V] logits:

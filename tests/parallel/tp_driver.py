@@ -51,8 +51,9 @@ def run_engine(tp: int) -> dict:
                         SamplingParams(temperature=0, max_tokens=SPEC.get("max_tokens", 8), ignore_eos=True),
                         use_tqdm=False)
     runner.release_followers()
-    return {"tokens": [o.outputs[0].token_ids for o in outs],
-            **_bytes(nnx.merge(runner.graphdef, runner.state), runner.mesh)}
+    model = nnx.merge(runner.graphdef, runner.state)
+    merged = sorted({layer.self_attn.qkv_shards for layer in model.layers if layer.self_attn.qkv_proj is not None})
+    return {"tokens": [o.outputs[0].token_ids for o in outs], "qkv_shards": merged, **_bytes(model, runner.mesh)}
 
 
 def run_notebook(tp: int) -> dict:
