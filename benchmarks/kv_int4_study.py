@@ -5,10 +5,10 @@ Fake quantization: the cache stays float32 and `lmjax.layers.attention.write_kv`
 dequantize(quantize(x)) in place of x, so a variant needs no cache layout. Every variant keeps the
 engine's layout (per token per KV head: 4-bit codes, one float16 scale, one uint8 zero point); the
 transforms below are exact in float (q.k unchanged) and would cost one [H, H] matmul per head, as the
-Hadamard rotation does today. "engine" is the real int4 cache (`quant_policy=4`); "baseline" is the
-same quantizer faked. Calibration statistics (per layer and KV head) come from
-convert/calibration_text.py (1526 tokens, disjoint from the evaluation text); "oracle" rows take them
-from the evaluation text itself (what calibration could give at best).
+Hadamard rotation does today. "engine" is the real int4 cache (`quant_policy=4`); "baseline" applies
+the engine's quantizer (`quantize_kv` / `dequantize_kv`) in the float cache. Calibration statistics (per
+layer and KV head) come from convert/calibration_text.py (1526 tokens, disjoint from the evaluation
+text); "oracle" rows take them from the evaluation text itself (what calibration could give at best).
 
 Run (CPU, about 5 minutes; ~2 s per variant for the proxy):
     PYTHONPATH=. python benchmarks/kv_int4_study.py [variant names, "_" for " "]
@@ -20,63 +20,17 @@ float rounding alone. So the table also gives KL(float32-KV || quantized-KV) per
 the proxy "attn err": the relative squared error of each layer's attention output on recorded float
 q/k/v (no error carried between layers), averaged over layers: it repeats to 2% across seeds.
 
-Measured 2026-11-23 (float32 KV 10.6415):
-| variant                                   | ppl     | vs f32  | KL 1e-3 | attn err 1e-3 |
-|-------------------------------------------|---------|---------|---------|---------------|
-| engine (real int4 cache)                  | 12.5122 | +17.58% |  342.8  |               |
-| baseline (faked engine quantizer)         | 12.9737 | +21.92% |  353.2  |  34.34        |
-| baseline, K signs seed 1                  | 13.1863 | +23.91% |  309.5  |  34.56        |
-| baseline, K signs seed 2                  | 12.1663 | +14.33% |  312.7  |  35.02        |
-| baseline, K signs seed 3                  | 14.0367 | +31.91% |  351.1  |               |
-| K4 only (V float)                         | 12.3712 | +16.25% |  269.6  |  27.30        |
-| V4 only (K float)                         | 10.5207 |  -1.14% |   51.4  |   6.82        |
-| V rotated (Hadamard) too                  | 12.5713 | +18.13% |  321.3  |  32.29        |
-| float16 zero point                        | 12.8241 | +20.51% |  301.0  |  33.43        |
-| K clip (MSE-best of 6 clip ratios)        | 11.9155 | +11.97% |  265.0  |  31.81        |
-| K clip + V rotated (data-free)            | 12.0532 | +13.27% |  267.6  |  29.69        |
-| K bias (mean of RoPE'd K), calib          | 13.1783 | +23.84% |  256.4  |  28.67        |
-| K bias, oracle                            | 12.5393 | +17.83% |  239.1  |  27.87        |
-| smooth k/q diagonal, calib                | 11.9366 | +12.17% |  223.9  |  23.60        |
-| smooth k/q diagonal, RoPE pairs tied      | 11.7210 | +10.14% |  352.7  |  34.54        |
-| smooth from weights (data-free, tied)     | 11.6919 |  +9.87% |  301.6  |  34.76        |
-| matrix smooth, calib                      | 11.6118 |  +9.12% |  177.5  |  19.63        |
-| matrix smooth, calib, K signs seed 1      | 11.4290 |  +7.40% |  151.6  |  19.28        |
-| matrix smooth, calib, K signs seed 2      | 11.1040 |  +4.35% |  194.8  |  19.51        |
-| matrix smooth, calib + K clip             | 11.3695 |  +6.84% |  157.3  |  18.53        |
-| matrix smooth, calib + K clip + V rotated | 11.0197 |  +3.55% |  135.1  |  16.49        |
-|   the same, K signs seed 1                | 11.8563 | +11.42% |  145.2  |               |
-|   the same, K signs seed 2                | 11.3949 |  +7.08% |  148.2  |               |
-|   the same, K signs seed 3                | 11.3054 |  +6.24% |  147.2  |               |
-| matrix smooth, oracle                     | 11.1576 |  +4.85% |  141.1  |  16.44        |
-(Per layer, K4 in one layer alone costs 1-18e-3 of KL (layers 0-5 measured): no single layer dominates.)
+Results (2026-11-23, float32 KV 10.6415): every variant's ppl / KL / attn err, and what each change did,
+in BENCHMARKS.md ("Quantization quality and capacity", KV int4 study). The variants:
+- K bias: subtract one vector b per layer and KV head from every key (softmax ignores q.b).
+- K clip: per token-head, the clip ratio of {1, .95, .9, .85, .8, .75} with the least squared error.
+- smooth k/q diagonal: store K / s and use q * s (SmoothQuant for attention), s from `_smooth_kq`;
+  "tied": s shared by each RoPE pair (c, c + H/2), so it could fold into the q/k projection weights;
+  "from weights": s data-free from ||norm weight * W[:, c]|| (`_smooth_from_weights`).
+- matrix smooth: the full-matrix form: store K @ B, use q @ B^-T (`_balance_matrix`).
 
-What the variants are:
-- K bias: subtract one vector b per layer and KV head from every key (softmax ignores q.b). With the
-  Hadamard rotation the per-token range already spans 0, so the range it saves is small: KL -25%, the
-  proxy -17%; a signed zero point (no widening to hold 0) measured exactly the baseline.
-- K clip: per token-head, keep the clip ratio of {1, .95, .9, .85, .8, .75} with the least squared
-  error. A small gain (-7% proxy); V clip measured no better.
-- smooth k/q diagonal: store K / s and use q * s (SmoothQuant for attention). With K' quantized per
-  token after the rotation, the score error goes as sum_c k_c^2 / s_c^2 * sum_c q_c^2 s_c^2, least at
-  s_c = sqrt(rms k_c / rms q_c). -31% proxy. Tying s over RoPE pairs (c, c + H/2), which would let s
-  fold into the q/k projection weights at no run-time cost, loses all of the gain, and so does s taken
-  data-free from the weights (||norm weight * W[:, c]||): the useful part lives in the low-frequency
-  RoPE channels, whose two halves differ.
-- matrix smooth: the full-matrix form: store K @ B, use q @ B^-T, with C = B B^T the matrix geometric
-  mean Sk^-1 # Sq of the second-moment matrices of (RoPE'd) K and q (queries pooled over the group of
-  the KV head). Halves the KL and the K error (K4 only: proxy 27.3 -> 12.7). With K clip and V rotated,
-  over four Hadamard sign patterns: ppl +3.6 / +11.4 / +7.1 / +6.2% (mean +7.1%, against +23.0% for
-  the baseline's four: +21.9 / +23.9 / +14.3 / +31.9%), KL 135-148e-3 against 309-353e-3. So about
-  +7%: near the issue's 5%, not reliably within it on this noisy measure.
-
-Conclusion: inside the layout and capacity (no extra bytes per token), bias subtraction and clipping
-are too small (the best data-free change, K clip + V rotated, is still +13% / KL -20%). What works is
-a calibrated per-layer, per-KV-head [H, H] transform: the fixed Hadamard R becomes B @ R for K and
-B^-T @ R for q, with the rotation of V (V @ R stored, R^T on the attention output per head) and the
-clip search at write time. It needs calibration statistics (second moments of RoPE'd K and q per
-layer and KV head: a forward over convert/calibration_text.py, at `lmjax convert` time or at engine
-load) and a per-layer matrix in the attention path (sharded with the KV heads under tp). Not done in
-this session for want of time: the engine is unchanged.
+Conclusion (argued in BENCHMARKS.md): bias and clipping gain little; a calibrated per-layer, per-KV-head
+[H, H] k/q transform (B @ R for K, B^-T @ R for q), V rotated, K clipped, works; not in the engine yet.
 """
 import dataclasses
 import os
@@ -94,7 +48,7 @@ sys.path.insert(0, os.path.join(REPO, "tests", "convert"))
 sys.path.insert(0, REPO)
 
 from lmjax.layers import attention  # noqa: E402
-from lmjax.layers.quant import kv_rotation  # noqa: E402
+from lmjax.layers.quant import dequantize_kv, kv_rotation, quantize_kv  # noqa: E402
 
 _ORIGINAL_WRITE_KV = attention.write_kv
 
@@ -116,10 +70,21 @@ class Variant:
     sign_seed: int | None = None  # K rotation diag(random signs) @ Hadamard: another noise realisation
 
 
-def fake_quant_TKH(x_TKH, bits: int, zero: str, clip: bool):
-    """dequantize(quantize(x)) per token and head, asymmetric, float16 scale."""
+def kv_hat_TKH(x_TKH, bits: int, zero: str, clip: bool):
+    """dequantize(quantize(x)) per token and head (bits 0: x as is): the engine's own `quantize_kv` /
+    `dequantize_kv` for its layout (the baseline rows), `fake_quant_TKH` for the variants it cannot express."""
     if bits == 0:
         return x_TKH
+    if zero == "int_widen" and not clip:
+        return dequantize_kv(*quantize_kv(x_TKH, bits), bits, jnp.float32)
+    return fake_quant_TKH(x_TKH, bits, zero, clip)
+
+
+def fake_quant_TKH(x_TKH, bits: int, zero: str, clip: bool):
+    """dequantize(quantize(x)) per token and head, asymmetric, float16 scale, for the variants outside
+    `quantize_kv`: a signed or float16 zero point (the engine's is a code in [0, 2^bits - 1], the range
+    widened to hold 0) and clipped ranges (the engine keeps [min, max]). Its "int_widen" branch is the
+    engine's rule, kept for "int_widen" with clipping."""
     levels = 2**bits - 1
     x = x_TKH.astype(jnp.float32)
     mn, mx = jnp.min(x, axis=-1), jnp.max(x, axis=-1)
@@ -132,23 +97,15 @@ def fake_quant_TKH(x_TKH, bits: int, zero: str, clip: bool):
         step = jnp.where(step == 0, 1.0, step)
         if zero == "float":
             z = (-lo / step).astype(jnp.float16).astype(jnp.float32)
-        elif zero == "int_widen":
-            z = jnp.clip(jnp.round(-lo / step), 0, levels)
-        else:  # int_signed: an int8 zero point, the range need not hold 0
-            z = jnp.clip(jnp.round(-lo / step), -128, 127)
+        else:  # an integer code; int_signed: an int8 zero point, the range need not hold 0
+            z = jnp.clip(jnp.round(-lo / step), *((0, levels) if zero == "int_widen" else (-128, 127)))
         code = jnp.clip(jnp.round(x / step[..., None]) + z[..., None], 0, levels)
         return (code - z[..., None]) * step[..., None]
-    if not clip:
-        return one(1.0)
-    best, best_err = None, None
-    for ratio in (1.0, 0.95, 0.9, 0.85, 0.8, 0.75):
+    best = one(1.0)
+    for ratio in (0.95, 0.9, 0.85, 0.8, 0.75) if clip else ():  # keep the ratio of least squared error
         xh = one(ratio)
-        err = jnp.sum((xh - x) ** 2, axis=-1)
-        if best is None:
-            best, best_err = xh, err
-        else:
-            better = err < best_err
-            best, best_err = jnp.where(better[..., None], xh, best), jnp.minimum(err, best_err)
+        better = jnp.sum((xh - x) ** 2, axis=-1) < jnp.sum((best - x) ** 2, axis=-1)
+        best = jnp.where(better[..., None], xh, best)
     return best
 
 
@@ -156,8 +113,7 @@ def rot(x, transpose=False, sign_seed=None):
     r = kv_rotation(x.shape[-1])
     if sign_seed is not None:
         r = np.random.default_rng(sign_seed).choice([-1.0, 1.0], x.shape[-1]).astype(np.float32)[:, None] * r
-    r = jnp.asarray(r)
-    return jnp.matmul(x, r.T if transpose else r, precision=jax.lax.Precision.HIGHEST)
+    return jnp.matmul(x, jnp.asarray(r.T if transpose else r), precision=jax.lax.Precision.HIGHEST)
 
 
 class Patch:
@@ -171,9 +127,7 @@ class Patch:
         if self.record is not None:  # values out of the jitted step, in layer order
             jax.debug.callback(lambda k, v: self.record.append((np.asarray(k), np.asarray(v))), k_TKH, v_TKH,
                                ordered=True)
-        if self.variant is not None and self.variant.only_layer not in (None, i):
-            pass
-        elif self.variant is not None:
+        if self.variant is not None and self.variant.only_layer in (None, i):
             k_TKH, v_TKH = self.k_hat(k_TKH, i), self.v_hat(v_TKH)
         return _ORIGINAL_WRITE_KV(k_cache, v_cache, k_TKH, v_TKH, slot_mapping_T)
 
@@ -187,7 +141,7 @@ class Patch:
             m = jnp.asarray(self.stats[v.k_matrix][layer])  # [K, H, H]
             x = jnp.einsum("tkh,khg->tkg", x, m, precision=jax.lax.Precision.HIGHEST)
         x = rot(x, sign_seed=v.sign_seed) if v.rotate_k else x
-        x = fake_quant_TKH(x, v.k_bits, v.zero, v.k_clip)
+        x = kv_hat_TKH(x, v.k_bits, v.zero, v.k_clip)
         x = rot(x, transpose=True, sign_seed=v.sign_seed) if v.rotate_k else x
         # Attention sees (k - b) dequantized: q.(k - b) differs from q.k by a constant per query, which
         # softmax ignores. s is undone here (standing in for queries multiplied by s).
@@ -200,7 +154,7 @@ class Patch:
         v = self.variant
         x = v_TKH.astype(jnp.float32)
         x = rot(x) if v.rotate_v else x
-        x = fake_quant_TKH(x, v.v_bits, v.zero, v.v_clip)
+        x = kv_hat_TKH(x, v.v_bits, v.zero, v.v_clip)
         x = rot(x, transpose=True) if v.rotate_v else x
         return x.astype(v_TKH.dtype)
 
@@ -249,13 +203,6 @@ def _balance(k_rms_KH, q_rms_KH, alpha=0.5):
     return s / np.exp(np.log(s).mean(axis=-1, keepdims=True))
 
 
-def _smooth_tied(k_TKH, q_TNH, alpha=0.5):
-    T, K, H = k_TKH.shape
-    k_rms = _tie_rope_pairs(np.sqrt((k_TKH**2).mean(axis=0)))
-    q_rms = _tie_rope_pairs(np.sqrt((q_TNH.reshape(T, K, -1, H) ** 2).mean(axis=(0, 2))))
-    return _balance(k_rms, q_rms, alpha)
-
-
 def _smooth_from_weights(model, alpha=0.5) -> list[np.ndarray]:
     """Data-free: rms of output channel c of x @ W with x = norm weight * (unit-variance isotropic),
     i.e. ||gamma * W[:, c]||, for k_proj and q_proj (pooled over the query heads of a KV head)."""
@@ -296,16 +243,16 @@ def _balance_matrix(k_TKH, q_TNH, ridge=1e-3) -> np.ndarray:
     return np.stack(out).astype(np.float32)
 
 
-def _smooth_kq(k_TKH: np.ndarray, q_TNH: np.ndarray, alpha: float = 0.5) -> np.ndarray:
+def _smooth_kq(k_TKH: np.ndarray, q_TNH: np.ndarray, alpha: float = 0.5, tied: bool = False) -> np.ndarray:
     """Per-channel K divisor s [K, H] minimising the score error of a per-token quantizer: with K' = K / s
     quantized (error ~ |K'| per token, spread evenly over channels by the rotation) and q' = q * s, the
     score error variance goes as sum_c k_c^2 / s_c^2 * sum_c q_c^2 s_c^2, least (Cauchy-Schwarz) at
-    s_c = sqrt(rms k_c / rms q_c) (alpha 0.5); q_c pools the query heads that share the KV head."""
+    s_c = sqrt(rms k_c / rms q_c) (alpha 0.5); q_c pools the query heads that share the KV head.
+    tied: one s per RoPE pair (`_tie_rope_pairs`)."""
     T, K, H = k_TKH.shape
     k_rms = np.sqrt((k_TKH**2).mean(axis=0))  # [K, H]
     q_rms = np.sqrt((q_TNH.reshape(T, K, -1, H) ** 2).mean(axis=(0, 2)))  # [K, H]
-    s = k_rms**alpha / (q_rms + 1e-6) ** (1 - alpha)
-    return s / np.exp(np.log(s).mean(axis=-1, keepdims=True))
+    return _balance(_tie_rope_pairs(k_rms), _tie_rope_pairs(q_rms), alpha) if tied else _balance(k_rms, q_rms, alpha)
 
 
 def main():
@@ -329,14 +276,13 @@ def main():
     stats = {
         "calib": [k.mean(axis=0) for k, _ in calib],  # [K, H] per layer
         "oracle": [k.mean(axis=0) for k, _ in oracle],
-        # SmoothQuant-style per-channel K divisor from calibration: sqrt of the channel's absmax after
-        # the bias, normalised to geometric mean 1 per head
+        # SmoothQuant-style K divisor: sqrt of each channel's absmax after the bias, geometric mean 1 per head
         "smooth": [_smooth(k - k.mean(axis=0)) for k, _ in calib],
         "smooth_kq": [_smooth_kq(k - k.mean(axis=0), q) for (k, _), q in zip(calib, calib_q)],
         "smooth_kq_nobias": [_smooth_kq(k, q) for (k, _), q in zip(calib, calib_q)],
         "smooth_kq_a7": [_smooth_kq(k - k.mean(axis=0), q, 0.7) for (k, _), q in zip(calib, calib_q)],
-        "tied": [_smooth_tied(k, q) for (k, _), q in zip(calib, calib_q)],
-        "tied_a7": [_smooth_tied(k, q, 0.7) for (k, _), q in zip(calib, calib_q)],
+        "tied": [_smooth_kq(k, q, tied=True) for (k, _), q in zip(calib, calib_q)],
+        "tied_a7": [_smooth_kq(k, q, 0.7, tied=True) for (k, _), q in zip(calib, calib_q)],
         "weights": _smooth_from_weights(model),
         "weights_a7": _smooth_from_weights(model, 0.7),
         "matrix": [_balance_matrix(k, q) for (k, _), q in zip(calib, calib_q)],

@@ -28,6 +28,9 @@ calibration: convert/calibration_text.py; conversion time of the calibrated ones
   these scales + GPTQ                       17.49   11.16   (18.83 with an alpha search that differed
                                                              only in numerical details)
   these scales + least squares (default)    18.31   11.20   40 s   (18.49, 18.57 likewise)
+(the default re-measured 2026-11-23 after the alpha search was switched to the stored quantizer,
+`quantize_w4` / `dequantize_w4`: 18.3067 as before, since edge-padding a short last group, as the
+search's own copy did, leaves its min and max unchanged.)
 The last two are within the noise of these figures; the default is the cheaper one, and the one with
 fewer degrees of freedom fit to ~1500 calibration tokens: GPTQ's per-weight updates reach a 1.7-3x lower
 layer output error on the calibration text than round to nearest + least squares, without a better
@@ -45,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from convert.gptq import refine_group_params, round_to
-from lmjax.layers.quant import quantize_w4, unpack_w4
+from lmjax.layers.quant import dequantize_w4, quantize_w4, unpack_w4
 
 ALPHA_GRID = tuple(k / 20 for k in range(20))  # AutoAWQ's grid
 
@@ -60,18 +63,14 @@ def channel_scales(mean_abs_I, alpha):
 @functools.partial(jax.jit, static_argnames="group_size")
 def scaled_rtn_errors(w_IO, h_II, mean_abs_I, alphas_A, group_size: int):
     """[A]: the output error tr(dW^T H dW) of round to nearest after each alpha's scaling,
-    dW = W - Q(diag(s) W) / s, H = X^T X of the calibration inputs."""
-    I, O = w_IO.shape
-    n = -(-I // group_size)
-
+    dW = W - Q(diag(s) W) / s, H = X^T X of the calibration inputs. Q is the stored quantizer itself
+    (`quantize_w4` then `dequantize_w4`, a short last group included), so the search scores the codes
+    `rtn_ls_w4` will keep; the alphas run one at a time (lax.map): vmap measured 1.6-2x slower on CPU."""
     def one(alpha):
-        s = channel_scales(mean_abs_I, alpha)[:, None]
-        w = jnp.pad(w_IO * s, ((0, n * group_size - I), (0, 0)), mode="edge").reshape(n, group_size, O)
-        lo, hi = w.min(axis=1, keepdims=True), w.max(axis=1, keepdims=True)
-        step = jnp.where(hi > lo, (hi - lo) / 15, 1.0)
-        q = (jnp.clip(jnp.round((w - lo) / step), 0, 15) * step + lo).reshape(-1, O)[:I]
-        d = w_IO - q / s
-        return jnp.sum(jnp.matmul(h_II, d, precision=jax.lax.Precision.HIGHEST) * d)
+        s_I1 = channel_scales(mean_abs_I, alpha)[:, None]
+        q_IO = dequantize_w4(*quantize_w4(w_IO * s_I1, group_size), group_size, jnp.float32)
+        d_IO = w_IO - q_IO / s_I1
+        return jnp.sum(jnp.matmul(h_II, d_IO, precision=jax.lax.Precision.HIGHEST) * d_IO)
     return jax.lax.map(one, alphas_A)
 
 

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from convert.awq import ALPHA_GRID, fold_layer, rtn_ls_w4
+from convert.awq import fold_layer, rtn_ls_w4
 from convert.calibration_text import DEFAULT_CALIBRATION_TEXT
 from convert.gptq import gptq_w4
 from lmjax.layers.attention import contiguous_metadata
@@ -79,34 +79,29 @@ def calibrate_w4(model: nnx.Module, spec: QuantSpec, prompts: list[list[int]], *
         raise ValueError(f"calibrated quantization is for w4; got method={spec.method!r} (w8 rounds to nearest)")
     if method not in METHODS:
         raise ValueError(f"calibration method={method!r} is not supported; choose one of {METHODS}")
-    for layer, taps in _tapped_layers(model, prompts):
+    for layer, taps in tapped_layers(model, prompts):
         if method == "awq":
-            fold_layer(layer, {str(key): tap for _, key, tap in taps}, spec.group_size)
+            fold_layer(layer, taps_by_name(taps), spec.group_size)
         for parent, key, tap in taps:
             set_slot(parent, key, _quantized_linear(tap, spec, method, damp, param_dtype))
     return model
 
 
-def awq_fold_model(model: nnx.Module, prompts: list[list[int]], group_size: int, grid=ALPHA_GRID) -> nnx.Module:
-    """Only AWQ's scaling, in place: the float model with every layer's scales folded in (the same
-    function as before, up to float rounding). For tests and diagnostics; `calibrate_w4` quantizes too."""
-    for layer, taps in _tapped_layers(model, prompts):
-        fold_layer(layer, {str(key): tap for _, key, tap in taps}, group_size, grid)
-        for parent, key, tap in taps:
-            set_slot(parent, key, tap.linear)
-    return model
-
-
-def _tapped_layers(model, prompts: list[list[int]]):
+def tapped_layers(model, prompts: list[list[int]]):
     """Yields (decoder layer, [(parent, key, tap)]) once its float pass over this layer's input has
     filled the taps; the caller puts Linears back in the taps' slots, then the layer runs again to
-    give the next layer's input."""
+    give the next layer's input. (Public for tests/convert/test_quant.py's fold-only AWQ check.)"""
     run_layer, x_TD = _layer_runner(model, prompts)
     for layer in model.layers:
         taps = _install_taps(layer)
         run_layer(layer, x_TD)
         yield layer, taps
         x_TD = run_layer(layer, x_TD)
+
+
+def taps_by_name(taps: list[tuple[object, object, HessianTap]]) -> dict[str, HessianTap]:
+    """{Linear attribute name ("q_proj", ...): tap}, the form `convert.awq.fold_layer` reads."""
+    return {str(key): tap for _, key, tap in taps}
 
 
 def _layer_runner(model, prompts: list[list[int]]):

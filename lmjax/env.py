@@ -1,4 +1,4 @@
-"""The LMJAX_* switches: engine choices read from the environment at trace time, so A/B runs of one
+"""The LMJAX_* switches: engine choices and numbers read from the environment at trace time, so A/B runs of one
 engine (benchmarks, parity checks) need no code change. One reader, so every bad value is named alike."""
 from __future__ import annotations
 
@@ -14,6 +14,21 @@ def env_choice(name: str, choices: tuple[str, ...], default: str, value: str | N
         where = f"{name} / {label}" if label else name
         raise ValueError(f"{where}={value!r} must be one of {choices}")
     return value
+
+
+def env_int(name: str, default: int, value: int | None = None, *, minimum: int | None = None,
+            label: str | None = None) -> int:
+    """`value` if given, else $`name` if set and non-empty, else `default`; an integer >= `minimum`.
+    `label` names the argument `value` stands for in the error, as in `env_choice`."""
+    where = f"{name} / {label}" if label else name
+    raw = value if value is not None else (os.environ.get(name) or default)
+    try:
+        number = int(str(raw).strip())  # through str: 2.5 is refused, not truncated
+    except ValueError:
+        raise ValueError(f"{where}={raw!r} must be an integer") from None
+    if minimum is not None and number < minimum:
+        raise ValueError(f"{where}={number} must be >= {minimum}")
+    return number
 
 
 # Batch-1 decode under tensor parallelism is a chain of 2 small all-reduces a layer (one hidden row, 8 KiB

@@ -1,9 +1,9 @@
-"""lmjax.env.env_choice: the one reader of the LMJAX_* switches (argument > environment > default)."""
+"""lmjax.env.env_choice / env_int: the readers of the LMJAX_* switches (argument > environment > default)."""
 import os
 
 import pytest
 
-from lmjax.env import env_choice
+from lmjax.env import env_choice, env_int
 
 CHOICES = ("auto", "kernel", "reference")
 
@@ -24,6 +24,31 @@ def test_bad_values_name_the_variable_or_the_argument(monkeypatch):
         env_choice("LMJAX_TEST_SWITCH", CHOICES, "auto")
     with pytest.raises(ValueError, match=r"^LMJAX_TEST_SWITCH / test impl='slow' must be one of"):
         env_choice("LMJAX_TEST_SWITCH", CHOICES, "auto", "slow", label="test impl")
+
+
+def test_env_int_argument_beats_environment_beats_default(monkeypatch):
+    monkeypatch.delenv("LMJAX_TEST_NUMBER", raising=False)
+    assert env_int("LMJAX_TEST_NUMBER", 4) == 4
+    monkeypatch.setenv("LMJAX_TEST_NUMBER", "")  # set but empty: the default
+    assert env_int("LMJAX_TEST_NUMBER", 4) == 4
+    monkeypatch.setenv("LMJAX_TEST_NUMBER", " 16 ")
+    assert env_int("LMJAX_TEST_NUMBER", 4, minimum=1) == 16
+    assert env_int("LMJAX_TEST_NUMBER", 4, 0) == 0  # an argument of 0 is a value, not "unset"
+
+
+def test_env_int_bad_values_name_the_variable_and_the_value(monkeypatch):
+    for bad in ("four", "2.5", "0x10"):
+        monkeypatch.setenv("LMJAX_TEST_NUMBER", bad)
+        with pytest.raises(ValueError, match=rf"^LMJAX_TEST_NUMBER='{bad}' must be an integer$"):
+            env_int("LMJAX_TEST_NUMBER", 4)
+    monkeypatch.setenv("LMJAX_TEST_NUMBER", "-3")
+    with pytest.raises(ValueError, match=r"^LMJAX_TEST_NUMBER=-3 must be >= 1$"):
+        env_int("LMJAX_TEST_NUMBER", 4, minimum=1)
+    with pytest.raises(ValueError, match=r"^LMJAX_TEST_NUMBER / test size=2.5 must be an integer$"):
+        env_int("LMJAX_TEST_NUMBER", 4, 2.5, label="test size")
+    monkeypatch.delenv("LMJAX_TEST_NUMBER")
+    with pytest.raises(ValueError, match=r"^LMJAX_TEST_NUMBER=0 must be >= 1$"):  # a bad default too
+        env_int("LMJAX_TEST_NUMBER", 0, minimum=1)
 
 
 def test_xla_flag_defaults_add_nccl_sync_allreduce_once_and_respect_the_user(monkeypatch):

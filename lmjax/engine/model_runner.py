@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +29,7 @@ from lmjax.config import SamplingParams
 from lmjax.engine.block_manager import BlockManager
 from lmjax.engine.decode_loop import DecodeInputs, decode_steps
 from lmjax.engine.scheduler import ScheduledBatch
-from lmjax.env import env_choice
+from lmjax.env import env_choice, env_int
 from lmjax.layers.attention import AttentionMetadata, cost_follows_context, kv_write_impl
 from lmjax.layers.quant import QuantLinear
 from lmjax.layers.sampler import SamplerOutput, SamplingFlags, SamplingRow, build_sampling_metadata, sample
@@ -57,9 +56,9 @@ def decode_batch_floor(model: nnx.Module | None = None) -> int:
     default = 4
     if model is not None and jax.default_backend() == "gpu":
         default = 1 if any(isinstance(m, QuantLinear) and m.spec.method == "w4" for _, m in _modules(model)) else 4
-    floor = int(os.environ.get("LMJAX_DECODE_BATCH_FLOOR", default))
-    if floor < 1 or floor & (floor - 1):
-        raise ValueError(f"LMJAX_DECODE_BATCH_FLOOR={floor} must be a power of two >= 1")
+    floor = env_int("LMJAX_DECODE_BATCH_FLOOR", default, minimum=1)
+    if floor & (floor - 1):
+        raise ValueError(f"LMJAX_DECODE_BATCH_FLOOR={floor} must be a power of two")
     return floor
 
 

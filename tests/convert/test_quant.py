@@ -14,7 +14,7 @@ from flax import nnx
 
 from lmjax.layers.linear import Linear
 from lmjax.layers.quant import (QuantLinear, QuantSpec, dequantize_w4, quantize_model, quantize_w4, quantize_w8,
-                                unpack_w4)
+                                set_slot, unpack_w4)
 from test_convert import TINY
 
 TEXT = os.path.join(os.path.dirname(__file__), "data", "perplexity.txt")
@@ -169,16 +169,28 @@ def _tiny_prompts(rows: int, seed: int) -> list[list[int]]:
     return [list(map(int, p)) for p in np.random.default_rng(seed).integers(3, TINY["vocab_size"], (rows, 64))]
 
 
+def _awq_fold_model(model, prompts: list[list[int]], group_size: int, grid) -> nnx.Module:
+    """Only AWQ's scaling, in place: `calibrate_w4`'s awq path without the quantization, so the float
+    model keeps every layer's scales folded in (the same function as before, up to float rounding)."""
+    from convert.awq import fold_layer
+    from convert.calibrate import tapped_layers, taps_by_name
+
+    for layer, taps in tapped_layers(model, prompts):
+        fold_layer(layer, taps_by_name(taps), group_size, grid)
+        for parent, key, tap in taps:
+            set_slot(parent, key, tap.linear)
+    return model
+
+
 def test_awq_scales_fold_into_the_float_model_exactly(tiny_model):
     """The scaled but unquantized model computes the same logits: 1/s went into the input norms, v_proj's
     columns (per kv head, shared by its 2 q heads here) and up_proj's columns."""
-    from convert.calibrate import awq_fold_model
     from lmjax.models.forward import prompt_logits
 
     model = tiny_model
     held_out = _tiny_prompts(2, seed=1)
     want = prompt_logits(model, held_out)
-    folded = awq_fold_model(nnx.clone(model), _tiny_prompts(4, seed=0), group_size=32, grid=(0.5,))  # alpha forced
+    folded = _awq_fold_model(nnx.clone(model), _tiny_prompts(4, seed=0), group_size=32, grid=(0.5,))  # alpha forced
     for layer, before in zip(folded.layers, model.layers):
         for get in (lambda l: l.input_layernorm.weight, lambda l: l.post_attention_layernorm.weight,
                     lambda l: l.self_attn.v_proj.kernel, lambda l: l.mlp.up_proj.kernel,
