@@ -117,7 +117,8 @@ def rope_and_write_kv_qkv(qkv_TXH, num_kv_heads: int, positions_T, cache, meta: 
         return sharded(qkv_TXH, positions_T, cache, meta)
     if shards > 1:
         qkv_TXH = unshard_qkv(qkv_TXH, num_kv_heads, shards)
-    impl = "reference" if tp > 1 else impl  # GSPMD shards the XLA path by itself; the kernel would not be
+    if tp > 1:  # outside shard_map only the XLA path shards (GSPMD); the kernel would see global arrays
+        impl = "reference"
     return _write_merged(qkv_TXH, positions_T, cache, meta, num_kv_heads=num_kv_heads, spec=spec, impl=impl)
 
 

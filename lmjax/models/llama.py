@@ -50,10 +50,8 @@ class Attention(nnx.Module):
         in `shards` blocks [q_s | k_s | v_s] for tensor parallelism over that many devices (each must
         then hold whole q and KV heads). Why: the fused RoPE + KV write kernel reads q, k and v straight
         from that one output. Not with a q/k norm (Qwen3). False when not merged."""
-        cfg = self.cfg
-        if cfg.num_heads % shards or cfg.num_kv_heads % shards:
-            return False
-        if self.qkv_proj is None and self.q_norm is None:
+        whole_heads = self.cfg.num_heads % shards == 0 and self.cfg.num_kv_heads % shards == 0
+        if self.qkv_proj is None and self.q_norm is None and whole_heads:
             merged = merge_linears([self.q_proj, self.k_proj, self.v_proj], shards)
             if merged is not None:
                 self.qkv_proj, self.q_proj, self.k_proj, self.v_proj = merged, None, None, None
