@@ -43,13 +43,25 @@ NCCL_SYNC_XLA_FLAGS = ("--xla_gpu_disable_async_collectives=ALLREDUCE",
                        "--xla_gpu_unsupported_use_all_reduce_one_shot_kernel=false")
 
 
-def apply_xla_flag_defaults() -> list[str]:
-    """Add NCCL_SYNC_XLA_FLAGS to XLA_FLAGS unless LMJAX_TP_ALLREDUCE=xla or XLA_FLAGS already sets either
-    option; returns the flags added. Without effect once a JAX backend has started (set XLA_FLAGS then)."""
+def apply_xla_flag_defaults(cuda: bool | None = None) -> list[str]:
+    """Add NCCL_SYNC_XLA_FLAGS to XLA_FLAGS when JAX has its CUDA plugin (`cuda`, found by default),
+    unless LMJAX_TP_ALLREDUCE=xla or XLA_FLAGS already sets either option; returns the flags added.
+    Not on CPU-only installs: an XLA flag a jaxlib does not know aborts the process, so they go only
+    where they do something. Without effect once a JAX backend has started (set XLA_FLAGS then)."""
     if env_choice("LMJAX_TP_ALLREDUCE", TP_ALLREDUCE_CHOICES, "nccl", label="tp allreduce") == "xla":
         return []
     current = os.environ.get("XLA_FLAGS", "")
-    if any(flag.split("=")[0] in current for flag in NCCL_SYNC_XLA_FLAGS):
+    if not (has_cuda_plugin() if cuda is None else cuda) or any(f.split("=")[0] in current for f in NCCL_SYNC_XLA_FLAGS):
         return []
     os.environ["XLA_FLAGS"] = " ".join([current, *NCCL_SYNC_XLA_FLAGS]).strip()
     return list(NCCL_SYNC_XLA_FLAGS)
+
+
+def has_cuda_plugin() -> bool:
+    """Whether JAX's CUDA PJRT plugin is installed (jax_plugins.xla_cuda12 / xla_cuda13), without
+    importing jax or starting a backend."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("jax_plugins")
+    dirs = spec.submodule_search_locations if spec is not None else None
+    return any(name.startswith("xla_cuda") for d in (dirs or ()) if os.path.isdir(d) for name in os.listdir(d))

@@ -55,26 +55,30 @@ def test_xla_flag_defaults_add_nccl_sync_allreduce_once_and_respect_the_user(mon
     import subprocess
     import sys
 
-    from lmjax.env import NCCL_SYNC_XLA_FLAGS, apply_xla_flag_defaults
+    from lmjax.env import NCCL_SYNC_XLA_FLAGS, apply_xla_flag_defaults, has_cuda_plugin
 
     monkeypatch.delenv("LMJAX_TP_ALLREDUCE", raising=False)
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
-    assert apply_xla_flag_defaults() == list(NCCL_SYNC_XLA_FLAGS)
-    flags = "--xla_force_host_platform_device_count=2 " + " ".join(NCCL_SYNC_XLA_FLAGS)
-    assert os.environ["XLA_FLAGS"] == flags
-    assert apply_xla_flag_defaults() == []  # already there: not added twice
+    assert apply_xla_flag_defaults(cuda=False) == []  # CPU-only installs: left alone
+    assert apply_xla_flag_defaults(cuda=True) == list(NCCL_SYNC_XLA_FLAGS)
+    assert os.environ["XLA_FLAGS"] == "--xla_force_host_platform_device_count=2 " + " ".join(NCCL_SYNC_XLA_FLAGS)
+    assert apply_xla_flag_defaults(cuda=True) == []  # already there: not added twice
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_disable_async_collectives=ALLGATHER")  # the user's own choice
-    assert apply_xla_flag_defaults() == []
+    assert apply_xla_flag_defaults(cuda=True) == []
     monkeypatch.delenv("XLA_FLAGS")
     monkeypatch.setenv("LMJAX_TP_ALLREDUCE", "xla")
-    assert apply_xla_flag_defaults() == [] and "XLA_FLAGS" not in os.environ
+    assert apply_xla_flag_defaults(cuda=True) == [] and "XLA_FLAGS" not in os.environ
     monkeypatch.setenv("LMJAX_TP_ALLREDUCE", "fast")
     with pytest.raises(ValueError, match=r"LMJAX_TP_ALLREDUCE / tp allreduce='fast' must be one of"):
-        apply_xla_flag_defaults()
-    # `import lmjax` sets them before JAX's backend starts, and this jaxlib knows both flags (an unknown
-    # flag in XLA_FLAGS aborts the process).
-    code = "import os, lmjax, jax.numpy as jnp; print(float(jnp.ones(()) + 1), os.environ['XLA_FLAGS'])"
+        apply_xla_flag_defaults(cuda=True)
+    # `import lmjax` adds them only where JAX has its CUDA plugin (not on this CPU-only install), and the
+    # flags are ones this jaxlib knows (an unknown flag in XLA_FLAGS aborts the process).
+    code = "import os, lmjax, jax.numpy as jnp; print(float(jnp.ones(()) + 1), os.environ.get('XLA_FLAGS', '-'))"
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "LMJAX_TP_ALLREDUCE")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["2.0", *(NCCL_SYNC_XLA_FLAGS if has_cuda_plugin() else ["-"])]
+    env["XLA_FLAGS"] = " ".join(NCCL_SYNC_XLA_FLAGS)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["2.0", *NCCL_SYNC_XLA_FLAGS]
