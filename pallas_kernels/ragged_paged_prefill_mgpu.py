@@ -1,0 +1,363 @@
+"""Ragged paged attention's Mosaic GPU (Hopper: wgmma + TMA) kernel for prefill chunks.
+
+Shape letters and semantics: pallas_kernels/ragged_paged_attention.py; here also
+  G  CTA tiles of the grid (static bound)       W  rows a compute warpgroup owns (64, wgmma's M)
+  E  keys of a kv step (block_kv)               F  the four per-tile scalars (see `prefill_tiles`)
+
+Why a second kernel: the Triton-backend kernel streams the cache for decode at ~91% of copy bandwidth,
+but tops out near 25% of the bf16 matmul rate on prefill chunks (no warp specialisation, no TMA, K/V
+rows gathered one by one). This one follows the FlashAttention-3 layout on Hopper: each CTA runs two
+compute warpgroups (64 query rows of one q head each, wgmma from shared memory) and one memory
+warpgroup that streams K/V pages with TMA bulk copies into a ring of `max_steps` shared-memory stages.
+Pages make that cheap: a kv step of E keys is one [E, H] box of one page (E divides the block size S),
+found through the block table by the memory warpgroup.
+
+Data flow of one call:
+  1. `prefill_tiles` (XLA, a few tiny ops): the static grid's G tiles of 2W query tokens -> for each,
+     (sequence, first q row, rows, position of the first row) in an int32 [4, G] array. Only sequences
+     with q_len >= min_q_len get tiles (decode rows are the Triton kernel's job); spare tiles idle.
+  2. The kernel, grid (N heads, G tiles): compute warpgroup w attends rows [w W, (w + 1) W) of the tile
+     over keys [0, its last position], unmasked steps first, then the causal diagonal; the memory
+     warpgroup keeps up to `max_steps` K/V steps in flight. Rows go back by TMA in power-of-two pieces
+     (a ragged tile end has no fixed size; one descriptor per piece size).
+  3. Rows of sequences without tiles are left unwritten: the caller merges (ragged_paged_attention).
+
+Preconditions beyond the op's contract (checked where static, else documented): bf16 or f16; head dim a
+multiple of 64; block size a multiple of 64; no sliding window; cache slots a sequence does not own hold
+finite values (a TMA step reads whole pages and masks scores, and 0 * NaN in the P @ V product is NaN:
+the engine's cache is zero-initialised and written only with K/V, so it never holds NaN).
+
+In Pallas GPU interpret mode (CPU tests) the two products are jnp dots of the same shared-memory tiles
+(the interpreter's wgmma takes neither a transposed nor a register operand) and register layouts are
+dropped; the pipeline, its barriers, the page walk, the masks and the ragged stores are the same code.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels._validate import require
+
+try:  # Mosaic GPU Pallas; absent from some jax builds.
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+except ImportError:  # pragma: no cover - depends on the jax build
+    plgpu = None
+
+_LOG2E = 1.4426950408889634
+ROWS_PER_WG = 64  # wgmma's M: query rows of one compute warpgroup
+MGPU_DTYPES = ("bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillConfig:
+    block_kv: int = 128  # keys of a kv step; must divide the cache block size
+    max_steps: int = 2  # K/V steps in flight (shared-memory stages)
+    schedule_barrier: bool = True  # ping-pong the two compute warpgroups' tensor-core phases
+
+    def __post_init__(self):
+        require(self.block_kv % 64 == 0, f"block_kv={self.block_kv} must be a multiple of 64")
+        require(self.max_steps >= 2, f"max_steps={self.max_steps} must be >= 2")
+
+
+def mgpu_supported(q_TNH, k_cache_PSKH, sliding_window) -> bool:
+    """Whether this kernel serves these (static) shapes: else the caller uses the Triton kernel."""
+    head_dim, block_size = q_TNH.shape[-1], k_cache_PSKH.shape[1]
+    return (plgpu is not None and str(q_TNH.dtype) in MGPU_DTYPES and head_dim % 64 == 0
+            and block_size % 64 == 0 and sliding_window is None)
+
+
+def default_config(block_size: int) -> PrefillConfig:
+    return PrefillConfig(block_kv=math.gcd(block_size, 128))
+
+
+def num_prefill_tiles(num_tokens: int, num_seqs: int, min_q_len: int) -> int:
+    """Tiles of 2W tokens that cover the q rows of every sequence with q_len >= min_q_len: at most
+    T / min_q_len such sequences, each wasting under one tile."""
+    tile = 2 * ROWS_PER_WG
+    seqs = min(num_seqs, num_tokens // max(min_q_len, 1))
+    return max(1, num_tokens // tile + seqs)
+
+
+def prefill_tiles(kv_lens_B, cu_q_lens_B1, *, num_tiles: int, min_q_len: int):
+    """[4, G] int32: per tile (sequence, first q row, rows in the tile (0 = idle), first row's position)."""
+    tile = 2 * ROWS_PER_WG
+    num_seqs = kv_lens_B.shape[0]
+    q_len_B = cu_q_lens_B1[1:] - cu_q_lens_B1[:-1]
+    tiles_B = jnp.where(q_len_B >= min_q_len, (q_len_B + tile - 1) // tile, 0)
+    end_B = jnp.cumsum(tiles_B)
+    g_G = jnp.arange(num_tiles, dtype=jnp.int32)
+    seq_G = jnp.searchsorted(end_B, g_G, side="right").astype(jnp.int32)
+    live_G = seq_G < num_seqs
+    seq_G = jnp.minimum(seq_G, num_seqs - 1)
+    start_G = cu_q_lens_B1[seq_G] + (g_G - (end_B[seq_G] - tiles_B[seq_G])) * tile
+    rows_G = jnp.where(live_G, jnp.clip(cu_q_lens_B1[seq_G + 1] - start_G, 0, tile), 0)
+    pos0_G = kv_lens_B[seq_G] - q_len_B[seq_G] + (start_G - cu_q_lens_B1[seq_G])
+    return jnp.stack([seq_G, start_G, rows_G, pos0_G]).astype(jnp.int32)
+
+
+# --------------------------------------------------------------------------
+# Kernel
+# --------------------------------------------------------------------------
+def _row_layout():
+    """Layout of a per-row vector of a wgmma accumulator: its own name in newer jax, a reduction of
+    the accumulator's layout in jax 0.10."""
+    row = getattr(plgpu.Layout, "WGMMA_ROW", None)
+    return row if row is not None else plgpu.Layout.WGMMA.reduce(1)
+
+
+# The interpreter has no register layouts: there the casts and the iota are plain jnp.
+def _cast(x, layout, interpret):
+    return x if interpret else plgpu.layout_cast(x, layout)
+
+
+def _qk(q_smem_WH, k_smem_EH, after_issue, interpret):
+    """Scores q @ k.T in f32 (wgmma from shared memory; `after_issue` runs while it computes)."""
+    if interpret:  # the interpreter's wgmma takes no transposed operand
+        after_issue()
+        return jax.lax.dot_general(q_smem_WH[...], k_smem_EH[...], (((1,), (1,)), ((), ())),
+                                   preferred_element_type=jnp.float32)
+
+    def scores(acc_ref):
+        plgpu.wgmma(acc_ref, q_smem_WH, plgpu.transpose_ref(k_smem_EH, (1, 0)))
+        after_issue()
+        return acc_ref[...]
+
+    return pl.run_scoped(scores, plgpu.ACC((q_smem_WH.shape[0], k_smem_EH.shape[0]), jnp.float32))
+
+
+def _pv_accumulate(acc_WH, p_WE, v_smem_EH, interpret):
+    """acc + p @ v, accumulated in place by wgmma (p from registers)."""
+    if interpret:  # the interpreter's wgmma takes no register operand, nor has it pl.run_state
+        return acc_WH + jnp.dot(p_WE, v_smem_EH[...], preferred_element_type=jnp.float32)
+    return pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, p_WE, v_smem_EH))(plgpu.ACC.init(acc_WH))
+
+
+def _iota(shape, axis, interpret):
+    if interpret:
+        return lax.broadcasted_iota(jnp.int32, shape, axis)
+    return plgpu.broadcasted_iota(jnp.int32, shape, axis, layout=plgpu.Layout.WGMMA)
+
+
+def _store_rows(o_smem_WH, o_ref_TNH, row0, rows, head):
+    """TMA-store the first `rows` (dynamic, 0..W) rows of o_smem to o_ref[row0 + i, head]: one piece per
+    set bit of `rows`, largest first, since a descriptor's box size is static."""
+    done = 0
+    size = ROWS_PER_WG
+    while size >= 1:
+        piece = rows & size
+
+        @pl.when(piece != 0)
+        def _store(done=done, size=size):
+            plgpu.copy_smem_to_gmem(o_smem_WH.at[pl.ds(done, size)],
+                                    o_ref_TNH.at[pl.ds(row0 + done, size), head])
+
+        done = done + piece
+        size //= 2
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _compute_wg(refs, tile, *, head, wg, group, block_kv, max_steps, schedule_barrier, scale_log2,
+                interpret):
+    """One compute warpgroup: W query rows of one head against the causal keys of its sequence."""
+    q_ref, o_ref, q_smem, o_smem, k_smem, v_smem, bars = refs
+    k_ready, v_ready, q_ready, k_free, v_free, sched = bars
+    seq, q_start, tile_rows, pos0, cta_steps = tile
+    del seq
+    rows = jnp.clip(tile_rows - wg * ROWS_PER_WG, 0, ROWS_PER_WG)
+    first_pos = pos0 + wg * ROWS_PER_WG
+    my_steps = jnp.where(rows > 0, lax.div(first_pos + rows + block_kv - 1, block_kv), 0)
+    full_steps = jnp.minimum(lax.div(first_pos + 1, block_kv), my_steps)
+    dtype = q_smem.dtype
+    head_dim = q_smem.shape[-1]
+    q_smem = q_smem.at[wg]
+    o_smem = o_smem.at[wg]
+
+    def sync_schedule():
+        if schedule_barrier:
+            plgpu.barrier_arrive(sched)
+            plgpu.barrier_wait(sched)
+
+    @pl.when(rows > 0)
+    def _load_q():
+        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(q_start + wg * ROWS_PER_WG, ROWS_PER_WG), head],
+                                q_smem, q_ready.at[wg])
+        plgpu.barrier_wait(q_ready.at[wg])
+
+    if schedule_barrier:
+        pl.when(wg == 1)(sync_schedule)
+
+    def step(kv_step, carry, *, masked):
+        acc_WH, max_W, sum_W = carry
+        slot = lax.rem(kv_step, max_steps)
+        plgpu.barrier_wait(k_ready.at[slot])
+
+        s_WE = _qk(q_smem, k_smem.at[slot], sync_schedule, interpret)
+        plgpu.barrier_arrive(k_free.at[slot])
+        if masked:
+            r_WE = _iota(s_WE.shape, 0, interpret)
+            c_WE = _iota(s_WE.shape, 1, interpret)
+            s_WE = jnp.where(first_pos + r_WE >= kv_step * block_kv + c_WE, s_WE, -jnp.inf)
+        # The running max is kept scaled by log2(e) * sm_scale, so p is one FMA and an exp2.
+        new_max_W = jnp.maximum(max_W, s_WE.max(axis=1) * scale_log2)
+        alpha_W = jnp.exp2(max_W - new_max_W)
+        p_WE = jnp.exp2(s_WE * scale_log2 - lax.broadcast_in_dim(new_max_W, s_WE.shape, [0]))
+        acc_WH = acc_WH * lax.broadcast_in_dim(alpha_W, acc_WH.shape, [0])
+        sum_W = sum_W * alpha_W + p_WE.sum(axis=1)
+        p16_WE = p_WE.astype(dtype)
+        acc_WH, sum_W, new_max_W, p16_WE = lax.optimization_barrier((acc_WH, sum_W, new_max_W, p16_WE))
+        if schedule_barrier:
+            plgpu.barrier_arrive(sched)
+        plgpu.barrier_wait(v_ready.at[slot])
+        if schedule_barrier:
+            plgpu.barrier_wait(sched)
+        acc_WH = _pv_accumulate(acc_WH, p16_WE, v_smem.at[slot], interpret)
+        plgpu.barrier_arrive(v_free.at[slot])
+        return acc_WH, new_max_W, sum_W
+
+    def drain(kv_step, _):
+        """A step this warpgroup does not attend (its rows end earlier): free the stage, keep the beat.
+        It still waits for the stage's copies: every barrier phase is observed by every thread."""
+        slot = lax.rem(kv_step, max_steps)
+        plgpu.barrier_wait(k_ready.at[slot])
+        plgpu.barrier_wait(v_ready.at[slot])
+        plgpu.barrier_arrive(k_free.at[slot])
+        plgpu.barrier_arrive(v_free.at[slot])
+        sync_schedule()
+        sync_schedule()
+
+    acc_WH = _cast(jnp.zeros((ROWS_PER_WG, head_dim), jnp.float32), plgpu.Layout.WGMMA, interpret)
+    max_W = _cast(jnp.full((ROWS_PER_WG,), -jnp.inf, jnp.float32), _row_layout(), interpret)
+    sum_W = _cast(jnp.zeros((ROWS_PER_WG,), jnp.float32), _row_layout(), interpret)
+    carry = (acc_WH, max_W, sum_W)
+    carry = lax.fori_loop(0, full_steps, functools.partial(step, masked=False), carry)
+    acc_WH, max_W, sum_W = lax.fori_loop(full_steps, my_steps, functools.partial(step, masked=True), carry)
+    lax.fori_loop(my_steps, cta_steps, drain, None)
+    if schedule_barrier:
+        pl.when(wg == 0)(sync_schedule)
+
+    @pl.when(rows > 0)
+    def _write():
+        safe_sum_W = jnp.where(sum_W > 0, sum_W, 1.0)
+        o_smem[...] = (acc_WH / lax.broadcast_in_dim(safe_sum_W, acc_WH.shape, [0])).astype(o_smem.dtype)
+        plgpu.commit_smem()
+        _store_rows(o_smem, o_ref, q_start + wg * ROWS_PER_WG, rows, head)
+
+
+def _memory_wg(refs, tile, *, kv_head, block_kv, block_size, max_blocks, max_steps):
+    """The producer: TMA-copies each kv step's K and V box (one page's rows) into its ring stage."""
+    k_ref, v_ref, tables_ref, k_smem, v_smem, bars = refs
+    k_ready, v_ready, _, k_free, v_free, _ = bars
+    seq, _, _, _, cta_steps = tile
+
+    def issue(kv_step):
+        slot = lax.rem(kv_step, max_steps)
+        key0 = kv_step * block_kv
+        page = tables_ref[seq, jnp.minimum(lax.div(key0, block_size), max_blocks - 1)]
+        rows = pl.ds(lax.rem(key0, block_size), block_kv)
+        plgpu.copy_gmem_to_smem(k_ref.at[page, rows, kv_head], k_smem.at[slot], k_ready.at[slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[page, rows, kv_head], v_smem.at[slot], v_ready.at[slot])
+
+    for i in range(max_steps):
+        pl.when(i < cta_steps)(functools.partial(issue, i))
+
+    @pl.loop(max_steps, jnp.maximum(cta_steps, max_steps))
+    def _refill(kv_step):
+        slot = lax.rem(kv_step, max_steps)
+        plgpu.barrier_wait(k_free.at[slot])
+        plgpu.barrier_wait(v_free.at[slot])
+        issue(kv_step)
+
+    @pl.loop(jnp.maximum(cta_steps - max_steps, 0), cta_steps)
+    def _last_frees(kv_step):  # observe the stages' final phases before the barriers go away
+        slot = lax.rem(kv_step, max_steps)
+        plgpu.barrier_wait(k_free.at[slot])
+        plgpu.barrier_wait(v_free.at[slot])
+
+
+def _kernel(tiles_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, *, group, block_kv, max_steps,
+            schedule_barrier, scale_log2, interpret):
+    head, g = lax.axis_index("heads"), lax.axis_index("tiles")
+    num_tiles = tiles_ref.shape[1]
+    g = num_tiles - 1 - g  # the grid's first tiles are the last of each sequence: most keys, start first
+    seq, q_start, tile_rows, pos0 = (tiles_ref[i, g] for i in range(4))
+    cta_steps = jnp.where(tile_rows > 0, lax.div(pos0 + tile_rows + block_kv - 1, block_kv), 0)
+    tile = (seq, q_start, tile_rows, pos0, cta_steps)
+    head_dim, dtype = q_ref.shape[-1], q_ref.dtype
+    block_size, max_blocks = k_ref.shape[1], tables_ref.shape[1]
+    swizzled = (plgpu.TilingTransform((8, 128 // dtype.itemsize)), plgpu.SwizzleTransform(128))
+
+    def body(q_smem, o_smem, k_smem, v_smem, *bars):
+        wg = lax.axis_index("wg")
+
+        @pl.when(wg < 2)
+        def _compute():
+            plgpu.set_max_registers(232, action="increase")
+            _compute_wg((q_ref, o_ref, q_smem, o_smem, k_smem, v_smem, bars), tile, head=head, wg=wg,
+                        group=group, block_kv=block_kv, max_steps=max_steps,
+                        schedule_barrier=schedule_barrier, scale_log2=scale_log2, interpret=interpret)
+
+        @pl.when(wg == 2)
+        def _memory():
+            plgpu.set_max_registers(40, action="decrease")
+            _memory_wg((k_ref, v_ref, tables_ref, k_smem, v_smem, bars), tile,
+                       kv_head=lax.div(head, group), block_kv=block_kv, block_size=block_size,
+                       max_blocks=max_blocks, max_steps=max_steps)
+
+    pl.run_scoped(
+        body,
+        plgpu.SMEM((2, ROWS_PER_WG, head_dim), dtype, transforms=swizzled),
+        plgpu.SMEM((2, ROWS_PER_WG, head_dim), dtype),  # plain rows: the store slices it anywhere
+        plgpu.SMEM((max_steps, block_kv, head_dim), dtype, transforms=swizzled),
+        plgpu.SMEM((max_steps, block_kv, head_dim), dtype, transforms=swizzled),
+        plgpu.Barrier(num_barriers=max_steps),  # k_ready
+        plgpu.Barrier(num_barriers=max_steps),  # v_ready
+        plgpu.Barrier(num_barriers=2),  # q_ready
+        plgpu.Barrier(num_arrivals=2, num_barriers=max_steps),  # k_free
+        plgpu.Barrier(num_arrivals=2, num_barriers=max_steps),  # v_free
+        plgpu.Barrier(num_arrivals=2),  # sched
+        collective_axes="wg",
+    )
+
+
+def ragged_paged_prefill_mgpu(q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, block_tables_BM, cu_q_lens_B1,
+                              *, sm_scale: float, min_q_len: int = 2, config: PrefillConfig | None = None,
+                              interpret: bool = False):
+    """Attention rows of every sequence with q_len >= min_q_len; other rows are left unwritten.
+
+    Call inside jit. interpret=True runs Pallas GPU interpret mode (CPU tests).
+    """
+    num_tokens, num_q_heads, head_dim = q_TNH.shape
+    _, block_size, num_kv_heads, _ = k_cache_PSKH.shape
+    require(mgpu_supported(q_TNH, k_cache_PSKH, None),
+            f"the Mosaic GPU prefill kernel needs bf16/f16 (got {q_TNH.dtype}), head_dim % 64 == 0 "
+            f"(got {head_dim}) and block_size % 64 == 0 (got {block_size})")
+    config = config or default_config(block_size)
+    require(block_size % config.block_kv == 0,
+            f"block_kv={config.block_kv} must divide the cache's block_size={block_size}")
+    num_tiles = num_prefill_tiles(num_tokens, kv_lens_B.shape[0], min_q_len)
+    tiles_4G = prefill_tiles(kv_lens_B, cu_q_lens_B1, num_tiles=num_tiles, min_q_len=min_q_len)
+    kernel = functools.partial(
+        _kernel, group=num_q_heads // num_kv_heads, block_kv=config.block_kv, max_steps=config.max_steps,
+        schedule_barrier=config.schedule_barrier, scale_log2=float(sm_scale) * _LOG2E, interpret=interpret)
+    params = None
+    if interpret:  # the interpreter has no TMA zero fill past the array's end: pad q with a tile
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+        params = InterpretGPUParams()
+        q_TNH = jnp.pad(q_TNH, ((0, 2 * ROWS_PER_WG), (0, 0), (0, 0)))
+    out_TNH = plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct(q_TNH.shape, q_TNH.dtype),
+        grid=(num_q_heads, num_tiles),
+        grid_names=("heads", "tiles"),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=params,
+    )(tiles_4G, block_tables_BM, q_TNH, k_cache_PSKH, v_cache_PSKH)
+    return out_TNH[:num_tokens]
