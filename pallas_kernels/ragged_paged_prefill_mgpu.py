@@ -2,28 +2,30 @@
 
 Shape letters and semantics: pallas_kernels/ragged_paged_attention.py; here also
   G  CTA tiles of the grid (static bound)       W  rows a compute warpgroup owns (64, wgmma's M)
-  E  keys of a kv step (block_kv)               F  the four per-tile scalars (see `prefill_tiles`)
+  E  keys of a kv step (block_kv)               F  the five per-tile scalars (see `prefill_tiles`)
 
 Why a second kernel: the Triton-backend kernel streams the cache for decode at ~91% of copy bandwidth,
 but tops out near 25% of the bf16 matmul rate on prefill chunks (no warp specialisation, no TMA, K/V
 rows gathered one by one). This one follows the FlashAttention-3 layout on Hopper: each CTA runs two
 compute warpgroups (64 query rows of one q head each, wgmma from shared memory) and one memory
 warpgroup that streams K/V pages with TMA bulk copies into a ring of `max_steps` shared-memory stages.
-Pages make that cheap: a kv step of E keys is one [E, H] box of one page (E divides the block size S),
-found through the block table by the memory warpgroup.
+Pages make that cheap: a kv step of E keys is one [E, H] box of one page (E divides the block size S)
+or E / S whole pages, found through the block table by the memory warpgroup.
 
 Data flow of one call:
-  1. `prefill_tiles` (XLA, a few tiny ops): the static grid's G tiles of 2W query tokens -> for each,
-     (sequence, first q row, rows, position of the first row) in an int32 [4, G] array. Only sequences
-     with q_len >= min_q_len get tiles (decode rows are the Triton kernel's job); spare tiles idle.
+  1. `prefill_tiles` (XLA, a few tiny ops): the static grid's G tiles of 2W query rows -> for each,
+     (sequence, first q row, first and end valid row in the tile, position of row 0) in an int32
+     [5, G] array. A tile starts on a multiple of 8 rows (TMA reads 8-row tiles of q), so its first
+     rows may belong to the sequence before. Only sequences with q_len >= min_q_len get tiles (decode
+     rows are the Triton kernel's job); spare tiles idle.
   2. The kernel, grid (N heads, G tiles): compute warpgroup w attends rows [w W, (w + 1) W) of the tile
-     over keys [0, its last position], unmasked steps first, then the causal diagonal; the memory
-     warpgroup keeps up to `max_steps` K/V steps in flight. Rows go back by TMA in power-of-two pieces
-     (a ragged tile end has no fixed size; one descriptor per piece size).
+     over keys [0, its last valid row's position], unmasked steps first, then the causal diagonal; the
+     memory warpgroup keeps up to `max_steps` K/V steps in flight. Valid rows go back by TMA in
+     power-of-two pieces (a ragged tile has no fixed row count; one descriptor per piece size).
   3. Rows of sequences without tiles are left unwritten: the caller merges (ragged_paged_attention).
 
 Preconditions beyond the op's contract (checked where static, else documented): bf16 or f16; head dim a
-multiple of 64; block size a multiple of 64; no sliding window; cache slots a sequence does not own hold
+multiple of 64; block size a multiple of 64; a token count that is a multiple of 8; no sliding window; cache slots a sequence does not own hold
 finite values (a TMA step reads whole pages and masks scores, and 0 * NaN in the P @ V product is NaN:
 the engine's cache is zero-initialised and written only with K/V, so it never holds NaN).
 
@@ -35,7 +37,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -56,7 +57,7 @@ MGPU_DTYPES = ("bfloat16", "float16")
 
 @dataclasses.dataclass(frozen=True)
 class PrefillConfig:
-    block_kv: int = 128  # keys of a kv step; must divide the cache block size
+    block_kv: int = 128  # keys of a kv step; divides the cache block size or is a multiple of it
     max_steps: int = 2  # K/V steps in flight (shared-memory stages)
     schedule_barrier: bool = True  # ping-pong the two compute warpgroups' tensor-core phases
 
@@ -67,38 +68,43 @@ class PrefillConfig:
 
 def mgpu_supported(q_TNH, k_cache_PSKH, sliding_window) -> bool:
     """Whether this kernel serves these (static) shapes: else the caller uses the Triton kernel."""
-    head_dim, block_size = q_TNH.shape[-1], k_cache_PSKH.shape[1]
+    num_tokens, _, head_dim = q_TNH.shape
+    block_size = k_cache_PSKH.shape[1]
+    # TMA boxes of tiled (8-row) shared memory need the token count to be a multiple of 8.
     return (plgpu is not None and str(q_TNH.dtype) in MGPU_DTYPES and head_dim % 64 == 0
-            and block_size % 64 == 0 and sliding_window is None)
+            and block_size % 64 == 0 and num_tokens % 8 == 0 and sliding_window is None)
 
 
 def default_config(block_size: int) -> PrefillConfig:
-    return PrefillConfig(block_kv=math.gcd(block_size, 128))
+    return PrefillConfig(block_kv=128)
 
 
 def num_prefill_tiles(num_tokens: int, num_seqs: int, min_q_len: int) -> int:
-    """Tiles of 2W tokens that cover the q rows of every sequence with q_len >= min_q_len: at most
-    T / min_q_len such sequences, each wasting under one tile."""
+    """Tiles of 2W rows that cover the q rows of every sequence with q_len >= min_q_len (at most
+    T / min_q_len of them), each starting up to 7 rows early: sum_b cdiv(q_b + 7, 2W) <= (T + n (2W + 6)) / 2W."""
     tile = 2 * ROWS_PER_WG
     seqs = min(num_seqs, num_tokens // max(min_q_len, 1))
-    return max(1, num_tokens // tile + seqs)
+    return max(1, (num_tokens + seqs * (tile + 6)) // tile)
 
 
 def prefill_tiles(kv_lens_B, cu_q_lens_B1, *, num_tiles: int, min_q_len: int):
-    """[4, G] int32: per tile (sequence, first q row, rows in the tile (0 = idle), first row's position)."""
+    """[5, G] int32: per tile (sequence, first q row (a multiple of 8), first valid row in the tile, end of
+    the valid rows (lo == hi: idle), position of the tile's row 0 (negative for rows before the sequence))."""
     tile = 2 * ROWS_PER_WG
     num_seqs = kv_lens_B.shape[0]
-    q_len_B = cu_q_lens_B1[1:] - cu_q_lens_B1[:-1]
-    tiles_B = jnp.where(q_len_B >= min_q_len, (q_len_B + tile - 1) // tile, 0)
+    start_B, stop_B = cu_q_lens_B1[:-1], cu_q_lens_B1[1:]
+    aligned_B = start_B - start_B % 8
+    tiles_B = jnp.where(stop_B - start_B >= min_q_len, (stop_B - aligned_B + tile - 1) // tile, 0)
     end_B = jnp.cumsum(tiles_B)
     g_G = jnp.arange(num_tiles, dtype=jnp.int32)
     seq_G = jnp.searchsorted(end_B, g_G, side="right").astype(jnp.int32)
     live_G = seq_G < num_seqs
     seq_G = jnp.minimum(seq_G, num_seqs - 1)
-    start_G = cu_q_lens_B1[seq_G] + (g_G - (end_B[seq_G] - tiles_B[seq_G])) * tile
-    rows_G = jnp.where(live_G, jnp.clip(cu_q_lens_B1[seq_G + 1] - start_G, 0, tile), 0)
-    pos0_G = kv_lens_B[seq_G] - q_len_B[seq_G] + (start_G - cu_q_lens_B1[seq_G])
-    return jnp.stack([seq_G, start_G, rows_G, pos0_G]).astype(jnp.int32)
+    row0_G = aligned_B[seq_G] + (g_G - (end_B[seq_G] - tiles_B[seq_G])) * tile
+    lo_G = jnp.clip(start_B[seq_G] - row0_G, 0, tile)
+    hi_G = jnp.where(live_G, jnp.clip(stop_B[seq_G] - row0_G, lo_G, tile), lo_G)
+    pos0_G = kv_lens_B[seq_G] - (stop_B[seq_G] - row0_G)
+    return jnp.stack([seq_G, row0_G, lo_G, hi_G, pos0_G]).astype(jnp.int32)
 
 
 # --------------------------------------------------------------------------
@@ -144,10 +150,10 @@ def _iota(shape, axis, interpret):
     return plgpu.broadcasted_iota(jnp.int32, shape, axis, layout=plgpu.Layout.WGMMA)
 
 
-def _store_rows(o_smem_WH, o_ref_TNH, row0, rows, head):
-    """TMA-store the first `rows` (dynamic, 0..W) rows of o_smem to o_ref[row0 + i, head]: one piece per
-    set bit of `rows`, largest first, since a descriptor's box size is static."""
-    done = 0
+def _store_rows(o_smem_WH, o_ref_TNH, lo, rows, row0, head):
+    """TMA-store rows [lo, lo + rows) (dynamic; rows <= W) of o_smem to o_ref[row0 + lo + i, head]: one
+    piece per set bit of `rows`, largest first, since a descriptor's box size is static."""
+    done = lo
     size = ROWS_PER_WG
     while size >= 1:
         piece = rows & size
@@ -167,12 +173,14 @@ def _compute_wg(refs, tile, *, head, wg, group, block_kv, max_steps, schedule_ba
     """One compute warpgroup: W query rows of one head against the causal keys of its sequence."""
     q_ref, o_ref, q_smem, o_smem, k_smem, v_smem, bars = refs
     k_ready, v_ready, q_ready, k_free, v_free, sched = bars
-    seq, q_start, tile_rows, pos0, cta_steps = tile
-    del seq
-    rows = jnp.clip(tile_rows - wg * ROWS_PER_WG, 0, ROWS_PER_WG)
-    first_pos = pos0 + wg * ROWS_PER_WG
-    my_steps = jnp.where(rows > 0, lax.div(first_pos + rows + block_kv - 1, block_kv), 0)
-    full_steps = jnp.minimum(lax.div(first_pos + 1, block_kv), my_steps)
+    _, row0, tile_lo, tile_hi, pos0, cta_steps = tile
+    lo = jnp.clip(tile_lo - wg * ROWS_PER_WG, 0, ROWS_PER_WG)  # this warpgroup's valid rows [lo, hi)
+    hi = jnp.clip(tile_hi - wg * ROWS_PER_WG, lo, ROWS_PER_WG)
+    rows = hi - lo
+    first_pos = pos0 + wg * ROWS_PER_WG  # position of row 0 (rows before lo: another sequence's)
+    my_steps = jnp.where(rows > 0, lax.div(first_pos + hi - 1, block_kv) + 1, 0)
+    # Steps every valid row sees whole (the first valid row's position is >= 0).
+    full_steps = jnp.minimum(lax.div(first_pos + lo + 1, block_kv), my_steps)
     dtype = q_smem.dtype
     head_dim = q_smem.shape[-1]
     q_smem = q_smem.at[wg]
@@ -185,7 +193,7 @@ def _compute_wg(refs, tile, *, head, wg, group, block_kv, max_steps, schedule_ba
 
     @pl.when(rows > 0)
     def _load_q():
-        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(q_start + wg * ROWS_PER_WG, ROWS_PER_WG), head],
+        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(row0 + wg * ROWS_PER_WG, ROWS_PER_WG), head],
                                 q_smem, q_ready.at[wg])
         plgpu.barrier_wait(q_ready.at[wg])
 
@@ -246,22 +254,26 @@ def _compute_wg(refs, tile, *, head, wg, group, block_kv, max_steps, schedule_ba
         safe_sum_W = jnp.where(sum_W > 0, sum_W, 1.0)
         o_smem[...] = (acc_WH / lax.broadcast_in_dim(safe_sum_W, acc_WH.shape, [0])).astype(o_smem.dtype)
         plgpu.commit_smem()
-        _store_rows(o_smem, o_ref, q_start + wg * ROWS_PER_WG, rows, head)
+        _store_rows(o_smem, o_ref, lo, rows, row0 + wg * ROWS_PER_WG, head)
 
 
 def _memory_wg(refs, tile, *, kv_head, block_kv, block_size, max_blocks, max_steps):
     """The producer: TMA-copies each kv step's K and V box (one page's rows) into its ring stage."""
     k_ref, v_ref, tables_ref, k_smem, v_smem, bars = refs
     k_ready, v_ready, _, k_free, v_free, _ = bars
-    seq, _, _, _, cta_steps = tile
+    seq, *_, cta_steps = tile
+    rows_per_copy = min(block_kv, block_size)
 
     def issue(kv_step):
+        """One copy per page the step spans (its barrier counts that many arrivals)."""
         slot = lax.rem(kv_step, max_steps)
-        key0 = kv_step * block_kv
-        page = tables_ref[seq, jnp.minimum(lax.div(key0, block_size), max_blocks - 1)]
-        rows = pl.ds(lax.rem(key0, block_size), block_kv)
-        plgpu.copy_gmem_to_smem(k_ref.at[page, rows, kv_head], k_smem.at[slot], k_ready.at[slot])
-        plgpu.copy_gmem_to_smem(v_ref.at[page, rows, kv_head], v_smem.at[slot], v_ready.at[slot])
+        for i in range(block_kv // rows_per_copy):
+            key0 = kv_step * block_kv + i * rows_per_copy
+            page = tables_ref[seq, jnp.minimum(lax.div(key0, block_size), max_blocks - 1)]
+            src = (page, pl.ds(lax.rem(key0, block_size), rows_per_copy), kv_head)
+            dst = pl.ds(i * rows_per_copy, rows_per_copy)
+            plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[slot, dst], k_ready.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[slot, dst], v_ready.at[slot])
 
     for i in range(max_steps):
         pl.when(i < cta_steps)(functools.partial(issue, i))
@@ -285,12 +297,13 @@ def _kernel(tiles_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, *, group, block_k
     head, g = lax.axis_index("heads"), lax.axis_index("tiles")
     num_tiles = tiles_ref.shape[1]
     g = num_tiles - 1 - g  # the grid's first tiles are the last of each sequence: most keys, start first
-    seq, q_start, tile_rows, pos0 = (tiles_ref[i, g] for i in range(4))
-    cta_steps = jnp.where(tile_rows > 0, lax.div(pos0 + tile_rows + block_kv - 1, block_kv), 0)
-    tile = (seq, q_start, tile_rows, pos0, cta_steps)
+    seq, row0, lo, hi, pos0 = (tiles_ref[i, g] for i in range(5))
+    cta_steps = jnp.where(hi > lo, lax.div(pos0 + hi - 1, block_kv) + 1, 0)
+    tile = (seq, row0, lo, hi, pos0, cta_steps)
     head_dim, dtype = q_ref.shape[-1], q_ref.dtype
     block_size, max_blocks = k_ref.shape[1], tables_ref.shape[1]
     swizzled = (plgpu.TilingTransform((8, 128 // dtype.itemsize)), plgpu.SwizzleTransform(128))
+    copies = max(1, block_kv // block_size)  # TMA copies (pages) per kv step
 
     def body(q_smem, o_smem, k_smem, v_smem, *bars):
         wg = lax.axis_index("wg")
@@ -315,8 +328,8 @@ def _kernel(tiles_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, *, group, block_k
         plgpu.SMEM((2, ROWS_PER_WG, head_dim), dtype),  # plain rows: the store slices it anywhere
         plgpu.SMEM((max_steps, block_kv, head_dim), dtype, transforms=swizzled),
         plgpu.SMEM((max_steps, block_kv, head_dim), dtype, transforms=swizzled),
-        plgpu.Barrier(num_barriers=max_steps),  # k_ready
-        plgpu.Barrier(num_barriers=max_steps),  # v_ready
+        plgpu.Barrier(num_arrivals=copies, num_barriers=max_steps),  # k_ready
+        plgpu.Barrier(num_arrivals=copies, num_barriers=max_steps),  # v_ready
         plgpu.Barrier(num_barriers=2),  # q_ready
         plgpu.Barrier(num_arrivals=2, num_barriers=max_steps),  # k_free
         plgpu.Barrier(num_arrivals=2, num_barriers=max_steps),  # v_free
@@ -336,10 +349,11 @@ def ragged_paged_prefill_mgpu(q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, bloc
     _, block_size, num_kv_heads, _ = k_cache_PSKH.shape
     require(mgpu_supported(q_TNH, k_cache_PSKH, None),
             f"the Mosaic GPU prefill kernel needs bf16/f16 (got {q_TNH.dtype}), head_dim % 64 == 0 "
-            f"(got {head_dim}) and block_size % 64 == 0 (got {block_size})")
+            f"(got {head_dim}), block_size % 64 == 0 (got {block_size}) and num_tokens % 8 == 0 "
+            f"(got {num_tokens})")
     config = config or default_config(block_size)
-    require(block_size % config.block_kv == 0,
-            f"block_kv={config.block_kv} must divide the cache's block_size={block_size}")
+    require(block_size % config.block_kv == 0 or config.block_kv % block_size == 0,
+            f"block_kv={config.block_kv} must divide or be a multiple of the cache's block_size={block_size}")
     num_tiles = num_prefill_tiles(num_tokens, kv_lens_B.shape[0], min_q_len)
     tiles_4G = prefill_tiles(kv_lens_B, cu_q_lens_B1, num_tiles=num_tiles, min_q_len=min_q_len)
     kernel = functools.partial(
@@ -357,7 +371,7 @@ def ragged_paged_prefill_mgpu(q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, bloc
         grid_names=("heads", "tiles"),
         num_threads=3,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=params,
     )(tiles_4G, block_tables_BM, q_TNH, k_cache_PSKH, v_cache_PSKH)
     return out_TNH[:num_tokens]
