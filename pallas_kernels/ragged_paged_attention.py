@@ -18,10 +18,14 @@ position kv_lens[b] - q_len + i and attends keys j <= position (and
 j > position - sliding_window when a window is set: HF Mistral semantics).
 Key j of sequence b lives at k_cache[block_tables[b, j // S], j % S].
 
-Three entry points:
-  ragged_paged_attention            public op (this module); impl="auto" -> kernel on GPU,
+Entry points:
+  ragged_paged_attention            public op (this module); impl="auto" -> kernels on GPU,
                                     the tiled XLA version elsewhere
   ragged_paged_attention_kernel     Pallas (Triton backend) kernel: ragged_paged_attention_kernel.py
+  ragged_paged_prefill_mgpu         Pallas Mosaic GPU (Hopper) kernel for the rows of long prefill
+                                    chunks: ragged_paged_prefill_mgpu.py. On a GPU the op runs it for
+                                    sequences with >= MGPU_MIN_Q_LEN query rows, then the Triton
+                                    kernel for the rest, in place in the same output buffer.
   ragged_paged_attention_reference  jnp reference: ragged_paged_attention_reference.py
 All go through `validate_ragged_paged_attention` (ragged_paged_attention_reference.py). This module
 re-exports the names of those modules and of _pallas_util.py, the Pallas helpers, that were defined
@@ -29,6 +33,11 @@ here before they moved: importers of pallas_kernels.ragged_paged_attention keep 
 """
 from __future__ import annotations
 
+import functools
+
+import jax
+
+from pallas_kernels._validate import require
 from pallas_kernels._pallas_util import (
     FLOAT_DTYPES,
     _div,
@@ -53,6 +62,7 @@ from pallas_kernels.ragged_paged_attention_kernel import (
     _tile_of_program,
     ragged_paged_attention_kernel,
 )
+from pallas_kernels.ragged_paged_prefill_mgpu import mgpu_supported, ragged_paged_prefill_mgpu
 from pallas_kernels.ragged_paged_attention_reference import (
     _M_INIT,
     IMPLS,
@@ -72,26 +82,58 @@ __all__ = [  # the public op and, re-exported, what importers take from this mod
 ]
 
 
+# Sequences with at least this many query rows in a step go to the Mosaic GPU kernel: its tiles are
+# 128 rows of one head, so shorter chunks waste most of a tile where the Triton kernel packs GQA rows.
+MGPU_MIN_Q_LEN = 64
+PREFILL_IMPLS = ("auto", "mosaic", "triton")
+
+
+def use_mgpu_prefill(q_TNH, k_cache_PSKH, sliding_window, *, prefill_impl="auto", interpret=False) -> bool:
+    """Whether the op runs the Mosaic GPU prefill kernel for these static shapes: on a GPU, for a
+    step that can hold a sequence of MGPU_MIN_Q_LEN rows, when the kernel serves the dtype and shapes."""
+    require(prefill_impl in PREFILL_IMPLS, f"prefill_impl={prefill_impl!r} must be one of {PREFILL_IMPLS}")
+    if prefill_impl == "triton" or interpret or not _on_gpu():
+        return False
+    return q_TNH.shape[0] >= MGPU_MIN_Q_LEN and mgpu_supported(q_TNH, k_cache_PSKH, sliding_window)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "interpret"))
+def kernels_merged(q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, block_tables_BM, cu_q_lens_B1, *,
+                   sm_scale, interpret=False):
+    """The Mosaic GPU kernel for sequences of >= MGPU_MIN_Q_LEN rows, then the Triton kernel for the
+    other rows (and the padding rows' zeros) written into the same buffer. interpret=True runs both in
+    their Pallas interpret modes (CPU tests; slow)."""
+    args = (q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, block_tables_BM, cu_q_lens_B1)
+    long_TNH = ragged_paged_prefill_mgpu(*args, sm_scale=sm_scale, min_q_len=MGPU_MIN_Q_LEN,
+                                         interpret=interpret)
+    return _kernel_impl(*args, sm_scale=sm_scale, sliding_window=None, interpret=interpret,
+                        skip_q_len=MGPU_MIN_Q_LEN, into_TNH=long_TNH)
+
+
 # --------------------------------------------------------------------------
 # Public op
 # --------------------------------------------------------------------------
 def ragged_paged_attention(
     q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, block_tables_BM, cu_q_lens_B1,
     *, sm_scale: float, sliding_window: int | None = None, impl: str = "auto",
-    interpret: bool = False,
+    interpret: bool = False, prefill_impl: str = "auto",
 ):
     """Attention of a ragged batch of queries over a paged KV cache.
 
-    impl: "auto" runs the Pallas kernel on GPU and the XLA tiled version
+    impl: "auto" runs the Pallas kernels on GPU and the XLA tiled version
     (ragged_paged_attention_tiled.py) elsewhere; "kernel" / "reference" / "tiled" force one. interpret=True runs the kernel in Pallas
-    interpret mode (any backend; tests). Returns out_TNH in q's dtype, with
-    rows past cu_q_lens[-1] zero.
+    interpret mode (any backend; tests). prefill_impl: on a GPU, "auto" / "mosaic" send long prefill
+    chunks to the Mosaic GPU kernel where it serves the shapes (`use_mgpu_prefill`), "triton" keeps
+    every row on the Triton kernel. Returns out_TNH in q's dtype, with rows past cu_q_lens[-1] zero.
     """
     validate_ragged_paged_attention(
         q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, block_tables_BM, cu_q_lens_B1,
         sm_scale=sm_scale, sliding_window=sliding_window, impl=impl)
     use_kernel = impl == "kernel" or (impl == "auto" and (interpret or _on_gpu()))
     args = (q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, block_tables_BM, cu_q_lens_B1)
+    if use_kernel and use_mgpu_prefill(q_TNH, k_cache_PSKH, sliding_window, prefill_impl=prefill_impl,
+                                       interpret=interpret):
+        return kernels_merged(*args, sm_scale=float(sm_scale))
     if use_kernel:
         return ragged_paged_attention_kernel(*args, sm_scale=sm_scale, sliding_window=sliding_window,
                                              interpret=interpret)

@@ -109,8 +109,10 @@ def _attention_kernel(
     v_ZKH_ref,        # [P*S, K, H]
     *out_refs,        # o [T*N, H] (one split) or o [X, T*N, H] f32 and lse [X, T*N] f32
     num_seqs, num_q_heads, group, block_m, block_q, block_n, block_size, scale_log2,
-    sliding_window, num_splits,
+    sliding_window, num_splits, skip_q_len, aliased,
 ):
+    if aliased:  # o arrives as an input too (the same buffer): its rows of skipped sequences stay
+        out_refs = out_refs[1:]
     tile, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     head_dim = q_XH_ref.shape[1]
     seq, q_start, q_count = _tile_of_program(
@@ -125,6 +127,10 @@ def _attention_kernel(
     row_R = (q_start + tok_R) * num_q_heads + kv_head * group + _rem(r_R, group)
     row_R = jnp.where(row_valid_R, row_R, q_XH_ref.shape[0])
     is_padding = seq == num_seqs
+    attend = (q_count > 0) & jnp.logical_not(is_padding)
+    if skip_q_len is not None:  # sequences this long are another kernel's (ragged_paged_prefill_mgpu)
+        seq_c = jnp.minimum(seq, num_seqs - 1)
+        attend &= cu_q_lens_B1_ref[seq_c + 1] - cu_q_lens_B1_ref[seq_c] < skip_q_len
 
     if num_splits == 1:
         (o_XH_ref,) = out_refs
@@ -134,7 +140,7 @@ def _attention_kernel(
             zeros_RH = jnp.zeros((block_m, head_dim), o_XH_ref.dtype)
             _masked_store(o_XH_ref.at[row_R[:, None], h_1H], zeros_RH, row_valid_R[:, None])
 
-    @pl.when((q_count > 0) & jnp.logical_not(is_padding))
+    @pl.when(attend)
     def _attend():
         seq_q_start = cu_q_lens_B1_ref[seq]
         q_len = cu_q_lens_B1_ref[seq + 1] - seq_q_start
@@ -233,7 +239,9 @@ def _combine_splits(o_VXH, lse_VX):
 
 
 def _kernel_impl(q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, block_tables_BM, cu_q_lens_B1,
-                 *, sm_scale, sliding_window, interpret, config=None):
+                 *, sm_scale, sliding_window, interpret, config=None, skip_q_len=None, into_TNH=None):
+    """The Triton kernel over every row, or with skip_q_len only over sequences with fewer query rows:
+    the rows of the others come from into_TNH (written by another kernel), unchanged."""
     num_tokens, num_q_heads, head_dim = q_TNH.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache_PSKH.shape
     num_seqs, max_blocks = block_tables_BM.shape
@@ -251,23 +259,33 @@ def _kernel_impl(q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, block_tables_BM, 
         _attention_kernel, num_seqs=num_seqs, num_q_heads=num_q_heads, group=num_q_heads // num_kv_heads,
         block_m=cfg["block_m"], block_q=cfg["block_q"], block_n=cfg["block_n"], block_size=block_size,
         scale_log2=float(sm_scale) * _LOG2E, sliding_window=sliding_window,
-        num_splits=num_splits)
+        num_splits=num_splits, skip_q_len=skip_q_len, aliased=into_TNH is not None and num_splits == 1)
+    operands = [kv_lens_B, cu_q_lens_B1, block_tables_BM, q_TNH.reshape(rows, head_dim),
+                k_cache_PSKH.reshape(num_blocks * block_size, num_kv_heads, head_dim),
+                v_cache_PSKH.reshape(num_blocks * block_size, num_kv_heads, head_dim)]
+    aliases = {}
+    if into_TNH is not None and num_splits == 1:  # write into the other kernel's output in place
+        aliases = {len(operands): 0}
+        operands.append(into_TNH.reshape(rows, head_dim))
     outs = pl.pallas_call(
         kernel,
         out_shape=out_shape,
         grid=(cfg["num_tiles"], num_kv_heads, num_splits),
         compiler_params=_triton_compiler_params(cfg["num_warps"], cfg["num_stages"]),
         interpret=interpret,
+        input_output_aliases=aliases,
         name="ragged_paged_attention",
-    )(kv_lens_B, cu_q_lens_B1, block_tables_BM,
-      q_TNH.reshape(rows, head_dim),
-      k_cache_PSKH.reshape(num_blocks * block_size, num_kv_heads, head_dim),
-      v_cache_PSKH.reshape(num_blocks * block_size, num_kv_heads, head_dim))
-    if num_splits == 1:  # the kernel wrote every row, padding zeros included
+    )(*operands)
+    if num_splits == 1:  # the kernel wrote every row (padding zeros included) or left into_TNH's
         return outs.reshape(num_tokens, num_q_heads, head_dim)
     out_TNH = _combine_splits(*outs).reshape(num_tokens, num_q_heads, head_dim)
-    valid_T = jnp.arange(num_tokens, dtype=jnp.int32) < cu_q_lens_B1[-1]
-    return jnp.where(valid_T[:, None, None], out_TNH, 0).astype(q_TNH.dtype)
+    t_T = jnp.arange(num_tokens, dtype=jnp.int32)
+    out_TNH = jnp.where((t_T < cu_q_lens_B1[-1])[:, None, None], out_TNH, 0).astype(q_TNH.dtype)
+    if into_TNH is None:
+        return out_TNH
+    seq_T = jnp.clip(jnp.searchsorted(cu_q_lens_B1, t_T, side="right") - 1, 0, num_seqs - 1)
+    long_T = (cu_q_lens_B1[seq_T + 1] - cu_q_lens_B1[seq_T] >= skip_q_len) & (t_T < cu_q_lens_B1[-1])
+    return jnp.where(long_T[:, None, None], into_TNH, out_TNH)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "interpret", "config"))
