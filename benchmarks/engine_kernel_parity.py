@@ -29,7 +29,9 @@ t = time.perf_counter(); outs = llm.generate(prompts, params, use_tqdm=False); r
 print("RESULT" + json.dumps({{"tokens": [o.outputs[0].token_ids for o in outs], "warmup_s": warm, "run_s": run,
       "compilations": llm.llm_engine.runner.num_compilations}}))
 """
-    env = dict(os.environ, LMJAX_ATTENTION_IMPL=impl)
+    # An impl is an LMJAX_ATTENTION_IMPL value, or VAR=VALUE[;VAR=VALUE...] for any environment.
+    env = dict(os.environ, **(dict(kv.split("=", 1) for kv in impl.split(";")) if "=" in impl
+                              else {"LMJAX_ATTENTION_IMPL": impl}))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     line = next(l for l in out.stdout.splitlines() if l.startswith("RESULT"))
     return json.loads(line[len("RESULT"):])
@@ -42,7 +44,9 @@ def main() -> None:
     parser.add_argument("--max-prompt", type=int, default=512)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    parser.add_argument("--impls", default="kernel,reference", help="two attention impls to compare")
+    parser.add_argument("--impls", default="kernel,reference",
+                        help="two attention impls to compare (or two VAR=VALUE environments, e.g. "
+                             "LMJAX_PREFILL_IMPL=mosaic,LMJAX_PREFILL_IMPL=triton)")
     args = parser.parse_args()
     sys.path.insert(0, os.path.dirname(__file__))
     from random_model import SHAPES, write_random_checkpoint  # noqa: E402

@@ -82,3 +82,15 @@ def test_xla_flag_defaults_add_nccl_sync_allreduce_once_and_respect_the_user(mon
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["2.0", *NCCL_SYNC_XLA_FLAGS]
+
+
+def test_prefill_impl_switch(monkeypatch):
+    from lmjax.layers.attention import prefill_impl
+
+    monkeypatch.delenv("LMJAX_PREFILL_IMPL", raising=False)
+    assert prefill_impl() == "auto"
+    monkeypatch.setenv("LMJAX_PREFILL_IMPL", "triton")
+    assert prefill_impl() == "triton" and prefill_impl("mosaic") == "mosaic"
+    monkeypatch.setenv("LMJAX_PREFILL_IMPL", "flash")
+    with pytest.raises(ValueError, match="LMJAX_PREFILL_IMPL / prefill impl='flash'"):
+        prefill_impl()

@@ -32,7 +32,7 @@ from lmjax.env import env_choice
 from lmjax.layers.quant import QuantKV, paged_attention_quant, quant_kv_spec, write_kv_quant
 from lmjax.layers.rope import apply_rope
 from pallas_kernels.ragged_paged_attention import IMPLS as ATTENTION_IMPLS
-from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+from pallas_kernels.ragged_paged_attention import PREFILL_IMPLS, ragged_paged_attention
 from pallas_kernels.rope import RopeSpec, inv_freq_TF
 from pallas_kernels.rope_kv_write import rope_kv_write, rope_kv_write_qkv, scatter_kv_reference, split_qkv
 
@@ -61,6 +61,13 @@ def attention_impl(impl: str | None = None) -> str:
     """`impl`, else LMJAX_ATTENTION_IMPL (read at trace time, so kernel-vs-reference runs of one engine
     need no code change), else "auto"; one of ragged_paged_attention's IMPLS."""
     return env_choice("LMJAX_ATTENTION_IMPL", ATTENTION_IMPLS, "auto", impl, label="attention impl")
+
+
+def prefill_impl(impl: str | None = None) -> str:
+    """Which GPU kernel attends long prefill chunks: `impl`, else LMJAX_PREFILL_IMPL, else "auto" (the
+    Mosaic GPU kernel where it serves the shapes, see pallas_kernels.ragged_paged_attention); "triton"
+    keeps every row on the Triton-backend kernel."""
+    return env_choice("LMJAX_PREFILL_IMPL", PREFILL_IMPLS, "auto", impl, label="prefill impl")
 
 
 def kv_write_impl(impl: str | None = None, *, merged: bool = False) -> str:
@@ -162,7 +169,8 @@ def paged_attention(q_TNH, k_cache_PSKH, v_cache_PSKH, meta: AttentionMetadata, 
             return paged_attention_quant(q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, block_tables_BM,
                                          cu_q_lens_B1, sm_scale=sm_scale, sliding_window=sliding_window, impl=impl)
         return ragged_paged_attention(q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, block_tables_BM,
-                                      cu_q_lens_B1, sm_scale=sm_scale, sliding_window=sliding_window, impl=impl)
+                                      cu_q_lens_B1, sm_scale=sm_scale, sliding_window=sliding_window, impl=impl,
+                                      prefill_impl=prefill_impl())
 
     args = (q_TNH, k_cache_PSKH, v_cache_PSKH, meta.kv_lens_B, meta.block_tables_BM, meta.cu_q_lens_B1)
     mesh, tp = _mesh_tp()
