@@ -98,8 +98,11 @@ def main():
     if a.quick:
         configs = [None]
     else:
-        configs = [mg.PrefillConfig(block_kv=bkv, max_steps=st, schedule_barrier=sb)
-                   for bkv in (128, 64, 256) for st in (2, 3) for sb in (True, False)]
+        # Persistent (one CTA per SM, the default) vs one CTA per item (num_ctas past the item count).
+        configs = [mg.PrefillConfig(block_kv=bkv, max_steps=st, schedule_barrier=sb, num_ctas=ctas)
+                   for bkv, st, sb, ctas in ((128, 2, True, None), (128, 2, True, 1 << 20),
+                                             (128, 2, False, None), (128, 3, True, None),
+                                             (64, 3, True, None), (256, 2, True, None))]
     rows = []
     for model in ("llama3-8b", "llama3.2-1b"):
         for cached in (0, 2048):

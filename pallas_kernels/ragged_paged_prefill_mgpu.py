@@ -1,7 +1,7 @@
 """Ragged paged attention's Mosaic GPU (Hopper: wgmma + TMA) kernel for prefill chunks.
 
 Shape letters and semantics: pallas_kernels/ragged_paged_attention.py; here also
-  G  CTA tiles of the grid (static bound)       W  rows a compute warpgroup owns (64, wgmma's M)
+  G  tiles of 2W query rows (static bound)     W  rows a compute warpgroup owns (64, wgmma's M)
   E  keys of a kv step (block_kv)               F  the five per-tile scalars (see `prefill_tiles`)
 
 Why a second kernel: the Triton-backend kernel streams the cache for decode at ~91% of copy bandwidth,
@@ -18,9 +18,11 @@ Data flow of one call:
      [5, G] array. A tile starts on a multiple of 8 rows (TMA reads 8-row tiles of q), so its first
      rows may belong to the sequence before. Only sequences with q_len >= min_q_len get tiles (decode
      rows are the Triton kernel's job); spare tiles idle.
-  2. The kernel, grid (N heads, G tiles): compute warpgroup w attends rows [w W, (w + 1) W) of the tile
-     over keys [0, its last valid row's position], unmasked steps first, then the causal diagonal; the
-     memory warpgroup keeps up to `max_steps` K/V steps in flight. Valid rows go back by TMA in
+  2. The kernel: one persistent CTA per SM loops over the N x G (tile, head) items, the longest first;
+     in each, compute warpgroup w attends rows [w W, (w + 1) W) of the tile over keys [0, its last valid
+     row's position], unmasked steps first, then the causal diagonal; the memory warpgroup keeps up to
+     `max_steps` K/V steps in flight, across items (so the next item's first pages load while this one
+     ends, and no CTA launch or prologue sits between items). Valid rows go back by TMA in
      power-of-two pieces (a ragged tile has no fixed row count; one descriptor per piece size).
   3. Rows of sequences without tiles are left unwritten: the caller merges (ragged_paged_attention).
 
@@ -43,6 +45,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels._pallas_util import _num_sms
 from pallas_kernels._validate import require
 
 try:  # Mosaic GPU Pallas; absent from some jax builds.
@@ -60,6 +63,7 @@ class PrefillConfig:
     block_kv: int = 128  # keys of a kv step; divides the cache block size or is a multiple of it
     max_steps: int = 2  # K/V steps in flight (shared-memory stages)
     schedule_barrier: bool = True  # ping-pong the two compute warpgroups' tensor-core phases
+    num_ctas: int | None = None  # persistent CTAs looping over (tile, head) items; None: one per SM
 
     def __post_init__(self):
         require(self.block_kv % 64 == 0, f"block_kv={self.block_kv} must be a multiple of 64")
@@ -168,9 +172,10 @@ def _store_rows(o_smem_WH, o_ref_TNH, lo, rows, row0, head):
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _compute_wg(refs, tile, *, head, wg, group, block_kv, max_steps, schedule_barrier, scale_log2,
+def _compute_wg(refs, tile, base, *, head, wg, block_kv, max_steps, schedule_barrier, scale_log2,
                 interpret):
-    """One compute warpgroup: W query rows of one head against the causal keys of its sequence."""
+    """One compute warpgroup on one item: W query rows of one head against the causal keys of its
+    sequence. `base` counts the kv steps of this CTA's earlier items (ring stage = global step mod)."""
     q_ref, o_ref, q_smem, o_smem, k_smem, v_smem, bars = refs
     k_ready, v_ready, q_ready, k_free, v_free, sched = bars
     _, row0, tile_lo, tile_hi, pos0, cta_steps = tile
@@ -202,7 +207,7 @@ def _compute_wg(refs, tile, *, head, wg, group, block_kv, max_steps, schedule_ba
 
     def step(kv_step, carry, *, masked):
         acc_WH, max_W, sum_W = carry
-        slot = lax.rem(kv_step, max_steps)
+        slot = lax.rem(base + kv_step, max_steps)
         plgpu.barrier_wait(k_ready.at[slot])
 
         s_WE = _qk(q_smem, k_smem.at[slot], sync_schedule, interpret)
@@ -231,7 +236,7 @@ def _compute_wg(refs, tile, *, head, wg, group, block_kv, max_steps, schedule_ba
     def drain(kv_step, _):
         """A step this warpgroup does not attend (its rows end earlier): free the stage, keep the beat.
         It still waits for the stage's copies: every barrier phase is observed by every thread."""
-        slot = lax.rem(kv_step, max_steps)
+        slot = lax.rem(base + kv_step, max_steps)
         plgpu.barrier_wait(k_ready.at[slot])
         plgpu.barrier_wait(v_ready.at[slot])
         plgpu.barrier_arrive(k_free.at[slot])
@@ -257,16 +262,24 @@ def _compute_wg(refs, tile, *, head, wg, group, block_kv, max_steps, schedule_ba
         _store_rows(o_smem, o_ref, lo, rows, row0 + wg * ROWS_PER_WG, head)
 
 
-def _memory_wg(refs, tile, *, kv_head, block_kv, block_size, max_blocks, max_steps):
-    """The producer: TMA-copies each kv step's K and V box (one page's rows) into its ring stage."""
+def _memory_wg(refs, tile, base, *, kv_head, block_kv, block_size, max_blocks, max_steps):
+    """The producer on one item: TMA-copies each kv step's K and V into its ring stage, once the step
+    that used the stage `max_steps` global steps earlier (maybe of an earlier item) has freed it."""
     k_ref, v_ref, tables_ref, k_smem, v_smem, bars = refs
     k_ready, v_ready, _, k_free, v_free, _ = bars
     seq, *_, cta_steps = tile
     rows_per_copy = min(block_kv, block_size)
 
-    def issue(kv_step):
+    @pl.loop(0, cta_steps)
+    def _issue(kv_step):
         """One copy per page the step spans (its barrier counts that many arrivals)."""
-        slot = lax.rem(kv_step, max_steps)
+        slot = lax.rem(base + kv_step, max_steps)
+
+        @pl.when(base + kv_step >= max_steps)
+        def _wait_free():
+            plgpu.barrier_wait(k_free.at[slot])
+            plgpu.barrier_wait(v_free.at[slot])
+
         for i in range(block_kv // rows_per_copy):
             key0 = kv_step * block_kv + i * rows_per_copy
             page = tables_ref[seq, jnp.minimum(lax.div(key0, block_size), max_blocks - 1)]
@@ -275,31 +288,35 @@ def _memory_wg(refs, tile, *, kv_head, block_kv, block_size, max_blocks, max_ste
             plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[slot, dst], k_ready.at[slot])
             plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[slot, dst], v_ready.at[slot])
 
-    for i in range(max_steps):
-        pl.when(i < cta_steps)(functools.partial(issue, i))
 
-    @pl.loop(max_steps, jnp.maximum(cta_steps, max_steps))
-    def _refill(kv_step):
-        slot = lax.rem(kv_step, max_steps)
+def _last_frees(bars, total_steps, max_steps):
+    """The memory warpgroup observes the ring's final phases before the barriers go away."""
+    _, _, _, k_free, v_free, _ = bars
+
+    @pl.loop(jnp.maximum(total_steps - max_steps, 0), total_steps)
+    def _wait(step):
+        slot = lax.rem(step, max_steps)
         plgpu.barrier_wait(k_free.at[slot])
         plgpu.barrier_wait(v_free.at[slot])
-        issue(kv_step)
 
-    @pl.loop(jnp.maximum(cta_steps - max_steps, 0), cta_steps)
-    def _last_frees(kv_step):  # observe the stages' final phases before the barriers go away
-        slot = lax.rem(kv_step, max_steps)
-        plgpu.barrier_wait(k_free.at[slot])
-        plgpu.barrier_wait(v_free.at[slot])
+
+def _item(tiles_ref, item, *, num_heads, block_kv):
+    """Work item -> (head, (sequence, first row, valid rows [lo, hi), row 0's position, kv steps)).
+    Items run tile-major from the last tile: each sequence's last tiles (most keys) start first."""
+    num_tiles = tiles_ref.shape[1]
+    head, g = lax.rem(item, num_heads), num_tiles - 1 - lax.div(item, num_heads)
+    seq, row0, lo, hi, pos0 = (tiles_ref[i, g] for i in range(5))
+    steps = jnp.where(hi > lo, lax.div(pos0 + hi - 1, block_kv) + 1, 0)
+    return head, (seq, row0, lo, hi, pos0, steps)
 
 
 def _kernel(tiles_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, *, group, block_kv, max_steps,
-            schedule_barrier, scale_log2, interpret):
-    head, g = lax.axis_index("heads"), lax.axis_index("tiles")
-    num_tiles = tiles_ref.shape[1]
-    g = num_tiles - 1 - g  # the grid's first tiles are the last of each sequence: most keys, start first
-    seq, row0, lo, hi, pos0 = (tiles_ref[i, g] for i in range(5))
-    cta_steps = jnp.where(hi > lo, lax.div(pos0 + hi - 1, block_kv) + 1, 0)
-    tile = (seq, row0, lo, hi, pos0, cta_steps)
+            schedule_barrier, scale_log2, interpret, num_ctas):
+    num_heads = q_ref.shape[1]
+    num_items = num_heads * tiles_ref.shape[1]
+    cta = lax.axis_index("ctas")
+    my_items = lax.div(num_items - cta + num_ctas - 1, num_ctas)  # items cta, cta + C, ...
+    item = functools.partial(_item, tiles_ref, num_heads=num_heads, block_kv=block_kv)
     head_dim, dtype = q_ref.shape[-1], q_ref.dtype
     block_size, max_blocks = k_ref.shape[1], tables_ref.shape[1]
     swizzled = (plgpu.TilingTransform((8, 128 // dtype.itemsize)), plgpu.SwizzleTransform(128))
@@ -311,16 +328,28 @@ def _kernel(tiles_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, *, group, block_k
         @pl.when(wg < 2)
         def _compute():
             plgpu.set_max_registers(232, action="increase")
-            _compute_wg((q_ref, o_ref, q_smem, o_smem, k_smem, v_smem, bars), tile, head=head, wg=wg,
-                        group=group, block_kv=block_kv, max_steps=max_steps,
-                        schedule_barrier=schedule_barrier, scale_log2=scale_log2, interpret=interpret)
+
+            def run(i, base):
+                head, tile = item(cta + i * num_ctas)
+                _compute_wg((q_ref, o_ref, q_smem, o_smem, k_smem, v_smem, bars), tile, base, head=head,
+                            wg=wg, block_kv=block_kv, max_steps=max_steps, schedule_barrier=schedule_barrier,
+                            scale_log2=scale_log2, interpret=interpret)
+                return base + tile[-1]
+
+            lax.fori_loop(0, my_items, run, jnp.int32(0))
 
         @pl.when(wg == 2)
         def _memory():
             plgpu.set_max_registers(40, action="decrease")
-            _memory_wg((k_ref, v_ref, tables_ref, k_smem, v_smem, bars), tile,
-                       kv_head=lax.div(head, group), block_kv=block_kv, block_size=block_size,
-                       max_blocks=max_blocks, max_steps=max_steps)
+
+            def run(i, base):
+                head, tile = item(cta + i * num_ctas)
+                _memory_wg((k_ref, v_ref, tables_ref, k_smem, v_smem, bars), tile, base,
+                           kv_head=lax.div(head, group), block_kv=block_kv, block_size=block_size,
+                           max_blocks=max_blocks, max_steps=max_steps)
+                return base + tile[-1]
+
+            _last_frees(bars, lax.fori_loop(0, my_items, run, jnp.int32(0)), max_steps)
 
     pl.run_scoped(
         body,
@@ -356,9 +385,12 @@ def ragged_paged_prefill_mgpu(q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, bloc
             f"block_kv={config.block_kv} must divide or be a multiple of the cache's block_size={block_size}")
     num_tiles = num_prefill_tiles(num_tokens, kv_lens_B.shape[0], min_q_len)
     tiles_4G = prefill_tiles(kv_lens_B, cu_q_lens_B1, num_tiles=num_tiles, min_q_len=min_q_len)
+    num_items = num_q_heads * num_tiles
+    num_ctas = min(num_items, config.num_ctas or (2 if interpret else _num_sms()))
     kernel = functools.partial(
         _kernel, group=num_q_heads // num_kv_heads, block_kv=config.block_kv, max_steps=config.max_steps,
-        schedule_barrier=config.schedule_barrier, scale_log2=float(sm_scale) * _LOG2E, interpret=interpret)
+        schedule_barrier=config.schedule_barrier, scale_log2=float(sm_scale) * _LOG2E, interpret=interpret,
+        num_ctas=num_ctas)
     params = None
     if interpret:  # the interpreter has no TMA zero fill past the array's end: pad q with a tile
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
@@ -367,8 +399,8 @@ def ragged_paged_prefill_mgpu(q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, bloc
     out_TNH = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct(q_TNH.shape, q_TNH.dtype),
-        grid=(num_q_heads, num_tiles),
-        grid_names=("heads", "tiles"),
+        grid=(num_ctas,),
+        grid_names=("ctas",),
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
