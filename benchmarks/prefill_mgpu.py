@@ -98,9 +98,9 @@ def main():
     if a.quick:
         configs = [None]
     else:
-        # Persistent (one CTA per SM, the default) vs one CTA per item (num_ctas past the item count).
+        # One CTA per (tile, head) item (num_ctas None, the default) vs 132 persistent CTAs.
         configs = [mg.PrefillConfig(block_kv=bkv, max_steps=st, schedule_barrier=sb, num_ctas=ctas)
-                   for bkv, st, sb, ctas in ((128, 2, True, None), (128, 2, True, 1 << 20),
+                   for bkv, st, sb, ctas in ((128, 2, True, None), (128, 2, True, 132),
                                              (128, 2, False, None), (128, 3, True, None),
                                              (64, 3, True, None), (256, 2, True, None))]
     rows = []

@@ -18,11 +18,11 @@ Data flow of one call:
      [5, G] array. A tile starts on a multiple of 8 rows (TMA reads 8-row tiles of q), so its first
      rows may belong to the sequence before. Only sequences with q_len >= min_q_len get tiles (decode
      rows are the Triton kernel's job); spare tiles idle.
-  2. The kernel: one persistent CTA per SM loops over the N x G (tile, head) items, the longest first;
-     in each, compute warpgroup w attends rows [w W, (w + 1) W) of the tile over keys [0, its last valid
-     row's position], unmasked steps first, then the causal diagonal; the memory warpgroup keeps up to
-     `max_steps` K/V steps in flight, across items (so the next item's first pages load while this one
-     ends, and no CTA launch or prologue sits between items). Valid rows go back by TMA in
+  2. The kernel: a CTA per (tile, head) item, the longest items first and the heads of one tile side by
+     side (they share K/V pages in L2); optionally fewer, persistent CTAs that loop over items
+     (`PrefillConfig.num_ctas`; the K/V ring then runs on across items). Compute warpgroup w attends rows
+     [w W, (w + 1) W) of the tile over keys [0, its last valid row's position], unmasked steps first, then
+     the causal diagonal; the memory warpgroup keeps up to `max_steps` K/V steps in flight. Valid rows go back by TMA in
      power-of-two pieces (a ragged tile has no fixed row count; one descriptor per piece size).
   3. Rows of sequences without tiles are left unwritten: the caller merges (ragged_paged_attention).
 
@@ -45,7 +45,6 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._pallas_util import _num_sms
 from pallas_kernels._validate import require
 
 try:  # Mosaic GPU Pallas; absent from some jax builds.
@@ -63,7 +62,9 @@ class PrefillConfig:
     block_kv: int = 128  # keys of a kv step; divides the cache block size or is a multiple of it
     max_steps: int = 2  # K/V steps in flight (shared-memory stages)
     schedule_barrier: bool = True  # ping-pong the two compute warpgroups' tensor-core phases
-    num_ctas: int | None = None  # persistent CTAs looping over (tile, head) items; None: one per SM
+    # CTAs looping over the (tile, head) items; None: one CTA per item. Persistent CTAs (one per SM)
+    # measured slower: 8B heads, 2048 fresh, 82.0 vs 75.9 us (H200, benchmarks/prefill_mgpu.py).
+    num_ctas: int | None = None
 
     def __post_init__(self):
         require(self.block_kv % 64 == 0, f"block_kv={self.block_kv} must be a multiple of 64")
@@ -386,7 +387,7 @@ def ragged_paged_prefill_mgpu(q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, bloc
     num_tiles = num_prefill_tiles(num_tokens, kv_lens_B.shape[0], min_q_len)
     tiles_4G = prefill_tiles(kv_lens_B, cu_q_lens_B1, num_tiles=num_tiles, min_q_len=min_q_len)
     num_items = num_q_heads * num_tiles
-    num_ctas = min(num_items, config.num_ctas or (2 if interpret else _num_sms()))
+    num_ctas = min(num_items, config.num_ctas or num_items)
     kernel = functools.partial(
         _kernel, group=num_q_heads // num_kv_heads, block_kv=config.block_kv, max_steps=config.max_steps,
         schedule_barrier=config.schedule_barrier, scale_log2=float(sm_scale) * _LOG2E, interpret=interpret,

@@ -55,13 +55,14 @@ def test_prefill_tiles_cover_each_long_sequence_once():
     assert (covered[long_rows] == 1).all() and covered.sum() == len(long_rows)
 
 
-@pytest.mark.parametrize("block_kv", [128])  # one-page steps: GPU runs (benchmarks/prefill_mgpu.py)
-def test_mgpu_kernel_matches_reference(block_kv):
-    """Unaligned sequence starts, steps of two pages (block_kv 128 over 64-slot blocks) or of one,
-    rows on the causal diagonal and on cached context; decode rows are left to the other kernel."""
-    case, args, ref = _case([3, 100, 1, 56], [3, 100, 5, 200], seed=block_kv)
+@pytest.mark.parametrize("num_ctas", [2])  # one CTA per item: test_merged_kernels_match_reference
+def test_mgpu_kernel_matches_reference(num_ctas):
+    """Unaligned sequence starts, steps of two pages (block_kv 128 over 64-slot blocks), rows on the
+    causal diagonal and on cached context, persistent CTAs carrying the K/V ring across items; decode
+    rows are left to the other kernel."""
+    case, args, ref = _case([3, 100, 1, 56], [3, 100, 5, 200], seed=num_ctas)
     op = jax.jit(functools.partial(mg.ragged_paged_prefill_mgpu, sm_scale=1 / np.sqrt(64), interpret=INTERPRET,
-                                   config=mg.PrefillConfig(block_kv=block_kv)))
+                                   config=mg.PrefillConfig(block_kv=128, num_ctas=num_ctas)))
     out = np.asarray(op(*args).astype(jnp.float32))
     rows = _rows(case, lambda q: q >= 2)
     assert np.isfinite(out[rows]).all(), "a row of a prefill sequence was not written"
