@@ -96,13 +96,14 @@ def test_merged_kernels_match_reference():
 def test_op_uses_mosaic_only_where_it_serves():
     q = jnp.zeros((128, 8, 128), jnp.bfloat16)
     cache = jnp.zeros((4, 64, 2, 128), jnp.bfloat16)
-    assert rpa.use_mgpu_prefill(q, cache, None) == ON_GPU
-    assert not rpa.use_mgpu_prefill(q, cache, None, prefill_impl="triton")
-    assert not rpa.use_mgpu_prefill(q, cache, 32)  # sliding window: Triton
-    assert not rpa.use_mgpu_prefill(q.astype(jnp.float32), cache.astype(jnp.float32), None)
-    assert not rpa.use_mgpu_prefill(q, jnp.zeros((4, 16, 2, 128), jnp.bfloat16), None)
+    assert rpa.use_mgpu_prefill(q, cache, 8, None) == ON_GPU
+    assert not rpa.use_mgpu_prefill(q, cache, 128, None)  # T == B: a decode call
+    assert not rpa.use_mgpu_prefill(q, cache, 8, None, prefill_impl="triton")
+    assert not rpa.use_mgpu_prefill(q, cache, 8, 32)  # sliding window: Triton
+    assert not rpa.use_mgpu_prefill(q.astype(jnp.float32), cache.astype(jnp.float32), 8, None)
+    assert not rpa.use_mgpu_prefill(q, jnp.zeros((4, 16, 2, 128), jnp.bfloat16), 8, None)
     with pytest.raises(ValueError, match="prefill_impl='cuda'"):
-        rpa.use_mgpu_prefill(q, cache, None, prefill_impl="cuda")
+        rpa.use_mgpu_prefill(q, cache, 8, None, prefill_impl="cuda")
 
 
 def test_mgpu_kernel_names_bad_shapes():
