@@ -112,9 +112,16 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
     ap.add_argument("--quick", action="store_true", help="default tiling only")
+    ap.add_argument("--batches-only", action="store_true", help="only the engine-like batches")
     a = ap.parse_args()
     print("device:", jax.devices()[0].device_kind, "jax", jax.__version__)
     copy_bw, mm_rate = measure_ceilings()
+    batch_cfgs = [mg.PrefillConfig(), mg.PrefillConfig(num_ctas=132)]
+    if a.batches_only:  # 16k tokens of fresh prompts of one length, as in the engine's prefill steps
+        for q_len in (128, 256, 512, 1024):
+            time_batch(mm_rate, "llama3.2-1b", 16384 // q_len, q_len, 0, batch_cfgs)
+            time_batch(mm_rate, "llama3-8b", 16384 // q_len, q_len, 0, batch_cfgs)
+        return
     checks = [check(i, *c) for i, c in enumerate(CHECKS)]
     if a.quick:
         configs = [None]
@@ -140,7 +147,6 @@ def main():
     print(f"\nbf16 matmul {mm_rate / 1e12:.1f} TFLOP/s, copy {copy_bw / 1e12:.3f} TB/s; "
           f"checks {sum(c['ok'] for c in checks)}/{len(checks)} ok")
     print_table(cols, rows)
-    batch_cfgs = [mg.PrefillConfig(), mg.PrefillConfig(num_ctas=132)]
     batches = [time_batch(mm_rate, "llama3.2-1b", 128, 128, pad, batch_cfgs) for pad in (0, 896)]
     if a.json:
         with open(a.json, "w") as f:
