@@ -62,7 +62,7 @@ from pallas_kernels.ragged_paged_attention_kernel import (
     _tile_of_program,
     ragged_paged_attention_kernel,
 )
-from pallas_kernels.ragged_paged_prefill_mgpu import mgpu_supported, ragged_paged_prefill_mgpu
+from pallas_kernels.ragged_paged_prefill_mgpu import PrefillConfig, mgpu_supported, ragged_paged_prefill_mgpu
 from pallas_kernels.ragged_paged_attention_reference import (
     _M_INIT,
     IMPLS,
@@ -82,9 +82,15 @@ __all__ = [  # the public op and, re-exported, what importers take from this mod
 ]
 
 
-# Sequences with at least this many query rows in a step go to the Mosaic GPU kernel: its tiles are
-# 128 rows of one head, so shorter chunks waste most of a tile where the Triton kernel packs GQA rows.
-MGPU_MIN_Q_LEN = 64
+# Sequences with at least this many query rows in a step go to the Mosaic GPU kernel. Each of its items
+# (128 rows of one head) pays a few microseconds of q load, first K/V page and output store that short
+# prompts do not amortize. H200, 16k tokens of fresh prompts, the Mosaic kernel (132 persistent CTAs) vs
+# the Triton kernel: 128 tokens 155 vs 142 us (1B heads), 256: 161 vs 178, 512: 193 vs 254; 8B heads
+# 210 vs 189, 220 vs 250, 266 vs 377; the op adds ~20 us (tile map, the Triton pass over skipped rows).
+MGPU_MIN_Q_LEN = 512
+# From this many sequences in a step (static B), persistent CTAs (one per SM) that loop over items: many
+# short items (16 x 1024 tokens, 8B heads: 361 vs 398 us) but not one long chunk (2048: 82.0 vs 75.9 us).
+MGPU_PERSISTENT_MIN_SEQS = 8
 PREFILL_IMPLS = ("auto", "mosaic", "triton")
 
 
@@ -106,12 +112,14 @@ def use_mgpu_prefill(q_TNH, k_cache_PSKH, num_seqs, sliding_window, *, prefill_i
 @functools.partial(jax.jit, static_argnames=("sm_scale", "interpret"))
 def kernels_merged(q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, block_tables_BM, cu_q_lens_B1, *,
                    sm_scale, interpret=False):
-    """The Mosaic GPU kernel for sequences of >= MGPU_MIN_Q_LEN rows, then the Triton kernel for the
-    other rows (and the padding rows' zeros) written into the same buffer. interpret=True runs both in
+    """The Mosaic GPU kernel for sequences of >= MGPU_MIN_Q_LEN rows (persistent CTAs from
+    MGPU_PERSISTENT_MIN_SEQS sequences), then the Triton kernel for the other rows (and the padding rows' zeros) written into the same buffer. interpret=True runs both in
     their Pallas interpret modes (CPU tests; slow)."""
     args = (q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, block_tables_BM, cu_q_lens_B1)
+    persistent = kv_lens_B.shape[0] >= MGPU_PERSISTENT_MIN_SEQS
+    config = PrefillConfig(num_ctas=_num_sms() if persistent else None)
     long_TNH = ragged_paged_prefill_mgpu(*args, sm_scale=sm_scale, min_q_len=MGPU_MIN_Q_LEN,
-                                         interpret=interpret)
+                                         interpret=interpret, config=config)
     return _kernel_impl(*args, sm_scale=sm_scale, sliding_window=None, interpret=interpret,
                         skip_q_len=MGPU_MIN_Q_LEN, into_TNH=long_TNH)
 

@@ -86,7 +86,7 @@ def test_triton_kernel_leaves_skipped_sequences_alone():
 
 def test_merged_kernels_match_reference():
     """The op's GPU path: both kernels into one buffer, every row written once."""
-    case, args, ref = _case([1, 70, 2, 0], [20, 150, 9, 0], pad_tokens=7)
+    case, args, ref = _case([1, 520, 2, 0], [20, 600, 9, 0], pad_tokens=5)
     out = rpa.kernels_merged(*args, sm_scale=1 / np.sqrt(64), interpret=INTERPRET)
     out = np.asarray(out.astype(jnp.float32))
     assert np.isfinite(out).all()
@@ -94,10 +94,10 @@ def test_merged_kernels_match_reference():
 
 
 def test_op_uses_mosaic_only_where_it_serves():
-    q = jnp.zeros((128, 8, 128), jnp.bfloat16)
+    q = jnp.zeros((rpa.MGPU_MIN_Q_LEN, 8, 128), jnp.bfloat16)
     cache = jnp.zeros((4, 64, 2, 128), jnp.bfloat16)
     assert rpa.use_mgpu_prefill(q, cache, 8, None) == ON_GPU
-    assert not rpa.use_mgpu_prefill(q, cache, 128, None)  # T == B: a decode call
+    assert not rpa.use_mgpu_prefill(q, cache, rpa.MGPU_MIN_Q_LEN, None)  # T == B: a decode call
     assert not rpa.use_mgpu_prefill(q, cache, 8, None, prefill_impl="triton")
     assert not rpa.use_mgpu_prefill(q, cache, 8, 32)  # sliding window: Triton
     assert not rpa.use_mgpu_prefill(q.astype(jnp.float32), cache.astype(jnp.float32), 8, None)
