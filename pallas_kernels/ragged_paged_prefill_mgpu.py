@@ -93,8 +93,9 @@ def num_prefill_tiles(num_tokens: int, num_seqs: int, min_q_len: int) -> int:
 
 
 def prefill_tiles(kv_lens_B, cu_q_lens_B1, *, num_tiles: int, min_q_len: int):
-    """[5, G] int32: per tile (sequence, first q row (a multiple of 8), first valid row in the tile, end of
-    the valid rows (lo == hi: idle), position of the tile's row 0 (negative for rows before the sequence))."""
+    """[6, G] int32: per tile (sequence, first q row (a multiple of 8), first valid row in the tile, end of
+    the valid rows (lo == hi: idle), position of the tile's row 0 (negative for rows before the sequence));
+    row 5 holds the number of live tiles (they come first), so the kernel skips the idle ones at once."""
     tile = 2 * ROWS_PER_WG
     num_seqs = kv_lens_B.shape[0]
     start_B, stop_B = cu_q_lens_B1[:-1], cu_q_lens_B1[1:]
@@ -109,7 +110,8 @@ def prefill_tiles(kv_lens_B, cu_q_lens_B1, *, num_tiles: int, min_q_len: int):
     lo_G = jnp.clip(start_B[seq_G] - row0_G, 0, tile)
     hi_G = jnp.where(live_G, jnp.clip(stop_B[seq_G] - row0_G, lo_G, tile), lo_G)
     pos0_G = kv_lens_B[seq_G] - (stop_B[seq_G] - row0_G)
-    return jnp.stack([seq_G, row0_G, lo_G, hi_G, pos0_G]).astype(jnp.int32)
+    live_G = jnp.broadcast_to(end_B[-1], g_G.shape)
+    return jnp.stack([seq_G, row0_G, lo_G, hi_G, pos0_G, live_G]).astype(jnp.int32)
 
 
 # --------------------------------------------------------------------------
@@ -301,11 +303,10 @@ def _last_frees(bars, total_steps, max_steps):
         plgpu.barrier_wait(v_free.at[slot])
 
 
-def _item(tiles_ref, item, *, num_heads, block_kv):
-    """Work item -> (head, (sequence, first row, valid rows [lo, hi), row 0's position, kv steps)).
-    Items run tile-major from the last tile: each sequence's last tiles (most keys) start first."""
-    num_tiles = tiles_ref.shape[1]
-    head, g = lax.rem(item, num_heads), num_tiles - 1 - lax.div(item, num_heads)
+def _item(tiles_ref, item, live_tiles, *, num_heads, block_kv):
+    """Work item (< live_tiles x N) -> (head, (sequence, first row, valid rows [lo, hi), row 0's position,
+    kv steps)). Items run tile-major from the last live tile: each sequence's last tiles (most keys) first."""
+    head, g = lax.rem(item, num_heads), live_tiles - 1 - lax.div(item, num_heads)
     seq, row0, lo, hi, pos0 = (tiles_ref[i, g] for i in range(5))
     steps = jnp.where(hi > lo, lax.div(pos0 + hi - 1, block_kv) + 1, 0)
     return head, (seq, row0, lo, hi, pos0, steps)
@@ -314,10 +315,11 @@ def _item(tiles_ref, item, *, num_heads, block_kv):
 def _kernel(tiles_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, *, group, block_kv, max_steps,
             schedule_barrier, scale_log2, interpret, num_ctas):
     num_heads = q_ref.shape[1]
-    num_items = num_heads * tiles_ref.shape[1]
+    live_tiles = tiles_ref[5, 0]
     cta = lax.axis_index("ctas")
-    my_items = lax.div(num_items - cta + num_ctas - 1, num_ctas)  # items cta, cta + C, ...
-    item = functools.partial(_item, tiles_ref, num_heads=num_heads, block_kv=block_kv)
+    # Items cta, cta + C, ... below the live ones (idle CTAs of the static grid exit at once).
+    my_items = lax.div(jnp.maximum(live_tiles * num_heads - cta, 0) + num_ctas - 1, num_ctas)
+    item = functools.partial(_item, tiles_ref, live_tiles=live_tiles, num_heads=num_heads, block_kv=block_kv)
     head_dim, dtype = q_ref.shape[-1], q_ref.dtype
     block_size, max_blocks = k_ref.shape[1], tables_ref.shape[1]
     swizzled = (plgpu.TilingTransform((8, 128 // dtype.itemsize)), plgpu.SwizzleTransform(128))

@@ -44,7 +44,9 @@ def test_prefill_tiles_cover_each_long_sequence_once():
     tiles = np.asarray(mg.prefill_tiles(jnp.asarray(kv_lens, jnp.int32), jnp.asarray(cu), num_tiles=G,
                                         min_q_len=2))
     covered = np.zeros(cu[-1], int)
-    for seq, row0, lo, hi, pos0 in tiles.T:
+    live = tiles[5, 0]
+    assert (tiles[5] == live).all() and (tiles[3, live:] == tiles[2, live:]).all(), "idle tiles come last"
+    for seq, row0, lo, hi, pos0, _ in tiles.T:
         assert row0 % 8 == 0 and 0 <= lo <= hi <= 128
         for r in range(lo, hi):
             t = row0 + r
