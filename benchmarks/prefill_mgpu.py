@@ -134,7 +134,7 @@ def main():
     for model in ("llama3-8b", "llama3.2-1b"):
         for cached in (0, 2048):
             for s in (64, 128):
-                cfgs = [mg.default_config(s)] if configs == [None] else configs
+                cfgs = [mg.PrefillConfig()] if configs == [None] else configs
                 rows.append(time_row(mm_rate, model, cached, s, cfgs))
     cols = [("model", lambda r: r["model"]), ("kv_len", lambda r: str(r["kv_len"])),
             ("S", lambda r: str(r["block_size"])),

@@ -2,7 +2,7 @@
 
 Shape letters and semantics: pallas_kernels/ragged_paged_attention.py; here also
   G  tiles of 2W query rows (static bound)     W  rows a compute warpgroup owns (64, wgmma's M)
-  E  keys of a kv step (block_kv)               F  the five per-tile scalars (see `prefill_tiles`)
+  E  keys of a kv step (block_kv)               F  the six per-tile scalars (see `prefill_tiles`)
 
 Why a second kernel: the Triton-backend kernel streams the cache for decode at ~91% of copy bandwidth,
 but tops out near 25% of the bf16 matmul rate on prefill chunks (no warp specialisation, no TMA, K/V
@@ -13,22 +13,23 @@ Pages make that cheap: a kv step of E keys is one [E, H] box of one page (E divi
 or E / S whole pages, found through the block table by the memory warpgroup.
 
 Data flow of one call:
-  1. `prefill_tiles` (XLA, a few tiny ops): the static grid's G tiles of 2W query rows -> for each,
-     (sequence, first q row, first and end valid row in the tile, position of row 0) in an int32
-     [5, G] array. A tile starts on a multiple of 8 rows (TMA reads 8-row tiles of q), so its first
+  1. `prefill_tiles` (XLA, a few tiny ops; ragged_paged_prefill_tiles.py): the static grid's G tiles
+     of 2W query rows -> for each, (sequence, first q row, first and end valid row in the tile,
+     position of row 0, live tiles) in an int32 [6, G] array. A tile starts on a multiple of 8 rows (TMA reads 8-row tiles of q), so its first
      rows may belong to the sequence before. Only sequences with q_len >= min_q_len get tiles (decode
      rows are the Triton kernel's job); spare tiles idle.
   2. The kernel: a CTA per (tile, head) item, the longest items first and the heads of one tile side by
      side (they share K/V pages in L2); optionally fewer, persistent CTAs that loop over items
      (`PrefillConfig.num_ctas`; the K/V ring then runs on across items). Compute warpgroup w attends rows
      [w W, (w + 1) W) of the tile over keys [0, its last valid row's position], unmasked steps first, then
-     the causal diagonal; the memory warpgroup keeps up to `max_steps` K/V steps in flight. Valid rows go back by TMA in
-     power-of-two pieces (a ragged tile has no fixed row count; one descriptor per piece size).
+     the causal diagonal; the memory warpgroup keeps up to `max_steps` K/V steps in flight. Valid rows
+     go back by TMA in power-of-two pieces (a ragged tile has no fixed row count; one descriptor per
+     piece size).
   3. Rows of sequences without tiles are left unwritten: the caller merges (ragged_paged_attention).
 
 Preconditions beyond the op's contract (checked where static, else documented): bf16 or f16; head dim a
-multiple of 64; block size a multiple of 64; a token count that is a multiple of 8; no sliding window; cache slots a sequence does not own hold
-finite values (a TMA step reads whole pages and masks scores, and 0 * NaN in the P @ V product is NaN:
+multiple of 64; block size a multiple of 64; a token count that is a multiple of 8; no sliding window;
+cache slots a sequence does not own hold finite values (a TMA step reads whole pages and masks scores, and 0 * NaN in the P @ V product is NaN:
 the engine's cache is zero-initialised and written only with K/V, so it never holds NaN).
 
 In Pallas GPU interpret mode (CPU tests) the two products are jnp dots of the same shared-memory tiles
@@ -37,7 +38,6 @@ dropped; the pipeline, its barriers, the page walk, the masks and the ragged sto
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -46,73 +46,17 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels._validate import require
-
-try:  # Mosaic GPU Pallas; absent from some jax builds.
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-except ImportError:  # pragma: no cover - depends on the jax build
-    plgpu = None
+from pallas_kernels.ragged_paged_prefill_tiles import (  # noqa: F401 - re-exported for callers
+    MGPU_DTYPES,
+    ROWS_PER_WG,
+    PrefillConfig,
+    mgpu_supported,
+    num_prefill_tiles,
+    plgpu,
+    prefill_tiles,
+)
 
 _LOG2E = 1.4426950408889634
-ROWS_PER_WG = 64  # wgmma's M: query rows of one compute warpgroup
-MGPU_DTYPES = ("bfloat16", "float16")
-
-
-@dataclasses.dataclass(frozen=True)
-class PrefillConfig:
-    block_kv: int = 128  # keys of a kv step; divides the cache block size or is a multiple of it
-    max_steps: int = 2  # K/V steps in flight (shared-memory stages)
-    schedule_barrier: bool = True  # ping-pong the two compute warpgroups' tensor-core phases
-    # CTAs looping over the (tile, head) items; None: one CTA per item. Persistent CTAs (one per SM)
-    # measured slower: 8B heads, 2048 fresh, 82.0 vs 75.9 us (H200, benchmarks/prefill_mgpu.py).
-    num_ctas: int | None = None
-
-    def __post_init__(self):
-        require(self.block_kv % 64 == 0, f"block_kv={self.block_kv} must be a multiple of 64")
-        require(self.max_steps >= 2, f"max_steps={self.max_steps} must be >= 2")
-
-
-def mgpu_supported(q_TNH, k_cache_PSKH, sliding_window) -> bool:
-    """Whether this kernel serves these (static) shapes: else the caller uses the Triton kernel."""
-    num_tokens, _, head_dim = q_TNH.shape
-    block_size = k_cache_PSKH.shape[1]
-    # TMA boxes of tiled (8-row) shared memory need the token count to be a multiple of 8.
-    return (plgpu is not None and str(q_TNH.dtype) in MGPU_DTYPES and head_dim % 64 == 0
-            and block_size % 64 == 0 and num_tokens % 8 == 0 and sliding_window is None)
-
-
-def default_config(block_size: int) -> PrefillConfig:
-    return PrefillConfig(block_kv=128)
-
-
-def num_prefill_tiles(num_tokens: int, num_seqs: int, min_q_len: int) -> int:
-    """Tiles of 2W rows that cover the q rows of every sequence with q_len >= min_q_len (at most
-    T / min_q_len of them), each starting up to 7 rows early: sum_b cdiv(q_b + 7, 2W) <= (T + n (2W + 6)) / 2W."""
-    tile = 2 * ROWS_PER_WG
-    seqs = min(num_seqs, num_tokens // max(min_q_len, 1))
-    return max(1, (num_tokens + seqs * (tile + 6)) // tile)
-
-
-def prefill_tiles(kv_lens_B, cu_q_lens_B1, *, num_tiles: int, min_q_len: int):
-    """[6, G] int32: per tile (sequence, first q row (a multiple of 8), first valid row in the tile, end of
-    the valid rows (lo == hi: idle), position of the tile's row 0 (negative for rows before the sequence));
-    row 5 holds the number of live tiles (they come first), so the kernel skips the idle ones at once."""
-    tile = 2 * ROWS_PER_WG
-    num_seqs = kv_lens_B.shape[0]
-    start_B, stop_B = cu_q_lens_B1[:-1], cu_q_lens_B1[1:]
-    aligned_B = start_B - start_B % 8
-    tiles_B = jnp.where(stop_B - start_B >= min_q_len, (stop_B - aligned_B + tile - 1) // tile, 0)
-    end_B = jnp.cumsum(tiles_B)
-    g_G = jnp.arange(num_tiles, dtype=jnp.int32)
-    seq_G = jnp.searchsorted(end_B, g_G, side="right").astype(jnp.int32)
-    live_G = seq_G < num_seqs
-    seq_G = jnp.minimum(seq_G, num_seqs - 1)
-    row0_G = aligned_B[seq_G] + (g_G - (end_B[seq_G] - tiles_B[seq_G])) * tile
-    lo_G = jnp.clip(start_B[seq_G] - row0_G, 0, tile)
-    hi_G = jnp.where(live_G, jnp.clip(stop_B[seq_G] - row0_G, lo_G, tile), lo_G)
-    pos0_G = kv_lens_B[seq_G] - (stop_B[seq_G] - row0_G)
-    live_G = jnp.broadcast_to(end_B[-1], g_G.shape)
-    return jnp.stack([seq_G, row0_G, lo_G, hi_G, pos0_G, live_G]).astype(jnp.int32)
-
 
 # --------------------------------------------------------------------------
 # Kernel
@@ -383,7 +327,7 @@ def ragged_paged_prefill_mgpu(q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, bloc
             f"the Mosaic GPU prefill kernel needs bf16/f16 (got {q_TNH.dtype}), head_dim % 64 == 0 "
             f"(got {head_dim}), block_size % 64 == 0 (got {block_size}) and num_tokens % 8 == 0 "
             f"(got {num_tokens})")
-    config = config or default_config(block_size)
+    config = config or PrefillConfig()
     require(block_size % config.block_kv == 0 or config.block_kv % block_size == 0,
             f"block_kv={config.block_kv} must divide or be a multiple of the cache's block_size={block_size}")
     num_tiles = num_prefill_tiles(num_tokens, kv_lens_B.shape[0], min_q_len)
