@@ -113,8 +113,9 @@ def use_mgpu_prefill(q_TNH, k_cache_PSKH, num_seqs, sliding_window, *, prefill_i
 def kernels_merged(q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, block_tables_BM, cu_q_lens_B1, *,
                    sm_scale, interpret=False):
     """The Mosaic GPU kernel for sequences of >= MGPU_MIN_Q_LEN rows (persistent CTAs from
-    MGPU_PERSISTENT_MIN_SEQS sequences), then the Triton kernel for the other rows (and the padding rows' zeros) written into the same buffer. interpret=True runs both in
-    their Pallas interpret modes (CPU tests; slow)."""
+    MGPU_PERSISTENT_MIN_SEQS sequences), then the Triton kernel for the other rows (and the padding
+    rows' zeros) written into the same buffer. interpret=True runs both in their Pallas interpret modes
+    (CPU tests; slow)."""
     args = (q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, block_tables_BM, cu_q_lens_B1)
     persistent = kv_lens_B.shape[0] >= MGPU_PERSISTENT_MIN_SEQS
     config = PrefillConfig(num_ctas=_num_sms() if persistent else None)
