@@ -109,20 +109,20 @@ def use_mgpu_prefill(q_TNH, k_cache_PSKH, num_seqs, sliding_window, *, prefill_i
             and mgpu_supported(q_TNH, k_cache_PSKH, sliding_window))
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "interpret"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "interpret", "min_q_len"))
 def kernels_merged(q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, block_tables_BM, cu_q_lens_B1, *,
-                   sm_scale, interpret=False):
-    """The Mosaic GPU kernel for sequences of >= MGPU_MIN_Q_LEN rows (persistent CTAs from
+                   sm_scale, interpret=False, min_q_len=MGPU_MIN_Q_LEN):
+    """The Mosaic GPU kernel for sequences of >= min_q_len rows (persistent CTAs from
     MGPU_PERSISTENT_MIN_SEQS sequences), then the Triton kernel for the other rows (and the padding
     rows' zeros) written into the same buffer. interpret=True runs both in their Pallas interpret modes
     (CPU tests; slow)."""
     args = (q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, block_tables_BM, cu_q_lens_B1)
     persistent = kv_lens_B.shape[0] >= MGPU_PERSISTENT_MIN_SEQS
     config = PrefillConfig(num_ctas=_num_sms() if persistent else None)
-    long_TNH = ragged_paged_prefill_mgpu(*args, sm_scale=sm_scale, min_q_len=MGPU_MIN_Q_LEN,
+    long_TNH = ragged_paged_prefill_mgpu(*args, sm_scale=sm_scale, min_q_len=min_q_len,
                                          interpret=interpret, config=config)
     return _kernel_impl(*args, sm_scale=sm_scale, sliding_window=None, interpret=interpret,
-                        skip_q_len=MGPU_MIN_Q_LEN, into_TNH=long_TNH)
+                        skip_q_len=min_q_len, into_TNH=long_TNH)
 
 
 # --------------------------------------------------------------------------
