@@ -14,7 +14,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels._pallas_util import _div, _masked_load, _masked_store, _next_pow2, _num_sms, _on_gpu, _rem
 from pallas_kernels._pallas_util import _triton_compiler_params
 from pallas_kernels._validate import is_power_of_two, require
-from pallas_kernels.ragged_paged_attention_reference import _M_INIT, validate_ragged_paged_attention
+from pallas_kernels.ragged_paged_attention_reference import _M_INIT, _token_metadata, validate_ragged_paged_attention
 
 _LOG2E = 1.4426950408889634
 TUNABLES = ("block_m", "block_n", "num_splits", "num_warps", "num_stages")
@@ -255,17 +255,17 @@ def _kernel_impl(q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, block_tables_BM, 
     else:
         out_shape = (jax.ShapeDtypeStruct((num_splits, rows, head_dim), jnp.float32),
                      jax.ShapeDtypeStruct((num_splits, rows), jnp.float32))
+    aliased = into_TNH is not None and num_splits == 1  # write into the other kernel's output in place
     kernel = functools.partial(
         _attention_kernel, num_seqs=num_seqs, num_q_heads=num_q_heads, group=num_q_heads // num_kv_heads,
         block_m=cfg["block_m"], block_q=cfg["block_q"], block_n=cfg["block_n"], block_size=block_size,
         scale_log2=float(sm_scale) * _LOG2E, sliding_window=sliding_window,
-        num_splits=num_splits, skip_q_len=skip_q_len, aliased=into_TNH is not None and num_splits == 1)
+        num_splits=num_splits, skip_q_len=skip_q_len, aliased=aliased)
     operands = [kv_lens_B, cu_q_lens_B1, block_tables_BM, q_TNH.reshape(rows, head_dim),
                 k_cache_PSKH.reshape(num_blocks * block_size, num_kv_heads, head_dim),
                 v_cache_PSKH.reshape(num_blocks * block_size, num_kv_heads, head_dim)]
-    aliases = {}
-    if into_TNH is not None and num_splits == 1:  # write into the other kernel's output in place
-        aliases = {len(operands): 0}
+    aliases = {len(operands): 0} if aliased else {}
+    if aliased:
         operands.append(into_TNH.reshape(rows, head_dim))
     outs = pl.pallas_call(
         kernel,
@@ -279,12 +279,11 @@ def _kernel_impl(q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, block_tables_BM, 
     if num_splits == 1:  # the kernel wrote every row (padding zeros included) or left into_TNH's
         return outs.reshape(num_tokens, num_q_heads, head_dim)
     out_TNH = _combine_splits(*outs).reshape(num_tokens, num_q_heads, head_dim)
-    t_T = jnp.arange(num_tokens, dtype=jnp.int32)
-    out_TNH = jnp.where((t_T < cu_q_lens_B1[-1])[:, None, None], out_TNH, 0).astype(q_TNH.dtype)
+    seq_T, _, valid_T = _token_metadata(kv_lens_B, cu_q_lens_B1, num_tokens)
+    out_TNH = jnp.where(valid_T[:, None, None], out_TNH, 0).astype(q_TNH.dtype)
     if into_TNH is None:
         return out_TNH
-    seq_T = jnp.clip(jnp.searchsorted(cu_q_lens_B1, t_T, side="right") - 1, 0, num_seqs - 1)
-    long_T = (cu_q_lens_B1[seq_T + 1] - cu_q_lens_B1[seq_T] >= skip_q_len) & (t_T < cu_q_lens_B1[-1])
+    long_T = (cu_q_lens_B1[seq_T + 1] - cu_q_lens_B1[seq_T] >= skip_q_len) & valid_T
     return jnp.where(long_T[:, None, None], into_TNH, out_TNH)
 
 

@@ -31,8 +31,8 @@ def _case(q_lens, kv_lens, *, n=2, k=1, h=64, s=64, seed=0, poison=1e3, pad_toke
     return case, args, ref
 
 
-def _rows(case, predicate):
-    cu = case.cu_q_lens_B1
+def _rows(cu, predicate):
+    """Query rows of the sequences whose q_len satisfies `predicate`."""
     rows = [np.arange(cu[b], cu[b + 1]) for b in range(len(cu) - 1) if predicate(cu[b + 1] - cu[b])]
     return np.concatenate(rows) if rows else np.zeros(0, int)
 
@@ -53,7 +53,7 @@ def test_prefill_tiles_cover_each_long_sequence_once():
             assert cu[seq] <= t < cu[seq + 1], "a valid row must belong to the tile's sequence"
             assert pos0 + r == kv_lens[seq] - (cu[seq + 1] - t), "row position"
             covered[t] += 1
-    long_rows = _rows(type("C", (), {"cu_q_lens_B1": cu})(), lambda q: q >= 2)
+    long_rows = _rows(cu, lambda q: q >= 2)
     assert (covered[long_rows] == 1).all() and covered.sum() == len(long_rows)
 
 
@@ -66,7 +66,7 @@ def test_mgpu_kernel_matches_reference(num_ctas):
     op = jax.jit(functools.partial(mg.ragged_paged_prefill_mgpu, sm_scale=1 / np.sqrt(64), interpret=INTERPRET,
                                    config=mg.PrefillConfig(block_kv=128, num_ctas=num_ctas)))
     out = np.asarray(op(*args).astype(jnp.float32))
-    rows = _rows(case, lambda q: q >= 2)
+    rows = _rows(case.cu_q_lens_B1, lambda q: q >= 2)
     assert np.isfinite(out[rows]).all(), "a row of a prefill sequence was not written"
     assert rel_err(out[rows], ref[rows]) < 1e-2
 
@@ -76,7 +76,8 @@ def test_triton_kernel_leaves_skipped_sequences_alone():
     the given buffer (one split) or merged after the split combine (several)."""
     case, args, ref = _case([70, 1, 9, 64], [70, 33, 40, 90], n=4, k=2, pad_tokens=4)
     into = jnp.full(args[0].shape, jnp.nan, args[0].dtype)
-    long_rows, short_rows = _rows(case, lambda q: q >= 64), _rows(case, lambda q: q < 64)
+    long_rows = _rows(case.cu_q_lens_B1, lambda q: q >= 64)
+    short_rows = _rows(case.cu_q_lens_B1, lambda q: q < 64)
     for config in (None, dict(num_splits=2, block_n=16)):
         out = _kernel_impl(*args, sm_scale=1 / np.sqrt(64), sliding_window=None, interpret=INTERPRET,
                            config=config, skip_q_len=64, into_TNH=into)
@@ -118,3 +119,8 @@ def test_mgpu_kernel_names_bad_shapes():
                                      jnp.zeros((2,), jnp.int32), sm_scale=0.1)
     with pytest.raises(ValueError, match="block_kv=96"):
         mg.PrefillConfig(block_kv=96)
+    q8 = jnp.zeros((128, 8, 128), jnp.bfloat16)
+    cache128 = jnp.zeros((4, 128, 2, 128), jnp.bfloat16)
+    with pytest.raises(ValueError, match="block_kv=192 must divide or be a multiple of the cache's block_size=128"):
+        mg.ragged_paged_prefill_mgpu(q8, cache128, cache128, lens, jnp.zeros((1, 2), jnp.int32),
+                                     jnp.zeros((2,), jnp.int32), sm_scale=0.1, config=mg.PrefillConfig(block_kv=192))
