@@ -100,7 +100,8 @@ def run_lmjax(path: str, requests: list[Request], args) -> tuple[Result, list[li
     clock = CompileClock()
     longest = max(len(r.prompt_ids) + r.max_tokens for r in requests)
     kwargs = {k: v for k, v in (("max_num_seqs", args.max_num_seqs),
-                                ("max_num_batched_tokens", args.max_num_batched_tokens)) if v}
+                                ("max_num_batched_tokens", args.max_num_batched_tokens),
+                                ("kv_cache_dtype", args.kv_cache_dtype)) if v}
     # enforce_eager=False: every decode batch bucket compiles at start-up (untimed, reported as load
     # compilations), as vLLM captures its CUDA graphs before a benchmark starts.
     llm = LLM(path, dtype=args.dtype, max_model_len=args.max_model_len or longest,
@@ -148,6 +149,8 @@ def parse_args(argv=None):
                    help="LLM(enforce_eager=True): no start-up compilation of the decode buckets")
     p.add_argument("--max-num-seqs", type=int, default=None, help="LLM(max_num_seqs=...) (default: LLM's)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="LLM(max_num_batched_tokens=...)")
+    p.add_argument("--kv-cache-dtype", default=None, choices=("auto", "int8", "int4"),
+                   help="LLM(kv_cache_dtype=...): int8 / int4 quantize the KV cache (quant_policy 8 / 4)")
     p.add_argument("--warmup-tokens", type=int, default=4,
                    help="lmjax warm-up pass: budget cap per request (0: the full budgets)")
     p.add_argument("--warmup-prompts", type=int, default=0, help="lmjax warm-up pass: the first N prompts (0: all)")

@@ -62,6 +62,8 @@ from pallas_kernels.ragged_paged_attention_kernel import (
     _tile_of_program,
     ragged_paged_attention_kernel,
 )
+from pallas_kernels.kv_tiles import kv_bits
+from pallas_kernels.quant_kv import QuantKV
 from pallas_kernels.ragged_paged_prefill_mgpu import PrefillConfig, mgpu_supported, ragged_paged_prefill_mgpu
 from pallas_kernels.ragged_paged_attention_reference import (
     _M_INIT,
@@ -140,13 +142,20 @@ def ragged_paged_attention(
     interpret mode (any backend; tests). prefill_impl: on a GPU, "auto" / "mosaic" send long prefill
     chunks to the Mosaic GPU kernel where it serves the shapes (`use_mgpu_prefill`), "triton" keeps
     every row on the Triton kernel. Returns out_TNH in q's dtype, with rows past cu_q_lens[-1] zero.
+
+    The caches may be quantized (`QuantKV`, quant_policy 8 / 4): the Triton kernel reads the codes
+    (pallas_kernels/kv_tiles.py; int4 needs head_dim >= 32, else "auto" takes the tiled version), the
+    reference and the tiled version dequantize the blocks they read. int4 stores K rotated: q must come
+    rotated the same way (lmjax.layers.quant.paged_attention_quant does it).
     """
     validate_ragged_paged_attention(
         q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, block_tables_BM, cu_q_lens_B1,
         sm_scale=sm_scale, sliding_window=sliding_window, impl=impl)
-    use_kernel = impl == "kernel" or (impl == "auto" and (interpret or _on_gpu()))
+    quantized = isinstance(k_cache_PSKH, QuantKV)
+    use_kernel = impl == "kernel" or (impl == "auto" and (interpret or _on_gpu())
+                                      and (kv_bits(k_cache_PSKH) != 4 or q_TNH.shape[2] >= 32))
     args = (q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, block_tables_BM, cu_q_lens_B1)
-    if use_kernel and use_mgpu_prefill(q_TNH, k_cache_PSKH, kv_lens_B.shape[0], sliding_window,
+    if use_kernel and not quantized and use_mgpu_prefill(q_TNH, k_cache_PSKH, kv_lens_B.shape[0], sliding_window,
                                        prefill_impl=prefill_impl, interpret=interpret):
         return kernels_merged(*args, sm_scale=float(sm_scale))
     if use_kernel:

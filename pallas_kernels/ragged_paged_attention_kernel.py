@@ -14,6 +14,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels._pallas_util import _div, _masked_load, _masked_store, _next_pow2, _num_sms, _on_gpu, _rem
 from pallas_kernels._pallas_util import _triton_compiler_params
 from pallas_kernels._validate import is_power_of_two, require
+from pallas_kernels.kv_tiles import channel_parts, kv_bits, kv_operands, load_kv_tile, num_kv_refs
 from pallas_kernels.ragged_paged_attention_reference import _M_INIT, _token_metadata, validate_ragged_paged_attention
 
 _LOG2E = 1.4426950408889634
@@ -105,12 +106,14 @@ def _attention_kernel(
     cu_q_lens_B1_ref, # [B+1] int32
     block_tables_BM_ref,  # [B, M] int32
     q_XH_ref,         # [T*N, H]: q with tokens and heads flattened
-    k_ZKH_ref,        # [P*S, K, H]: cache with blocks and slots flattened
-    v_ZKH_ref,        # [P*S, K, H]
-    *out_refs,        # o [T*N, H] (one split) or o [X, T*N, H] f32 and lse [X, T*N] f32
+    *refs,            # K then V: [P*S, K, H] each, or (codes, scale, zero) each for a quantized cache
+                      # (pallas_kernels/kv_tiles.py); then o [T*N, H] (one split) or o [X, T*N, H] f32
+                      # and lse [X, T*N] f32
     num_seqs, num_q_heads, group, block_m, block_q, block_n, block_size, scale_log2,
-    sliding_window, num_splits, skip_q_len, aliased,
+    sliding_window, num_splits, skip_q_len, aliased, bits,
 ):
+    n_kv = num_kv_refs(bits)
+    k_refs, v_refs, out_refs = refs[:n_kv], refs[n_kv:2 * n_kv], refs[2 * n_kv:]
     if aliased:  # o arrives as an input too (the same buffer): its rows of skipped sequences stay
         out_refs = out_refs[1:]
     tile, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -118,6 +121,7 @@ def _attention_kernel(
     seq, q_start, q_count = _tile_of_program(
         cu_q_lens_B1_ref, tile, num_seqs, q_XH_ref.shape[0] // num_q_heads, block_q)
     h_1H = jnp.arange(head_dim, dtype=jnp.int32)[None, :]
+    chans = channel_parts(head_dim, bits)  # [1, W] channels of each part's dot
     r_R = jnp.arange(block_m, dtype=jnp.int32)
     tok_R = _div(r_R, group)
     row_valid_R = tok_R < q_count
@@ -148,7 +152,9 @@ def _attention_kernel(
         pos_R = pos0 + tok_R
         # Interpret mode cannot mix array indices with slices: index every axis
         # with (broadcastable) arrays. Triton gets the same pointer arithmetic.
-        q_RH = _masked_load(q_XH_ref.at[row_R[:, None], h_1H], row_valid_R[:, None], 0.0)
+        q_parts = [_masked_load(q_XH_ref.at[row_R[:, None], c_1W], row_valid_R[:, None], 0.0) for c_1W in chans]
+        qsum_R = sum(jnp.sum(q.astype(jnp.float32), axis=1) for q in q_parts)  # for a zero point
+        dtype = q_parts[0].dtype
 
         # Keys of the tile: [lo, hi). Keys in [full_lo, pos0] are visible to
         # every row, so kv tiles inside it skip all masking.
@@ -166,9 +172,10 @@ def _attention_kernel(
         inner_lo = jnp.clip(_div(full_lo + block_n - 1, block_n), start, stop)
         inner_hi = jnp.clip(_div(pos0 + 1, block_n), inner_lo, stop)
         c_C = jnp.arange(block_n, dtype=jnp.int32)
+        tile_kw = dict(bits=bits, head_dim=head_dim, dtype=dtype)
 
         def body(kv_tile, carry, masked):
-            max_R, denom_R, acc_RH = carry
+            max_R, denom_R, accs = carry
             key_C = kv_tile * block_n + c_C
             if masked:
                 key_valid_C = (key_C < hi) & (key_C >= lo)
@@ -176,18 +183,17 @@ def _attention_kernel(
                     block_tables_BM_ref.at[seq, jnp.where(key_valid_C, _div(key_C, block_size), 0)],
                     key_valid_C, 0)
                 slot_C = jnp.where(key_valid_C, block_C * block_size + _rem(key_C, block_size), 0)
-                # Masked-off keys are never read: unwritten slots may hold NaN.
-                k_CH = _masked_load(k_ZKH_ref.at[slot_C[:, None], kv_head, h_1H],
-                                    key_valid_C[:, None], 0.0)
-                v_CH = _masked_load(v_ZKH_ref.at[slot_C[:, None], kv_head, h_1H],
-                                    key_valid_C[:, None], 0.0)
             else:
+                key_valid_C = None
                 block_C = block_tables_BM_ref[seq, _div(key_C, block_size)]
                 slot_C = block_C * block_size + _rem(key_C, block_size)
-                k_CH = k_ZKH_ref[slot_C[:, None], kv_head, h_1H]
-                v_CH = v_ZKH_ref[slot_C[:, None], kv_head, h_1H]
-            s_RC = jax.lax.dot_general(
-                q_RH, k_CH, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+            # Masked-off keys are never read: unwritten slots may hold NaN.
+            k_parts, k_scale_C, k_zero_C = load_kv_tile(k_refs, slot_C, kv_head, key_valid_C, **tile_kw)
+            v_parts, v_scale_C, v_zero_C = load_kv_tile(v_refs, slot_C, kv_head, key_valid_C, **tile_kw)
+            s_RC = sum(jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+                       for q, k in zip(q_parts, k_parts))
+            if bits is not None:  # codes -> values: q . k = scale * (q . code - zero * sum(q))
+                s_RC = (s_RC - qsum_R[:, None] * k_zero_C[None, :]) * k_scale_C[None, :]
             s_RC = s_RC * scale_log2
             if masked:
                 mask_RC = (key_C[None, :] <= pos_R[:, None]) & key_valid_C[None, :]
@@ -198,30 +204,37 @@ def _attention_kernel(
             p_RC = jnp.exp2(s_RC - new_max_R[:, None])
             alpha_R = jnp.exp2(max_R - new_max_R)
             denom_R = denom_R * alpha_R + jnp.sum(p_RC, axis=1)
-            pv_RH = jax.lax.dot_general(
-                p_RC.astype(v_CH.dtype), v_CH, (((1,), (0,)), ((), ())),
-                preferred_element_type=jnp.float32)
-            acc_RH = acc_RH * alpha_R[:, None] + pv_RH
-            return new_max_R, denom_R, acc_RH
+            if bits is None:
+                p_RC, zsum_R = p_RC.astype(v_parts[0].dtype), 0.0
+            else:  # sum_c p_c v_c = (p scale) . code - (p scale) . zero, both from the same rounded p scale
+                p_RC = (p_RC * v_scale_C[None, :]).astype(dtype)
+                zsum_R = jnp.sum(p_RC.astype(jnp.float32) * v_zero_C[None, :], axis=1)[:, None]
+            accs = tuple(acc * alpha_R[:, None] + jax.lax.dot_general(
+                p_RC, v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32) - zsum_R
+                for acc, v in zip(accs, v_parts))
+            return new_max_R, denom_R, accs
 
         carry = (jnp.full((block_m,), _M_INIT, jnp.float32),
                  jnp.zeros((block_m,), jnp.float32),
-                 jnp.zeros((block_m, head_dim), jnp.float32))
+                 tuple(jnp.zeros((block_m, c.shape[1]), jnp.float32) for c in chans))
         masked_body = functools.partial(body, masked=True)
         carry = jax.lax.fori_loop(start, inner_lo, masked_body, carry)
         carry = jax.lax.fori_loop(inner_lo, inner_hi, functools.partial(body, masked=False), carry)
-        max_R, denom_R, acc_RH = jax.lax.fori_loop(inner_hi, stop, masked_body, carry)
+        max_R, denom_R, accs = jax.lax.fori_loop(inner_hi, stop, masked_body, carry)
         has_keys_R = denom_R > 0
-        out_RH = acc_RH / jnp.where(has_keys_R, denom_R, 1.0)[:, None]
+        denom_R1 = jnp.where(has_keys_R, denom_R, 1.0)[:, None]
+        row_valid_R1 = row_valid_R[:, None]
         if num_splits == 1:
             (o_XH_ref,) = out_refs
-            _masked_store(o_XH_ref.at[row_R[:, None], h_1H], out_RH.astype(o_XH_ref.dtype),
-                          row_valid_R[:, None])
+            for acc, c_1W in zip(accs, chans):
+                _masked_store(o_XH_ref.at[row_R[:, None], c_1W], (acc / denom_R1).astype(o_XH_ref.dtype),
+                              row_valid_R1)
         else:
             o_VXH_ref, lse_VX_ref = out_refs
             lse_R = jnp.where(has_keys_R, max_R + jnp.log2(jnp.where(has_keys_R, denom_R, 1.0)),
                               -jnp.inf)
-            _masked_store(o_VXH_ref.at[split, row_R[:, None], h_1H], out_RH, row_valid_R[:, None])
+            for acc, c_1W in zip(accs, chans):
+                _masked_store(o_VXH_ref.at[split, row_R[:, None], c_1W], acc / denom_R1, row_valid_R1)
             _masked_store(lse_VX_ref.at[split, row_R], lse_R, row_valid_R)
 
 
@@ -241,9 +254,10 @@ def _combine_splits(o_VXH, lse_VX):
 def _kernel_impl(q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, block_tables_BM, cu_q_lens_B1,
                  *, sm_scale, sliding_window, interpret, config=None, skip_q_len=None, into_TNH=None):
     """The Triton kernel over every row, or with skip_q_len only over sequences with fewer query rows:
-    the rows of the others come from into_TNH (written by another kernel), unchanged."""
+    the rows of the others come from into_TNH (written by another kernel), unchanged. The caches are
+    float arrays or `QuantKV` (int4: K stored rotated, so q must come rotated too)."""
     num_tokens, num_q_heads, head_dim = q_TNH.shape
-    num_blocks, block_size, num_kv_heads, _ = k_cache_PSKH.shape
+    _, block_size, num_kv_heads, _ = k_cache_PSKH.shape
     num_seqs, max_blocks = block_tables_BM.shape
     cfg = _choose_config(num_tokens, num_seqs, num_q_heads, num_kv_heads, head_dim,
                          max_blocks * block_size, on_gpu=not interpret and _on_gpu(),
@@ -260,10 +274,9 @@ def _kernel_impl(q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, block_tables_BM, 
         _attention_kernel, num_seqs=num_seqs, num_q_heads=num_q_heads, group=num_q_heads // num_kv_heads,
         block_m=cfg["block_m"], block_q=cfg["block_q"], block_n=cfg["block_n"], block_size=block_size,
         scale_log2=float(sm_scale) * _LOG2E, sliding_window=sliding_window,
-        num_splits=num_splits, skip_q_len=skip_q_len, aliased=aliased)
+        num_splits=num_splits, skip_q_len=skip_q_len, aliased=aliased, bits=kv_bits(k_cache_PSKH))
     operands = [kv_lens_B, cu_q_lens_B1, block_tables_BM, q_TNH.reshape(rows, head_dim),
-                k_cache_PSKH.reshape(num_blocks * block_size, num_kv_heads, head_dim),
-                v_cache_PSKH.reshape(num_blocks * block_size, num_kv_heads, head_dim)]
+                *kv_operands(k_cache_PSKH), *kv_operands(v_cache_PSKH)]
     aliases = {len(operands): 0} if aliased else {}
     if aliased:
         operands.append(into_TNH.reshape(rows, head_dim))

@@ -84,6 +84,9 @@ def validate_ragged_paged_attention(
             is_power_of_two(head_dim) and 16 <= head_dim <= 256,
             f"head_dim={head_dim} must be a power of two in [16, 256] for the kernel",
         )
+        # An int4 cache's dots run on half heads (even / odd channels), and a Triton dot needs 16.
+        require(getattr(k_cache_PSKH, "bits", None) != 4 or head_dim >= 32,
+                f"head_dim={head_dim} must be >= 32 for the kernel over an int4 (quant_policy 4) cache")
 
 
 # --------------------------------------------------------------------------

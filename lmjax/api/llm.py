@@ -6,7 +6,8 @@ max_prefill_token_num (both default by device, as vLLM's do: 1024 sequences and 
 GPU with >= 70 GiB that is not an A100, else 256 and 8,192), enforce_eager=False -> warmup (vLLM captures a CUDA graph per batch size at start-up;
 lmjax compiles the decode step of every batch bucket; the default None compiles each bucket when first
 reached, since on a CPU a start-up warm-up costs seconds per bucket). Arguments that only matter to vLLM's CUDA internals are accepted at their defaults;
-any other value raises, never silently ignored.
+any other value raises, never silently ignored. kv_cache_dtype="int8" / "int4" quantizes the KV cache
+(LMDeploy's quant_policy 8 / 4); vLLM's float8 values raise.
 """
 from __future__ import annotations
 
@@ -49,13 +50,25 @@ def _check_vllm_only(kwargs: dict) -> None:
             raise NotImplementedError(f"LLM({name}={value!r}) is not supported by lmjax")
 
 
+# vLLM's kv_cache_dtype names a float8 cache; lmjax quantizes the cache as LMDeploy does (quant_policy):
+# integer codes with a scale and zero point per token and head. "int8" / "int4" are lmjax's values.
+KV_CACHE_DTYPES = {"auto": 0, "int8": 8, "int4": 4}
+
+
+def kv_cache_quant_policy(kv_cache_dtype: str) -> int:
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        hint = " (lmjax has no float8 cache; int8 holds as many tokens)" if "fp8" in str(kv_cache_dtype) else ""
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} must be one of {sorted(KV_CACHE_DTYPES)}{hint}")
+    return KV_CACHE_DTYPES[kv_cache_dtype]
+
+
 class LLM:
     def __init__(self, model: str | None = None, tokenizer: str | None = None, tensor_parallel_size: int = 1,
                  dtype: str = "auto", seed: int = 0, gpu_memory_utilization: float = 0.9,
                  max_model_len: int | None = None, max_num_seqs: int | None = None, block_size: int = 64,
                  max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = False,
                  num_gpu_blocks_override: int | None = None, num_scheduler_steps: int = 8,
-                 enforce_eager: bool | None = None, **kwargs):
+                 enforce_eager: bool | None = None, kv_cache_dtype: str = "auto", **kwargs):
         _check_vllm_only(kwargs)
         if not 0 < gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
@@ -66,7 +79,8 @@ class LLM:
                               num_gpu_blocks=num_gpu_blocks_override or 0,
                               max_prefill_token_num=max_num_batched_tokens or default_tokens,
                               enable_prefix_caching=enable_prefix_caching,
-                              num_scheduler_steps=num_scheduler_steps, warmup=enforce_eager is False)
+                              num_scheduler_steps=num_scheduler_steps, warmup=enforce_eager is False,
+                              quant_policy=kv_cache_quant_policy(kv_cache_dtype))
         self.llm_engine = LLMEngine(model, config, tokenizer)
 
     def get_tokenizer(self):

@@ -350,19 +350,11 @@ def write_kv_quant(k_cache: QuantKV, v_cache: QuantKV, k_TKH, v_TKH, slot_mappin
 
 def paged_attention_quant(q_TNH, k_cache: QuantKV, v_cache: QuantKV, kv_lens_B, block_tables_BM, cu_q_lens_B1, *,
                           sm_scale: float, sliding_window: int | None = None, impl: str = "auto"):
-    """Attention over quantized caches (int4: the queries rotated like the stored K). impl "reference":
-    dequantize every block, then the jnp reference; anything else: the XLA tiled op, which
-    dequantizes only the blocks each tile reads. The Pallas GPU kernel reads float caches only, so
-    on GPU quantized caches take the tiled op too."""
-    from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
-    from pallas_kernels.ragged_paged_attention_tiled import ragged_paged_attention_tiled
+    """Attention over quantized caches: the queries rotated like the stored K (int4), then the op, whose
+    every impl reads the quantized cache (the Pallas kernel on GPU reads the codes; see
+    pallas_kernels.ragged_paged_attention)."""
+    from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
     q_rot_TNH = rotate_heads(q_TNH).astype(q_TNH.dtype) if k_cache.bits == 4 else q_TNH
-    args = (kv_lens_B, block_tables_BM, cu_q_lens_B1)
-    if impl == "reference":
-        k = dequantize_kv(k_cache.data_PSKW, k_cache.scale_PSK, k_cache.zero_PSK, k_cache.bits, q_TNH.dtype)
-        v = dequantize_kv(v_cache.data_PSKW, v_cache.scale_PSK, v_cache.zero_PSK, v_cache.bits, q_TNH.dtype)
-        return ragged_paged_attention_reference(q_rot_TNH, k, v, *args, sm_scale=sm_scale,
-                                                sliding_window=sliding_window)
-    return ragged_paged_attention_tiled(q_rot_TNH, k_cache, v_cache, *args, sm_scale=sm_scale,
-                                       sliding_window=sliding_window)
+    return ragged_paged_attention(q_rot_TNH, k_cache, v_cache, kv_lens_B, block_tables_BM, cu_q_lens_B1,
+                                  sm_scale=sm_scale, sliding_window=sliding_window, impl=impl)

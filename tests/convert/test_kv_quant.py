@@ -216,3 +216,24 @@ def test_tensor_parallel_engine_with_quantized_kv(smollm2_gguf, greedy_prompts):
         assert three["devices"] == 3 and all(s == [32, 16, 1, W] for s in three["shard_shapes"]), three
         assert one["shard_shapes"] == [[32, 16, 3, W]]
         assert _common_prefix_ratio(one["tokens"], three["tokens"]) >= 0.9, (policy, one["tokens"], three["tokens"])
+
+
+def test_llm_kv_cache_dtype_int8_quantizes_the_cache(smollm2_gguf):
+    """vLLM's LLM(kv_cache_dtype=...): lmjax's "int8" / "int4" are quant_policy 8 / 4."""
+    import lmjax
+    from lmjax.config import SamplingParams
+
+    llm = lmjax.LLM(smollm2_gguf, dtype="float32", kv_cache_dtype="int8", max_model_len=128,
+                    gpu_memory_utilization=0.02, max_num_seqs=4)
+    out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert llm.llm_engine.config.quant_policy == 8
+    assert isinstance(llm.llm_engine.runner.caches[0][0], QuantKV)
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("bad", ["fp8", "int2"])
+def test_llm_bad_kv_cache_dtype_names_the_value(bad):
+    from lmjax.api.llm import kv_cache_quant_policy
+
+    with pytest.raises(ValueError, match=f"kv_cache_dtype='{bad}' must be one of"):
+        kv_cache_quant_policy(bad)
