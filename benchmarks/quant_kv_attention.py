@@ -74,6 +74,28 @@ def row(copy_bw, model, batch, ctx):
     return out
 
 
+SWEEP_ROWS = (("llama3-8b", 1, 8192), ("llama3-8b", 32, 8192), ("llama3-8b", 128, 2048),
+              ("llama3.2-1b", 128, 2048))
+SWEEP = [dict(block_n=n, num_warps=w, num_stages=st) for n in (64, 128, 256) for w in (4, 8) for st in (2, 3)]
+
+
+def sweep(copy_bw):
+    """int8 / int4 kernel times over kv tile lengths and warps (the tiling heuristic is the bf16 cache's)."""
+    for model, batch, ctx in SWEEP_ROWS:
+        n, k, h = HEADS[model]
+        q, kc, vc, *meta = paged_inputs(0, [1] * batch, [ctx] * batch, n, k, h, BLOCK_SIZE)
+        for bits in (8, 4):
+            qk, qv = quantize_cache(kc, bits), quantize_cache(vc, bits)
+            nbytes = cache_bytes(batch, ctx, k, h, bits) + 2 * q.nbytes
+            cells = []
+            for cfg in SWEEP:
+                fn = jax.jit(functools.partial(rpa.ragged_paged_attention_kernel, sm_scale=1 / math.sqrt(h),
+                                               config=cfg))
+                t = bench(fn, q, qk, qv, *meta)
+                cells.append(f"n{cfg['block_n']}w{cfg['num_warps']}s{cfg['num_stages']} {t * 1e6:.1f}us {100 * nbytes / copy_bw / t:.0f}%")
+            print(f"sweep {model} b{batch} ctx{ctx} int{bits}: " + "; ".join(cells), flush=True)
+
+
 def _f32(*caches):
     return [QuantKV(c.data_PSKW, c.scale_PSK, c.zero_PSK, c.bits, "float32") for c in caches]
 
@@ -99,6 +121,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="batch 32, context 2048 only")
     p.add_argument("--json-out")
+    p.add_argument("--sweep", action="store_true", help="then time kv tile lengths x warps on four rows")
     args = p.parse_args(argv)
     copy_bw, _ = measure_ceilings()
     batches, contexts = ((32,), (2048,)) if args.quick else ((1, 32, 128), (2048, 8192))
@@ -109,6 +132,8 @@ def main(argv=None):
     print(f"\ndevice: {jax.devices()[0].device_kind}, jax {jax.__version__}, copy {copy_bw / 1e12:.3f} TB/s, "
           f"block size {BLOCK_SIZE}\n")
     print(table(rows))
+    if args.sweep:
+        sweep(copy_bw)
     if args.json_out:
         with open(args.json_out, "a") as f:
             f.write(json.dumps(dict(copy_bw=copy_bw, rows=rows)) + "\n")

@@ -1,21 +1,32 @@
 """How the Triton attention kernel reads K and V: one tile of keys from a float cache or from a quantized
 one (`QuantKV`, LMDeploy's quant_policy 8 / 4; layout in pallas_kernels/quant_kv.py).
 
-A quantized tile is never dequantized element by element. With x = (code - zero) * scale per key (one
-scale and zero point per token and KV head), the products factor:
+A quantized tile is dequantized only in part: with x = (code - zero) * scale per key (one scale and
+zero point per token and KV head), the tile's dot operands are the integers code - zero (exact in
+float16 and float32) and the scale multiplies per key outside the dots:
 
-  scores  q . k_c   = scale_c * (q . code_c - zero_c * sum(q))
-  output  sum_c p_c v_c = sum_c (p_c scale_c) code_c - sum_c (p_c scale_c) zero_c
+  scores  q . k_c       = scale_c * (q . (code_c - zero_c))
+  output  sum_c p_c v_c = sum_c (p_c scale_c) (code_c - zero_c)
 
-so the dots run on the raw codes (exact in bf16: integers up to 255) and the scale and zero point cost a
-few operations per key, not per element. int4 packs channel 2i in a byte's low nibble and 2i + 1 in its
-high one: the kernel splits the head into its even and odd channels (two "parts"), one dot each on
-[C, H / 2] nibble tiles, and q and the output are read and written at those channels.
+int4 packs channel 2i in a byte's low nibble and 2i + 1 in its high one: the kernel splits the head into
+its even and odd channels (two "parts"), one dot each on [C, H / 2] tiles, and q and the output are read
+and written at those channels.
+
+No int-to-float conversion either (I2F runs at a quarter of the integer rate on Hopper: the first
+version converted and measured 31-36% of the copy bandwidth, slower than a bf16 cache): for bf16 / f16
+queries a code c is OR-ed into the mantissa of float16 1024.0, which reads as 1024 + c (exact: f16
+steps by 1 on [1024, 2048)), and one float16 subtraction of 1024 + zero leaves code - zero. The dots
+run in float16 (q is cast once; int8 codes do not fit bf16's 8-bit significand at that exponent).
+A zero point applied after the dots instead (q . code - zero * sum(q)) measured no faster and cancels
+~1024-sized terms: 4-7e-3 relative error on int4 at long context from the tensor cores' accumulation,
+where this form stays at the bf16 output's rounding. float32 queries convert in float32 (tests; not a
+fast path).
 
 Shape letters as in ragged_paged_attention.py; W a part's width (H, or H / 2 for int4), Z cache slots.
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from pallas_kernels._pallas_util import _masked_load
@@ -50,20 +61,41 @@ def channel_parts(head_dim: int, bits: int | None) -> list:
     return [2 * w_1W, 2 * w_1W + 1]
 
 
+MAGIC = 0x6400  # float16 1024.0: OR-ing a code c < 1024 into its mantissa gives 1024 + c
+
+
+def dot_dtype(q_dtype, bits: int | None):
+    """The dtype of the dots' operands: the cache's for float caches, float16 for quantized ones
+    (float32 for float32 queries)."""
+    if bits is None or q_dtype == jnp.float32:
+        return q_dtype
+    return jnp.float16
+
+
+def _centered(codes_CW, zero_C, dtype):
+    """code - zero in `dtype` (exact), codes uint16 [C, W], zero [C] uint8."""
+    if dtype != jnp.float16:
+        return codes_CW.astype(jnp.float32).astype(dtype) - zero_C.astype(dtype)[:, None]
+    shifted_CW = jax.lax.bitcast_convert_type(codes_CW | MAGIC, jnp.float16)  # 1024 + code
+    return shifted_CW - (zero_C.astype(jnp.float16) + 1024.0)[:, None]
+
+
 def load_kv_tile(refs, slot_C, kv_head, valid_C, *, bits, head_dim, dtype):
-    """One tile of keys: (parts [C, W] in `dtype`, scale_C, zero_C (float32; None for a float cache)).
-    valid_C None: every key is real (no predication); else masked-off keys are not read."""
+    """One tile of keys: (parts [C, W] in `dtype`, scale_C float32 or None for a float cache); a
+    quantized tile's parts hold code - zero. valid_C None: every key is real (no predication); else
+    masked-off keys are not read."""
     def load(ref, idx, mask):
         return ref[idx] if valid_C is None else _masked_load(ref.at[idx], mask, 0)
 
     mask_C1 = None if valid_C is None else valid_C[:, None]
     if bits is None:
         (ref,) = refs
-        return [load(ref, (slot_C[:, None], kv_head, channel_parts(head_dim, None)[0]), mask_C1)], None, None
+        return [load(ref, (slot_C[:, None], kv_head, channel_parts(head_dim, None)[0]), mask_C1)], None
     data_ref, scale_ref, zero_ref = refs
     width = head_dim * bits // 8
     codes_CW = load(data_ref, (slot_C[:, None], kv_head, jnp.arange(width, dtype=jnp.int32)[None, :]), mask_C1)
     scale_C = load(scale_ref, (slot_C, kv_head), valid_C).astype(jnp.float32)
-    zero_C = load(zero_ref, (slot_C, kv_head), valid_C).astype(jnp.float32)
+    zero_C = load(zero_ref, (slot_C, kv_head), valid_C)
+    codes_CW = codes_CW.astype(jnp.uint16)
     parts = [codes_CW] if bits == 8 else [codes_CW & 0xF, codes_CW >> 4]
-    return [p.astype(jnp.float32).astype(dtype) for p in parts], scale_C, zero_C
+    return [_centered(p, zero_C, dtype) for p in parts], scale_C

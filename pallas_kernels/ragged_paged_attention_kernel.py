@@ -14,7 +14,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels._pallas_util import _div, _masked_load, _masked_store, _next_pow2, _num_sms, _on_gpu, _rem
 from pallas_kernels._pallas_util import _triton_compiler_params
 from pallas_kernels._validate import is_power_of_two, require
-from pallas_kernels.kv_tiles import channel_parts, kv_bits, kv_operands, load_kv_tile, num_kv_refs
+from pallas_kernels.kv_tiles import channel_parts, dot_dtype, kv_bits, kv_operands, load_kv_tile, num_kv_refs
 from pallas_kernels.ragged_paged_attention_reference import _M_INIT, _token_metadata, validate_ragged_paged_attention
 
 _LOG2E = 1.4426950408889634
@@ -152,9 +152,9 @@ def _attention_kernel(
         pos_R = pos0 + tok_R
         # Interpret mode cannot mix array indices with slices: index every axis
         # with (broadcastable) arrays. Triton gets the same pointer arithmetic.
-        q_parts = [_masked_load(q_XH_ref.at[row_R[:, None], c_1W], row_valid_R[:, None], 0.0) for c_1W in chans]
-        qsum_R = sum(jnp.sum(q.astype(jnp.float32), axis=1) for q in q_parts)  # for a zero point
-        dtype = q_parts[0].dtype
+        dtype = dot_dtype(q_XH_ref.dtype, bits)
+        q_parts = [_masked_load(q_XH_ref.at[row_R[:, None], c_1W], row_valid_R[:, None], 0.0).astype(dtype)
+                   for c_1W in chans]
 
         # Keys of the tile: [lo, hi). Keys in [full_lo, pos0] are visible to
         # every row, so kv tiles inside it skip all masking.
@@ -188,12 +188,12 @@ def _attention_kernel(
                 block_C = block_tables_BM_ref[seq, _div(key_C, block_size)]
                 slot_C = block_C * block_size + _rem(key_C, block_size)
             # Masked-off keys are never read: unwritten slots may hold NaN.
-            k_parts, k_scale_C, k_zero_C = load_kv_tile(k_refs, slot_C, kv_head, key_valid_C, **tile_kw)
-            v_parts, v_scale_C, v_zero_C = load_kv_tile(v_refs, slot_C, kv_head, key_valid_C, **tile_kw)
+            k_parts, k_scale_C = load_kv_tile(k_refs, slot_C, kv_head, key_valid_C, **tile_kw)
+            v_parts, v_scale_C = load_kv_tile(v_refs, slot_C, kv_head, key_valid_C, **tile_kw)
             s_RC = sum(jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
                        for q, k in zip(q_parts, k_parts))
-            if bits is not None:  # codes -> values: q . k = scale * (q . code - zero * sum(q))
-                s_RC = (s_RC - qsum_R[:, None] * k_zero_C[None, :]) * k_scale_C[None, :]
+            if bits is not None:  # q . k = scale * (q . (code - zero))
+                s_RC = s_RC * k_scale_C[None, :]
             s_RC = s_RC * scale_log2
             if masked:
                 mask_RC = (key_C[None, :] <= pos_R[:, None]) & key_valid_C[None, :]
@@ -204,14 +204,19 @@ def _attention_kernel(
             p_RC = jnp.exp2(s_RC - new_max_R[:, None])
             alpha_R = jnp.exp2(max_R - new_max_R)
             denom_R = denom_R * alpha_R + jnp.sum(p_RC, axis=1)
+            ref = None
             if bits is None:
-                p_RC, zsum_R = p_RC.astype(v_parts[0].dtype), 0.0
-            else:  # sum_c p_c v_c = (p scale) . code - (p scale) . zero, both from the same rounded p scale
-                p_RC = (p_RC * v_scale_C[None, :]).astype(dtype)
-                zsum_R = jnp.sum(p_RC.astype(jnp.float32) * v_zero_C[None, :], axis=1)[:, None]
-            accs = tuple(acc * alpha_R[:, None] + jax.lax.dot_general(
-                p_RC, v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32) - zsum_R
-                for acc, v in zip(accs, v_parts))
+                w_RC = p_RC.astype(v_parts[0].dtype)
+            else:  # sum_c p_c v_c = ref (w . (code - zero)) with w = p scale / ref; ref = the tile's largest
+                # scale keeps w in [0, 1] (no float16 underflow)
+                ref = jnp.max(v_scale_C)
+                ref = jnp.where(ref > 0, ref, 1.0)
+                w_RC = (p_RC * (v_scale_C / ref)[None, :]).astype(dtype)
+
+            def pv(v_CW):
+                pv_RW = jax.lax.dot_general(w_RC, v_CW, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+                return pv_RW if ref is None else ref * pv_RW
+            accs = tuple(acc * alpha_R[:, None] + pv(v) for acc, v in zip(accs, v_parts))
             return new_max_R, denom_R, accs
 
         carry = (jnp.full((block_m,), _M_INIT, jnp.float32),

@@ -38,10 +38,11 @@ def quantize_cache(cache_PSKH, bits, dtype) -> QuantKV:
     return QuantKV(data.reshape(P, S, K, -1), scale, zero.reshape(P, S, K), bits, jnp.dtype(dtype).name)
 
 
-def _quant_case(name, bits, seed=0):
+def _quant_case(name, bits, seed=0, v_gain=1.0):
     q_lens, kv_lens, n, k, h, s, dtype, pad_t = CASES[name]
     case = make_case(np.random.default_rng(seed), q_lens, kv_lens, num_q_heads=n, num_kv_heads=k,
                      head_dim=h, block_size=s, pad_tokens=pad_t)
+    case.v_cache_PSKH = case.v_cache_PSKH * v_gain
     kc, vc = (quantize_cache(c, bits, dtype) for c in (case.k_cache_PSKH, case.v_cache_PSKH))
     assert bool(jnp.isnan(kc.scale_PSK).any())  # the poison survived quantization
     rest = [jnp.asarray(a) for a in (case.kv_lens_B, case.block_tables_BM, case.cu_q_lens_B1)]
@@ -68,6 +69,15 @@ def test_kernel_reads_the_quantized_cache(name, bits):
     case, args, kw, dtype = _quant_case(name, bits)
     out = jax.jit(functools.partial(rpa.ragged_paged_attention, impl="kernel", interpret=INTERPRET, **kw))(*args)
     assert out.dtype == jnp.dtype(dtype) and out.shape == case.q_TNH.shape
+    _check(out, args, case, dtype, **kw)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_kernel_keeps_tiny_values_scales(bits):
+    """V of magnitude 1e-4 (scales ~1e-6): the float16 dot weights p * scale would underflow unless
+    normalized by the tile's largest scale."""
+    case, args, kw, dtype = _quant_case("decode_g8_h128_s64_bf16_padded", bits, v_gain=1e-4)
+    out = jax.jit(functools.partial(rpa.ragged_paged_attention, impl="kernel", interpret=INTERPRET, **kw))(*args)
     _check(out, args, case, dtype, **kw)
 
 
