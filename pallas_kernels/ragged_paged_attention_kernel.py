@@ -6,6 +6,7 @@ head-of-group) pairs, so GQA groups share one K/V stream; grid = (q tiles, kv he
 from __future__ import annotations
 
 import functools
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -190,8 +191,9 @@ def _attention_kernel(
             # Masked-off keys are never read: unwritten slots may hold NaN.
             k_parts, k_scale_C = load_kv_tile(k_refs, slot_C, kv_head, key_valid_C, **tile_kw)
             v_parts, v_scale_C = load_kv_tile(v_refs, slot_C, kv_head, key_valid_C, **tile_kw)
-            s_RC = sum(jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-                       for q, k in zip(q_parts, k_parts))
+            s_RC = functools.reduce(operator.add, (  # one part, or int4's two (no "0 +" on the float path)
+                jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+                for q, k in zip(q_parts, k_parts)))
             if bits is not None:  # q . k = scale * (q . (code - zero))
                 s_RC = s_RC * k_scale_C[None, :]
             s_RC = s_RC * scale_log2

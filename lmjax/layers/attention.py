@@ -165,7 +165,7 @@ def paged_attention(q_TNH, k_cache_PSKH, v_cache_PSKH, meta: AttentionMetadata, 
     quantized = isinstance(k_cache_PSKH, QuantKV)
 
     def attend(q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, block_tables_BM, cu_q_lens_B1):
-        if quantized:  # the reference or the XLA tiled op, both dequantizing (see lmjax.layers.quant)
+        if quantized:  # int4 queries rotated like the stored K, then the same op (see lmjax.layers.quant)
             return paged_attention_quant(q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, block_tables_BM,
                                          cu_q_lens_B1, sm_scale=sm_scale, sliding_window=sliding_window, impl=impl)
         return ragged_paged_attention(q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, block_tables_BM,

@@ -235,7 +235,8 @@ def set_slot(parent: nnx.Module, key, module: nnx.Module) -> None:
 # head (layout in pallas_kernels/quant_kv.py): x ~ (code - zero) * scale, scale float16, the zero point
 # an integer code in uint8 (3 bytes of parameters per token per head: the int8 cache then holds 1.91x
 # the tokens of bf16 at head_dim 64 and 1.94x at 128; a float16 zero would make that 1.88x at 64).
-# Quantize on write; attention dequantizes the blocks it reads.
+# Quantize on write; attention reads the codes (the GPU kernel: pallas_kernels/kv_tiles.py) or dequantizes
+# the blocks it reads (the XLA tiled op, the reference).
 #
 # int4 stores K rotated: k @ R with R an orthonormal [H, H] (Hadamard when H is a power of two), and
 # the queries are rotated the same way at attention time, so q . k is unchanged. A few channels of K
