@@ -219,16 +219,16 @@ def test_tensor_parallel_engine_with_quantized_kv(smollm2_gguf, greedy_prompts):
 
 
 def test_llm_kv_cache_dtype_int8_quantizes_the_cache(smollm2_gguf):
-    """vLLM's LLM(kv_cache_dtype=...): lmjax's "int8" / "int4" are quant_policy 8 / 4."""
+    """vLLM's LLM(kv_cache_dtype=...): lmjax's "int8" / "int4" are quant_policy 8 / 4. (Generation over
+    a quantized cache: the engine and pipeline tests above; here only what the argument builds, since a
+    generate call costs ~40 s of CI compiling.)"""
     import lmjax
-    from lmjax.config import SamplingParams
 
-    llm = lmjax.LLM(smollm2_gguf, dtype="float32", kv_cache_dtype="int8", max_model_len=128,
+    llm = lmjax.LLM(smollm2_gguf, dtype="float32", kv_cache_dtype="int4", max_model_len=128,
                     gpu_memory_utilization=0.02, max_num_seqs=4)
-    out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-    assert llm.llm_engine.config.quant_policy == 8
-    assert isinstance(llm.llm_engine.runner.caches[0][0], QuantKV)
-    assert len(out[0].outputs[0].token_ids) == 4
+    assert llm.llm_engine.config.quant_policy == 4
+    k_cache = llm.llm_engine.runner.caches[0][0]
+    assert isinstance(k_cache, QuantKV) and k_cache.bits == 4
 
 
 @pytest.mark.parametrize("bad", ["fp8", "int2"])
