@@ -25,7 +25,7 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kernels_common import HEADS, bench, measure_ceilings, paged_inputs, rel_err  # noqa: E402
 
-from lmjax.layers.quant import quantize_kv  # noqa: E402
+from lmjax.layers.quant import quantize_cache  # noqa: E402
 from pallas_kernels import ragged_paged_attention as rpa  # noqa: E402
 from pallas_kernels.quant_kv import QuantKV  # noqa: E402
 from pallas_kernels.ragged_paged_attention_tiled import ragged_paged_attention_tiled  # noqa: E402
@@ -33,12 +33,7 @@ from pallas_kernels.ragged_paged_attention_tiled import ragged_paged_attention_t
 BLOCK_SIZE = 64  # the engine's default block size
 
 
-@functools.partial(jax.jit, static_argnames=("bits",))
-def quantize_cache(cache_PSKH, bits):
-    P, S, K, H = cache_PSKH.shape
-    data, scale, zero = quantize_kv(cache_PSKH.reshape(P * S, K, H), bits)
-    return QuantKV(data.reshape(P, S, K, -1), scale.reshape(P, S, K), zero.reshape(P, S, K), bits,
-                   cache_PSKH.dtype.name)
+quantize_cache = jax.jit(quantize_cache, static_argnames=("bits", "dtype"))
 
 
 def cache_bytes(batch, ctx, k, h, bits):

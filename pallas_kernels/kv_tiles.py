@@ -49,6 +49,12 @@ def kv_operands(cache) -> list:
             cache.zero_PSK.reshape(P * S, K)]
 
 
+def kernel_reads(cache, head_dim: int) -> bool:
+    """Whether the Triton kernel serves this cache: int4 dots run on half heads, and a Triton dot needs
+    a contraction of >= 16, so int4 needs head_dim >= 32."""
+    return kv_bits(cache) != 4 or head_dim >= 32
+
+
 def num_kv_refs(bits: int | None) -> int:
     return 1 if bits is None else 3
 

@@ -62,8 +62,7 @@ from pallas_kernels.ragged_paged_attention_kernel import (
     _tile_of_program,
     ragged_paged_attention_kernel,
 )
-from pallas_kernels.kv_tiles import kv_bits
-from pallas_kernels.quant_kv import QuantKV
+from pallas_kernels.kv_tiles import kernel_reads
 from pallas_kernels.ragged_paged_prefill_mgpu import PrefillConfig, mgpu_supported, ragged_paged_prefill_mgpu
 from pallas_kernels.ragged_paged_attention_reference import (
     _M_INIT,
@@ -151,11 +150,10 @@ def ragged_paged_attention(
     validate_ragged_paged_attention(
         q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, block_tables_BM, cu_q_lens_B1,
         sm_scale=sm_scale, sliding_window=sliding_window, impl=impl)
-    quantized = isinstance(k_cache_PSKH, QuantKV)
     use_kernel = impl == "kernel" or (impl == "auto" and (interpret or _on_gpu())
-                                      and (kv_bits(k_cache_PSKH) != 4 or q_TNH.shape[2] >= 32))
+                                      and kernel_reads(k_cache_PSKH, q_TNH.shape[2]))
     args = (q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, block_tables_BM, cu_q_lens_B1)
-    if use_kernel and not quantized and use_mgpu_prefill(q_TNH, k_cache_PSKH, kv_lens_B.shape[0], sliding_window,
+    if use_kernel and use_mgpu_prefill(q_TNH, k_cache_PSKH, kv_lens_B.shape[0], sliding_window,
                                        prefill_impl=prefill_impl, interpret=interpret):
         return kernels_merged(*args, sm_scale=float(sm_scale))
     if use_kernel:

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels._pallas_util import FLOAT_DTYPES
+from pallas_kernels.kv_tiles import kernel_reads
 from pallas_kernels._validate import IMPLS as KERNEL_IMPLS
 from pallas_kernels._validate import (
     is_power_of_two,
@@ -85,7 +86,7 @@ def validate_ragged_paged_attention(
             f"head_dim={head_dim} must be a power of two in [16, 256] for the kernel",
         )
         # An int4 cache's dots run on half heads (even / odd channels), and a Triton dot needs 16.
-        require(getattr(k_cache_PSKH, "bits", None) != 4 or head_dim >= 32,
+        require(kernel_reads(k_cache_PSKH, head_dim),
                 f"head_dim={head_dim} must be >= 32 for the kernel over an int4 (quant_policy 4) cache")
 
 

@@ -7,6 +7,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from pallas_kernels._validate import require
+from pallas_kernels.quant_kv import QuantKV
 
 try:  # Mosaic GPU Pallas; absent from some jax builds.
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -32,11 +33,12 @@ class PrefillConfig:
 
 
 def mgpu_supported(q_TNH, k_cache_PSKH, sliding_window) -> bool:
-    """Whether this kernel serves these (static) shapes: else the caller uses the Triton kernel."""
+    """Whether this kernel serves these (static) shapes: else the caller uses the Triton kernel. Float
+    caches only (a quantized `QuantKV` cache: the Triton kernel)."""
     num_tokens, _, head_dim = q_TNH.shape
     block_size = k_cache_PSKH.shape[1]
     # TMA boxes of tiled (8-row) shared memory need the token count to be a multiple of 8.
-    return (plgpu is not None and str(q_TNH.dtype) in MGPU_DTYPES and head_dim % 64 == 0
+    return (plgpu is not None and not isinstance(k_cache_PSKH, QuantKV) and str(q_TNH.dtype) in MGPU_DTYPES and head_dim % 64 == 0
             and block_size % 64 == 0 and num_tokens % 8 == 0 and sliding_window is None)
 
 

@@ -307,6 +307,15 @@ def quantize_kv(x_TKH: jax.Array, bits: int) -> tuple[jax.Array, jax.Array, jax.
     return q, scale, zero.astype(ZERO_DTYPE)
 
 
+def quantize_cache(cache_PSKH: jax.Array, bits: int, dtype=None) -> QuantKV:
+    """A whole float cache [P, S, K, H] quantized per token and head (benchmarks and tests; the engine
+    quantizes on write), standing in for `dtype` (default: the cache's)."""
+    P, S, K, H = cache_PSKH.shape
+    data, scale, zero = quantize_kv(cache_PSKH.reshape(P * S, K, H), bits)
+    return QuantKV(data.reshape(P, S, K, -1), scale.reshape(P, S, K), zero.reshape(P, S, K), bits,
+                   jnp.dtype(dtype or cache_PSKH.dtype).name)
+
+
 def make_quant_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                          quant_policy: int, dtype=jnp.float32, mesh=None) -> list[tuple[QuantKV, QuantKV]]:
     """Zeroed per-layer (k, v) quantized caches standing in for float caches of `dtype`; under a mesh

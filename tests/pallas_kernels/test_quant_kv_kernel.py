@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lmjax.layers.quant import quantize_kv
+from lmjax.layers.quant import quantize_cache
 from pallas_kernels import ragged_paged_attention as rpa
 from pallas_kernels.quant_kv import QuantKV
 from rpa_cases import make_case, rel_err
@@ -29,13 +29,12 @@ CASES = {
 }
 
 
-def quantize_cache(cache_PSKH, bits, dtype) -> QuantKV:
+def poisoned_quant_cache(cache_PSKH, bits, dtype) -> QuantKV:
     """The whole cache quantized per token and head; a NaN slot (unowned) gets a NaN scale."""
-    P, S, K, H = cache_PSKH.shape
     owned_PSK = np.isfinite(cache_PSKH).all(axis=-1)
-    data, scale, zero = quantize_kv(jnp.asarray(np.nan_to_num(cache_PSKH), jnp.float32).reshape(P * S, K, H), bits)
-    scale = jnp.where(owned_PSK, scale.reshape(P, S, K), jnp.nan)
-    return QuantKV(data.reshape(P, S, K, -1), scale, zero.reshape(P, S, K), bits, jnp.dtype(dtype).name)
+    cache = quantize_cache(jnp.asarray(np.nan_to_num(cache_PSKH), jnp.float32), bits, dtype)
+    return QuantKV(cache.data_PSKW, jnp.where(owned_PSK, cache.scale_PSK, jnp.nan), cache.zero_PSK, bits,
+                   cache.compute_dtype)
 
 
 def _quant_case(name, bits, seed=0, v_gain=1.0):
@@ -43,7 +42,7 @@ def _quant_case(name, bits, seed=0, v_gain=1.0):
     case = make_case(np.random.default_rng(seed), q_lens, kv_lens, num_q_heads=n, num_kv_heads=k,
                      head_dim=h, block_size=s, pad_tokens=pad_t)
     case.v_cache_PSKH = case.v_cache_PSKH * v_gain
-    kc, vc = (quantize_cache(c, bits, dtype) for c in (case.k_cache_PSKH, case.v_cache_PSKH))
+    kc, vc = (poisoned_quant_cache(c, bits, dtype) for c in (case.k_cache_PSKH, case.v_cache_PSKH))
     assert bool(jnp.isnan(kc.scale_PSK).any())  # the poison survived quantization
     rest = [jnp.asarray(a) for a in (case.kv_lens_B, case.block_tables_BM, case.cu_q_lens_B1)]
     return case, (jnp.asarray(case.q_TNH, dtype), kc, vc, *rest), dict(sm_scale=1.0 / np.sqrt(h)), dtype
@@ -106,3 +105,22 @@ def test_kernel_rejects_an_int4_cache_with_a_narrow_head():
     narrow = [QuantKV(c.data_PSKW[..., :8], c.scale_PSK, c.zero_PSK, 4, c.compute_dtype) for c in (kc, vc)]
     with pytest.raises(ValueError, match="head_dim=16 must be >= 32"):
         rpa.ragged_paged_attention_kernel(q[..., :16], *narrow, *rest, interpret=True, **kw)
+
+
+def test_auto_takes_the_tiled_op_for_an_int4_cache_with_a_narrow_head():
+    """What the kernel cannot read, "auto" sends to the tiled op instead of raising."""
+    _, args, kw, _ = _quant_case("prefill_g2_h32_s32", 4)
+    q, kc, vc, *rest = args
+    narrow = [QuantKV(c.data_PSKW[..., :8], c.scale_PSK, c.zero_PSK, 4, c.compute_dtype) for c in (kc, vc)]
+    auto = rpa.ragged_paged_attention(q[..., :16], *narrow, *rest, impl="auto", interpret=True, **kw)
+    tiled = rpa.ragged_paged_attention(q[..., :16], *narrow, *rest, impl="tiled", **kw)
+    np.testing.assert_array_equal(np.asarray(auto), np.asarray(tiled))
+
+
+def test_the_mosaic_prefill_kernel_takes_float_caches_only():
+    from pallas_kernels.ragged_paged_prefill_tiles import mgpu_supported
+
+    q = jnp.zeros((512, 8, 64), jnp.bfloat16)
+    cache = jnp.zeros((4, 64, 2, 64), jnp.bfloat16)
+    assert mgpu_supported(q, cache, None)
+    assert not mgpu_supported(q, quantize_cache(cache, 8), None)
