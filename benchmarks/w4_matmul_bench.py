@@ -1,7 +1,7 @@
 """w4 matmul kernel on the GPU: correctness on Llama-3-8B shapes, then timing of its two paths (gemv
 for T <= 4, dot) vs the jnp dequant path and a bf16 matmul of the same shape.
 
-Run on the GPU machine:  python benchmarks/w4_matmul_bench.py [--sweep] [--sweep-dot] [--tokens 1 16]
+Run on the GPU machine:  python benchmarks/w4_matmul_bench.py [--sweep] [--sweep-prefetch] [--sweep-dot] [--tokens 1 16]
 On CPU:                  python benchmarks/w4_matmul_bench.py --smoke   (interpret mode, tiny shapes)
 
 check   each path (gemv where T <= 4, dot) vs x @ dequantize_w4 in float32, bf16, every shape and T;
@@ -10,9 +10,10 @@ time    per shape and T: gemv and dot paths, jnp (x @ dequantize_w4(...)), bf16 
         the packed weight + scale + offset bytes; "vs bf16" = bf16 time / best kernel path time.
         The last rows sum one 8B decoder layer (q, k, v, o, gate, up, down).
 sweep   (--sweep) the gemv path at T = 1 for every shape, coordinate descent: block_o x rows x
-        num_warps (auto splits), then num_splits x num_stages around the best, then unpack; best
-        configs per shape next to the heuristic's. (--sweep-dot) the dot path: block_o x num_splits
-        x num_warps.
+        num_warps (auto splits), then num_splits x num_stages x prefetch around the best (and the
+        tiles again under the best if it prefetches), then unpack; best
+        configs per shape next to the heuristic's. (--sweep-prefetch) a shorter one: tiles x splits x
+        prefetch near the heuristic's config. (--sweep-dot) the dot path: block_o x num_splits x num_warps.
 """
 from __future__ import annotations
 
@@ -172,15 +173,43 @@ def sweep_gemv(shapes, interpret):
         best = min((r for r in results if r[0] is not None), key=lambda r: r[0])[1]
         base = {k: best[k] for k in ("block_o", "rows", "num_warps")}
         iters = -(-(I // 2) // base["rows"])
-        for splits, stages in itertools.product((1, 2, 4, 8, 16, 32, 64), (1, 2, 3, 4)):
-            if splits <= iters:
-                cfg = dict(base, num_splits=splits, num_stages=stages)
+        for splits, stages, prefetch in itertools.product((1, 2, 4, 8, 16, 32, 64), (1, 3), (False, True)):
+            if splits <= iters and not (prefetch and splits == iters):  # prefetch needs >= 2 tiles a split
+                cfg = dict(base, num_splits=splits, num_stages=stages, prefetch=prefetch)
                 results.append((_try(interpret, x, quant, cfg, "gemv", label), cfg))
+        best = min((r for r in results if r[0] is not None), key=lambda r: r[0])[1]
+        if best.get("prefetch"):  # tiles re-swept for prefetch's best splits: it may favour other shapes
+            loop = {k: best[k] for k in ("num_splits", "num_stages", "prefetch")}
+            results += [(_try(interpret, x, quant, dict(cfg, **loop), "gemv", label), dict(cfg, **loop))
+                        for cfg in _gemv_stage1(I, O)]
         best = _report(I, O, auto, results)[0][1]
         cfg = dict({k: v for k, v in best.items() if k != "auto"}, unpack="convert")  # the exponent trick's worth
         sec = _try(interpret, x, quant, cfg, "gemv", label)
         if sec is not None:
             print(f"    {sec * 1e6:8.1f} us  {wm.packed_bytes(I, O, GROUP) / sec / 1e9:6.0f} GB/s  {cfg}")
+
+
+def sweep_prefetch(shapes, interpret):
+    """Loads in flight across loop iterations: tiles near the heuristic's x splits (so tiles a split)
+    x prefetch, the heuristic's warps and stages; every result printed as it comes."""
+    for I, O in shapes:
+        _, *quant = make_weights(I, O)
+        x = make_x(1, I)
+        auto = wm._choose_gemv_config(I // 2, O, GROUP // 2, on_gpu=not interpret)
+        results = [(_try(interpret, x, quant, None, "gemv", "auto"), {"auto": True})]
+        for block_o, rows, splits, prefetch in itertools.product(
+                sorted({auto["block_o"], 256, 512}), (GROUP // 2, GROUP), (2, 4, 8, 16, 32), (False, True)):
+            iters = -(-(I // 2) // rows)
+            if block_o > max(128, O) or splits > iters or (prefetch and splits == iters):
+                continue
+            cfg = dict(block_o=block_o, rows=rows, num_splits=splits, num_warps=auto["num_warps"],
+                       prefetch=prefetch)
+            sec = _try(interpret, x, quant, cfg, "gemv", f"gemv I={I} O={O}")
+            results.append((sec, cfg))
+            if sec is not None:
+                print(f"  I={I} O={O} {sec * 1e6:7.1f} us {wm.packed_bytes(I, O, GROUP) / sec / 1e9:6.0f} GB/s {cfg}",
+                      flush=True)
+        _report(I, O, {k: auto[k] for k in wm.GEMV_TUNABLES}, results)
 
 
 def sweep_dot(shapes, interpret):
@@ -202,6 +231,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true", help="CPU: interpret mode, tiny shapes")
     ap.add_argument("--sweep", action="store_true", help="the gemv path's tunables, T = 1")
+    ap.add_argument("--sweep-prefetch", action="store_true", help="the gemv path's splits x prefetch, T = 1")
     ap.add_argument("--sweep-dot", action="store_true", help="the dot path's tunables, T = 1")
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16])
     args = ap.parse_args()
@@ -212,6 +242,8 @@ def main():
     time_shapes(shapes, args.tokens, interpret)
     if args.sweep:
         sweep_gemv(shapes, interpret)
+    if args.sweep_prefetch:
+        sweep_prefetch(shapes, interpret)
     if args.sweep_dot:
         sweep_dot(shapes, interpret)
     print(f"# timer calls: {_TIMER}")

@@ -34,7 +34,7 @@ from pallas_kernels._pallas_util import (
     _triton_compiler_params,
 )
 
-GEMV_TUNABLES = ("block_o", "rows", "num_splits", "num_warps", "num_stages", "unpack")
+GEMV_TUNABLES = ("block_o", "rows", "num_splits", "num_warps", "num_stages", "unpack", "prefetch")
 UNPACKS = ("magic", "convert")
 GEMV_MAX_T = 4  # the most tokens the gemv path takes (forced); "auto" uses it for T = 1 only
 MAGIC_BITS = 0x4B000000  # float32 2**23: OR-ing q < 2**23 into its mantissa gives the float 2**23 + q
@@ -42,7 +42,7 @@ MAGIC = 8388608.0
 
 
 def _choose_gemv_config(J, O, half_group, on_gpu, block_o=None, rows=None, num_splits=None, num_warps=4,
-                        num_stages=3, unpack="magic"):
+                        num_stages=3, unpack="magic", prefetch=False):
     """Tiles of `rows` packed rows x block_o bytes. Aim for >= 2 programs per SM (a decode-sized weight
     is a few microseconds of reading: an idle SM is lost bandwidth), with at most J/256 splits (their
     float32 partials, written and read back, stay under ~3% of the packed bytes). block_o starts at
@@ -78,7 +78,7 @@ def _choose_gemv_config(J, O, half_group, on_gpu, block_o=None, rows=None, num_s
     chunk = min(rows, half_group)
     return dict(block_o=block_o, o_blocks=o_blocks, rows=rows, chunk=chunk, unroll=rows // chunk,
                 iters_per_split=per_split, num_splits=-(-iters // per_split), iters=iters,
-                num_warps=num_warps, num_stages=num_stages, unpack=unpack)
+                num_warps=num_warps, num_stages=num_stages, unpack=unpack, prefetch=prefetch)
 
 
 def _unpack(p_CB, unpack):
@@ -99,9 +99,11 @@ def _gemv_kernel(x_TI_ref,        # [T, I] x's dtype: even / odd columns read by
                  offset_gO_ref,   # [g, O]
                  out_XTO_ref,     # [X, T, O] float32 partials (x's dtype when X = 1)
                  *, T, chunk, unroll, chunks_per_group, iters_per_split, block_o, mask_rows, mask_cols,
-                 unpack):
+                 unpack, prefetch):
     """One (output block, split): `iters_per_split` tiles of unroll x [chunk, block_o] bytes; each
-    chunk is reduced over its rows, scaled by its group's scale and accumulated per token."""
+    chunk is reduced over its rows, scaled by its group's scale and accumulated per token.
+    prefetch: tile i + 1's loads are issued before tile i's arithmetic (carried in registers through
+    the loop), so a program's bytes stream while it computes instead of in turns with it."""
     ob, split = pl.program_id(0), pl.program_id(1)
     J, O = packed_JO_ref.shape
     groups = scale_gO_ref.shape[0]
@@ -137,15 +139,26 @@ def _gemv_kernel(x_TI_ref,        # [T, I] x's dtype: even / odd columns read by
             out.append(acc_B + part_B * scale_B + jnp.sum(xe_C + xo_C) * offset_B)
         return tuple(out)
 
-    def body(i, acc_T):
+    def load_tile(i):
         c0 = (split * iters_per_split + i) * unroll
-        tiles = [load_chunk(c0 + u) for u in range(unroll)]  # every load issued before any use
+        return [load_chunk(c0 + u) for u in range(unroll)]  # every load issued before any use
+
+    def add_tile(acc_T, tiles):
         for tile in tiles:
             acc_T = add_chunk(acc_T, tile)
         return acc_T
 
-    acc_T = jax.lax.fori_loop(0, iters_per_split, body,
-                              tuple(jnp.zeros((block_o,), jnp.float32) for _ in range(T)))
+    acc_T = tuple(jnp.zeros((block_o,), jnp.float32) for _ in range(T))
+    if prefetch:
+        def body(i, carry):
+            acc_T, tiles = carry
+            next_tiles = load_tile(i + 1)  # in flight while this tile's arithmetic runs
+            return add_tile(acc_T, tiles), next_tiles
+
+        acc_T, last = jax.lax.fori_loop(0, iters_per_split - 1, body, (acc_T, load_tile(0)))
+        acc_T = add_tile(acc_T, last)
+    else:
+        acc_T = jax.lax.fori_loop(0, iters_per_split, lambda i, acc_T: add_tile(acc_T, load_tile(i)), acc_T)
     # Masked-off stores get an out-of-bounds index: interpret mode drops their scatter instead of
     # racing a real element with it (as in ragged_paged_attention_kernel.py); the GPU only sees the mask.
     o_B = jnp.where(col_ok_B, o_B, O) if mask_cols else o_B
@@ -166,7 +179,7 @@ def _gemv_impl(x_TI, packed_JO, scale_gO, offset_gO, *, group_size, interpret, c
         block_o=cfg["block_o"],
         # rows past J exist only for a short last tile or a split tail: mask (and clamp) only then
         mask_rows=J % cfg["rows"] != 0 or cfg["iters"] % cfg["iters_per_split"] != 0,
-        mask_cols=O % cfg["block_o"] != 0, unpack=cfg["unpack"])
+        mask_cols=O % cfg["block_o"] != 0, unpack=cfg["unpack"], prefetch=cfg["prefetch"])
     splits = cfg["num_splits"]
     out_XTO = pl.pallas_call(
         kernel,

@@ -108,6 +108,8 @@ def _validate_config(config, path):
         require(key in tunables, f"config key {key!r} must be one of {tunables} (path {path!r})")
         if key == "unpack":
             require(value in UNPACKS, f"config['unpack']={value!r} must be one of {UNPACKS}")
+        elif key == "prefetch":
+            require(isinstance(value, bool), f"config['prefetch']={value!r} must be a bool")
         else:
             require(isinstance(value, int) and value > 0, f"config[{key!r}]={value!r} must be a positive int")
     config = config or {}

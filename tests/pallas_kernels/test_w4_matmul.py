@@ -55,6 +55,9 @@ GEMV_CASES = [
     (1, 576, 200, 64, "bfloat16", {"rows": 128, "num_splits": 2}, "auto"),
     (3, 1024, 256, 128, "float32", {"unpack": "convert", "num_splits": 2, "num_warps": 8}, "gemv"),
     (4, 1024, 96, 128, "bfloat16", {"block_o": 32, "rows": 256}, "gemv"),
+    # prefetch: several tiles a split with a short last group and a masked split tail; one tile a split
+    (2, 1088, 200, 128, "float32", {"block_o": 64, "rows": 32, "num_splits": 3, "prefetch": True}, "gemv"),
+    (1, 576, 256, 64, "bfloat16", {"rows": 64, "num_splits": 9, "prefetch": True}, "gemv"),
 ]
 
 
@@ -137,6 +140,7 @@ def test_validation_names_the_bad_value(bad, match):
     ({"unpack": "lut"}, "gemv", r"config\['unpack'\]='lut'"),
     ({"rows": 64}, "dot", r"config key 'rows' must be one of .* \(path 'dot'\)"),
     ({"num_warps": 0}, "gemv", r"config\['num_warps'\]=0"),
+    ({"prefetch": 1}, "gemv", r"config\['prefetch'\]=1 must be a bool"),
 ])
 def test_kernel_config_is_validated(config, path, match):
     args = _inputs(3, 1, 256, 64, 128, "float32")
