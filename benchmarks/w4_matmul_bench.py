@@ -6,7 +6,7 @@ On CPU:                  python benchmarks/w4_matmul_bench.py --smoke   (interpr
 
 check   each path (gemv where T <= 4, dot) vs x @ dequantize_w4 in float32, bf16, every shape and T;
         the reference's error alongside.
-time    per shape and T: gemv and dot paths, jnp (x @ dequantize_w4(...)), bf16 x @ w; GB/s counts
+time    per shape and T: gemv and dot paths, the dot path with int->float converts (dot-cvt), jnp (x @ dequantize_w4(...)), bf16 x @ w; GB/s counts
         the packed weight + scale + offset bytes; "vs bf16" = bf16 time / best kernel path time.
         The last rows sum one 8B decoder layer (q, k, v, o, gate, up, down).
 sweep   (--sweep) the gemv path at T = 1 for every shape, coordinate descent: block_o x rows x
@@ -105,15 +105,17 @@ def timer(interpret):
 
 def time_shapes(shapes, tokens, interpret):
     t = timer(interpret)
-    print(f"\n{'I':>6} {'O':>6} {'T':>3} {'gemv us':>8} {'GB/s':>6} {'dot us':>8} {'GB/s':>6} {'jnp us':>8} "
-          f"{'bf16 us':>8} {'vs bf16':>8} {'gemv/dot':>9}")
-    names = ("gemv", "dot", "jnp", "bf16")
+    print(f"\n{'I':>6} {'O':>6} {'T':>3} {'gemv us':>8} {'GB/s':>6} {'dot us':>8} {'GB/s':>6} {'dot-cvt':>8} "
+          f"{'jnp us':>8} {'bf16 us':>8} {'vs bf16':>8} {'gemv/dot':>9}")
+    names = ("gemv", "dot", "dot-cvt", "jnp", "bf16")
     layer = {T: dict.fromkeys(names, 0.0) for T in tokens}
     for (I, O), count in shapes.items():
         w_IO, *quant = make_weights(I, O)
         for T in tokens:
             x = make_x(T, I)
             sec = {path: t(kernel_fn(interpret, path=path), x, *quant) for path in paths_for(T)}
+            # the dot path before its exponent trick (int->float converts), as the same-run baseline
+            sec["dot-cvt"] = t(kernel_fn(interpret, {"unpack": "convert"}, "dot"), x, *quant)
             sec["jnp"] = t(jnp_dequant_matmul, x, *quant)
             sec["bf16"] = t(bf16_matmul, x, w_IO)
             best = min(sec[p] for p in paths_for(T))
@@ -124,7 +126,8 @@ def time_shapes(shapes, tokens, interpret):
                 else:
                     cells.append(f"{'-':>8} {'-':>6}")
             ratio = f"{sec['dot'] / sec['gemv']:8.2f}x" if "gemv" in sec else f"{'-':>9}"
-            print(f"{I:6d} {O:6d} {T:3d} {' '.join(cells)} {sec['jnp'] * 1e6:8.1f} {sec['bf16'] * 1e6:8.1f} "
+            print(f"{I:6d} {O:6d} {T:3d} {' '.join(cells)} {sec['dot-cvt'] * 1e6:8.1f} {sec['jnp'] * 1e6:8.1f} "
+                  f"{sec['bf16'] * 1e6:8.1f} "
                   f"{sec['bf16'] / best:7.2f}x {ratio}")
             for name in names:
                 layer[T][name] += count * sec.get(name, float("nan"))
@@ -132,7 +135,7 @@ def time_shapes(shapes, tokens, interpret):
         paths = {p: sec[p] for p in paths_for(T)}
         kernels = ", ".join(f"{p} {v * 1e6:.0f} us ({sec['bf16'] / v:.2f}x faster than bf16)"
                             for p, v in paths.items())
-        print(f"one decoder layer, T={T}: {kernels}; jnp {sec['jnp'] * 1e6:.0f} us, "
+        print(f"one decoder layer, T={T}: {kernels}; dot-cvt {sec['dot-cvt'] * 1e6:.0f} us, jnp {sec['jnp'] * 1e6:.0f} us, "
               f"bf16 {sec['bf16'] * 1e6:.0f} us")
 
 

@@ -17,7 +17,13 @@ Two paths, picked statically by T (`path=` forces one):
   gemv (T = 1 by default, up to GEMV_MAX_T when forced; decode): no dot, the packed bytes streamed
     in wide row-major tiles and unpacked in registers: pallas_kernels/w4_gemv.py.
   dot (larger T): T padded to 16 rows (Triton's dot minimum), two dots per group
-    [P, G/2] x [G/2, block_o]; only the T real rows are stored.
+    [P, G/2] x [G/2, block_o]; only the T real rows are stored. For bf16 / f16 x the weight operands
+    are M + q (the nibble OR-ed into the mantissa of M = 128 / 1024: exact, no int->float convert,
+    which the SM issues at a quarter rate), and per group
+      part = x_g @ (M + q_g) = x_g @ q_g + M * sum(x_g)
+      acc += part * scale[g] + sum(x_g) * (offset[g] - M * scale[g])
+    (float32 sums: the M * sum(x_g) term costs ~5 of their 24 bits). float32 x converts (2**23 + q
+    would cancel every bit).
 
 Shape letters: T tokens, I input dim, J = I/2 packed rows, O output dim, G group size, g groups,
 H = G/2 packed rows per group, B output block, X splits, P padded tokens, C packed rows per chunk
@@ -66,12 +72,16 @@ from pallas_kernels.w4_gemv import (
 __all__ = [  # this module's ops and, re-exported, the gemv path's names and the helpers it imported
     "w4_matmul", "w4_matmul_kernel", "w4_matmul_reference", "validate_w4_matmul", "kernel_supports",
     "choose_path", "packed_bytes", "IMPLS", "FLOAT_DTYPES", "PATHS", "TUNABLES", "GEMV_TUNABLES", "UNPACKS",
-    "MIN_ROWS", "GEMV_MAX_T", "MAGIC_BITS", "MAGIC", "_choose_gemv_config", "_unpack", "_gemv_kernel",
+    "MIN_ROWS", "DOT_MAGIC", "GEMV_MAX_T", "MAGIC_BITS", "MAGIC", "_choose_gemv_config", "_unpack", "_gemv_kernel",
     "_gemv_impl", "_div", "_masked_load", "_masked_store", "_num_sms", "_on_gpu", "_triton_compiler_params",
 ]
 
 PATHS = ("auto", "gemv", "dot")
-TUNABLES = ("block_o", "num_splits", "num_warps", "num_stages")  # the dot path's
+TUNABLES = ("block_o", "num_splits", "num_warps", "num_stages", "unpack")  # the dot path's
+# The dot path's exponent trick, per 16-bit dtype: the nibble q OR-ed into the mantissa of M gives the
+# float M + q exactly, with no int->float convert; the dot takes M + q as it is and the epilogue
+# subtracts M * sum(x_g) (see _w4_kernel).
+DOT_MAGIC = {"bfloat16": (0x4300, 128.0), "float16": (0x6400, 1024.0)}
 MIN_ROWS = 16  # Triton's dot needs every dim >= 16
 
 
@@ -160,7 +170,8 @@ def w4_matmul_reference(x_TI, packed_JO, scale_gO, offset_gO, group_size: int):
 # --------------------------------------------------------------------------
 # Kernel, dot path (larger T)
 # --------------------------------------------------------------------------
-def _choose_config(T, J, O, groups, on_gpu, block_o=None, num_splits=None, num_warps=4, num_stages=3):
+def _choose_config(T, J, O, groups, on_gpu, block_o=None, num_splits=None, num_warps=4, num_stages=3,
+                   unpack="magic"):
     """Output block and K splits: aim for >= 2 programs per SM (decode leaves one wave otherwise
     idle), never a split without groups."""
     block_o = block_o or (128 if O >= 2048 else 64)
@@ -170,11 +181,11 @@ def _choose_config(T, J, O, groups, on_gpu, block_o=None, num_splits=None, num_w
         num_splits = max(1, -(-target // o_blocks))
     per_split = -(-groups // min(num_splits, groups))
     return dict(block_o=block_o, o_blocks=o_blocks, per_split=per_split,
-                num_splits=-(-groups // per_split), num_warps=num_warps, num_stages=num_stages)
+                num_splits=-(-groups // per_split), num_warps=num_warps, num_stages=num_stages, unpack=unpack)
 
 
 def _w4_kernel(x_even_PJ_ref, x_odd_PJ_ref, xsum_gP_ref, packed_JO_ref, scale_gO_ref, offset_gO_ref,
-               out_XTO_ref, *, T, half_group, block_o, per_split, mask_rows, mask_cols, precision):
+               out_XTO_ref, *, T, half_group, block_o, per_split, mask_rows, mask_cols, precision, magic):
     """One (output block, split): accumulate its groups' contributions in float32, store the T rows."""
     ob, split = pl.program_id(0), pl.program_id(1)
     P, J = x_even_PJ_ref.shape
@@ -200,13 +211,20 @@ def _w4_kernel(x_even_PJ_ref, x_odd_PJ_ref, xsum_gP_ref, packed_JO_ref, scale_gO
         p_HB = load(packed_JO_ref, (j_H[:, None], o_B[None, :]), mask_HB, mask_rows or mask_cols, 0)
         xe_PH = load(x_even_PJ_ref, (p_P[:, None], j_H[None, :]), row_ok_H[None, :], mask_rows, 0.0)
         xo_PH = load(x_odd_PJ_ref, (p_P[:, None], j_H[None, :]), row_ok_H[None, :], mask_rows, 0.0)
-        low_HB = (p_HB & 0xF).astype(dtype)
-        high_HB = (p_HB >> 4).astype(dtype)
+        if magic:  # M + q (see the module docstring)
+            w_HB = p_HB.astype(jnp.uint16)
+            low_HB = jax.lax.bitcast_convert_type((w_HB & 0xF) | magic[0], dtype)
+            high_HB = jax.lax.bitcast_convert_type((w_HB >> 4) | magic[0], dtype)
+        else:
+            low_HB = (p_HB & 0xF).astype(dtype)
+            high_HB = (p_HB >> 4).astype(dtype)
         dot = functools.partial(jax.lax.dot_general, dimension_numbers=(((1,), (0,)), ((), ())),
                                 preferred_element_type=jnp.float32, precision=precision)
         part_PB = dot(xe_PH, low_HB) + dot(xo_PH, high_HB)
         scale_B = load(scale_gO_ref, (g, o_B), col_ok_B, mask_cols, 0.0).astype(jnp.float32)
         offset_B = load(offset_gO_ref, (g, o_B), col_ok_B, mask_cols, 0.0).astype(jnp.float32)
+        if magic:
+            offset_B = offset_B - magic[1] * scale_B
         xsum_P = xsum_gP_ref[g, p_P]
         return acc_PB + part_PB * scale_B[None, :] + xsum_P[:, None] * offset_B[None, :]
 
@@ -234,7 +252,8 @@ def _dot_impl(x_TI, packed_JO, scale_gO, offset_gO, *, group_size, interpret, co
         _w4_kernel, T=T, half_group=group_size // 2, block_o=cfg["block_o"], per_split=cfg["per_split"],
         mask_rows=I % group_size != 0, mask_cols=O % cfg["block_o"] != 0,
         # float32 inputs get full-precision dots (Triton's default would be tf32)
-        precision=jax.lax.Precision.HIGHEST if f32 else None)
+        precision=jax.lax.Precision.HIGHEST if f32 else None,
+        magic=DOT_MAGIC.get(jnp.dtype(x_TI.dtype).name) if cfg["unpack"] == "magic" else None)
     partial_XTO = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((cfg["num_splits"], T, O), jnp.float32),

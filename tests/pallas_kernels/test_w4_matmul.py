@@ -11,7 +11,7 @@ from pallas_kernels import w4_matmul as wm
 
 ON_GPU = jax.default_backend() == "gpu"
 INTERPRET = not ON_GPU
-TOL = {"float32": 1e-5, "bfloat16": 1e-2}
+TOL = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 2e-3}
 # QuantLinear's jnp path on a GPU: XLA's float32 dots may run as tf32 (issue 4's GPU tolerance)
 LAYER_TOL_F32 = 5e-4 if ON_GPU else 1e-5
 
@@ -45,6 +45,9 @@ CASES = [  # T, I, O, group_size, dtype, config, path
     (33, 576, 200, 64, "float32", {"block_o": 128, "num_splits": 3}, "auto"),
     (1, 1024, 200, 128, "bfloat16", {"num_splits": 3}, "dot"),
     (16, 576, 512, 128, "bfloat16", {"block_o": 64, "num_splits": 5}, "auto"),
+    # the dot path's unpack: 16-bit x takes M + q (bf16 above, float16 here), "convert" the int->float path
+    (5, 576, 200, 64, "float16", None, "dot"),
+    (2, 576, 200, 128, "bfloat16", {"unpack": "convert"}, "dot"),
 ]
 # The gemv path: chunks smaller than a group (rows < G/2), tiles of several groups (rows > G/2) with a
 # masked split tail, the int->float convert variant, one split (stores x's dtype) and several.
