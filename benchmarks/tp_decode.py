@@ -5,6 +5,7 @@ Run on a machine with >= 2 GPUs (e.g. 2 x H200):
     python benchmarks/tp_decode.py                       # llama-3-8b shape, random bf16 weights, tp 1 and 2
     python benchmarks/tp_decode.py --shape tiny --tp 1 2 # quick check (on CPU: XLA_FLAGS=--xla_force_host_platform_device_count=2)
     python benchmarks/tp_decode.py --checkpoint DIR      # a checkpoint (e.g. written by benchmarks/random_model.py)
+    python benchmarks/tp_decode.py --tp 1 --quant w4     # int4 weights (RTN of the random ones, g128)
 
 What is timed: the engine's own jitted step (`ModelRunner._step`: forward over the padded decode batch,
 lm_head on the last rows, greedy sampling, KV cache donated), batch 1 at a context of `--context`
@@ -39,6 +40,7 @@ from lmjax.config import SamplingParams  # noqa: E402
 from lmjax.engine.decode_loop import DecodeInputs  # noqa: E402
 from lmjax.engine.model_runner import ModelRunner, StepInputs, bucket, decode_batch_floor  # noqa: E402
 from lmjax.layers.attention import AttentionMetadata  # noqa: E402
+from lmjax.layers.quant import QuantSpec, quantize_model  # noqa: E402
 from lmjax.layers.sampler import SamplingRow, build_sampling_metadata  # noqa: E402
 from lmjax.loader.model_loader import load_model  # noqa: E402
 from lmjax.models.llama import LlamaForCausalLM  # noqa: E402
@@ -135,6 +137,8 @@ def bench(args, tp: int) -> dict:
         model, cfg = loaded.model, loaded.config
     else:
         model, cfg = random_model(args.shape, dtype, tp)
+    if args.quant:  # round to nearest on the device: the bytes a step reads are those of any w4 / w8 conversion
+        quantize_model(model, QuantSpec(args.quant))
     jax.block_until_ready(nnx.state(model))
     load_s = time.perf_counter() - t0
     inputs, num_blocks = decode_inputs(args.context, args.block_size, cfg.vocab_size, model)
@@ -160,7 +164,7 @@ def bench(args, tp: int) -> dict:
     runner.caches = caches
     per_device = parallel.per_device_bytes(runner.state)
     ms = sorted(t * 1e3 for t in times)
-    return {"tp": tp, "shape": args.checkpoint or args.shape, "dtype": args.dtype, "batch": 1,
+    return {"tp": tp, "shape": args.checkpoint or args.shape, "dtype": args.dtype, "quant": args.quant, "batch": 1,
             "context": args.context, "step_ms_median": round(statistics.median(ms), 3),
             "step_ms_p10": round(ms[len(ms) // 10], 3), "step_ms_p90": round(ms[(9 * len(ms)) // 10], 3),
             "multi_step_ms_per_step": round(multi_ms, 3), "steps_per_call": args.steps, "greedy_tokens": tokens,
@@ -176,6 +180,7 @@ def main() -> None:
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
     parser.add_argument("--context", type=int, default=512, help="tokens in the sequence's KV cache")
+    parser.add_argument("--quant", choices=("w4", "w8"), default=None, help="quantize the weights first (tp 1)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--iters", type=int, default=100)
