@@ -103,7 +103,9 @@ def _gemv_kernel(x_TI_ref,        # [T, I] x's dtype: even / odd columns read by
     """One (output block, split): `iters_per_split` tiles of unroll x [chunk, block_o] bytes; each
     chunk is reduced over its rows, scaled by its group's scale and accumulated per token.
     prefetch: tile i + 1's loads are issued before tile i's arithmetic (carried in registers through
-    the loop), so a program's bytes stream while it computes instead of in turns with it."""
+    the loop), so a program's bytes stream while it computes instead of in turns with it. Off by
+    default: no gain measured (H200, 2026-11-24: the best prefetching config of each 8B shape 6-7%
+    slower than one tile a split without it)."""
     ob, split = pl.program_id(0), pl.program_id(1)
     J, O = packed_JO_ref.shape
     groups = scale_gO_ref.shape[0]

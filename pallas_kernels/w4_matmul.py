@@ -23,7 +23,8 @@ Two paths, picked statically by T (`path=` forces one):
       part = x_g @ (M + q_g) = x_g @ q_g + M * sum(x_g)
       acc += part * scale[g] + sum(x_g) * (offset[g] - M * scale[g])
     (float32 sums: the M * sum(x_g) term costs ~5 of their 24 bits). float32 x converts (2**23 + q
-    would cancel every bit).
+    would cancel every bit). Measured (H200, 2026-11-24, 8B layer): 15-25% faster than converting
+    (`config={"unpack": "convert"}`) at T = 1..64.
 
 Shape letters: T tokens, I input dim, J = I/2 packed rows, O output dim, G group size, g groups,
 H = G/2 packed rows per group, B output block, X splits, P padded tokens, C packed rows per chunk
