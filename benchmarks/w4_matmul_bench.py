@@ -6,7 +6,9 @@ On CPU:                  python benchmarks/w4_matmul_bench.py --smoke   (interpr
 
 check   each path (gemv where T <= 4, dot) vs x @ dequantize_w4 in float32, bf16, every shape and T;
         the reference's error alongside.
-time    per shape and T: gemv and dot paths, the dot path with int->float converts (dot-cvt), jnp (x @ dequantize_w4(...)), bf16 x @ w; GB/s counts
+time    per shape and T: gemv and dot paths, the dot path with int->float converts (dot-cvt), the gemv
+        path in float32 (gemv-f32, its default before the bf16x2 PTX), jnp (x @ dequantize_w4(...)),
+        bf16 x @ w; GB/s counts
         the packed weight + scale + offset bytes; "vs bf16" = bf16 time / best kernel path time.
         The last rows sum one 8B decoder layer (q, k, v, o, gate, up, down).
 sweep   (--sweep) the gemv path at T = 1 for every shape, coordinate descent: block_o x rows x
@@ -106,16 +108,19 @@ def timer(interpret):
 def time_shapes(shapes, tokens, interpret):
     t = timer(interpret)
     print(f"\n{'I':>6} {'O':>6} {'T':>3} {'gemv us':>8} {'GB/s':>6} {'dot us':>8} {'GB/s':>6} {'dot-cvt':>8} "
-          f"{'jnp us':>8} {'bf16 us':>8} {'vs bf16':>8} {'gemv/dot':>9}")
-    names = ("gemv", "dot", "dot-cvt", "jnp", "bf16")
+          f"{'gemv-f32':>8} {'jnp us':>8} {'bf16 us':>8} {'vs bf16':>8} {'gemv/dot':>9}")
+    names = ("gemv", "dot", "dot-cvt", "gemv-f32", "jnp", "bf16")
     layer = {T: dict.fromkeys(names, 0.0) for T in tokens}
     for (I, O), count in shapes.items():
         w_IO, *quant = make_weights(I, O)
         for T in tokens:
             x = make_x(T, I)
             sec = {path: t(kernel_fn(interpret, path=path), x, *quant) for path in paths_for(T)}
-            # the dot path before its exponent trick (int->float converts), as the same-run baseline
+            # the dot path before its exponent trick (int->float converts) and the gemv path in float32
+            # (before its packed bf16x2 PTX), as same-run baselines
             sec["dot-cvt"] = t(kernel_fn(interpret, {"unpack": "convert"}, "dot"), x, *quant)
+            if "gemv" in sec:
+                sec["gemv-f32"] = t(kernel_fn(interpret, {"unpack": "magic"}, "gemv"), x, *quant)
             sec["jnp"] = t(jnp_dequant_matmul, x, *quant)
             sec["bf16"] = t(bf16_matmul, x, w_IO)
             best = min(sec[p] for p in paths_for(T))
@@ -126,7 +131,8 @@ def time_shapes(shapes, tokens, interpret):
                 else:
                     cells.append(f"{'-':>8} {'-':>6}")
             ratio = f"{sec['dot'] / sec['gemv']:8.2f}x" if "gemv" in sec else f"{'-':>9}"
-            print(f"{I:6d} {O:6d} {T:3d} {' '.join(cells)} {sec['dot-cvt'] * 1e6:8.1f} {sec['jnp'] * 1e6:8.1f} "
+            f32 = f"{sec['gemv-f32'] * 1e6:8.1f}" if "gemv-f32" in sec else f"{'-':>8}"
+            print(f"{I:6d} {O:6d} {T:3d} {' '.join(cells)} {sec['dot-cvt'] * 1e6:8.1f} {f32} {sec['jnp'] * 1e6:8.1f} "
                   f"{sec['bf16'] * 1e6:8.1f} "
                   f"{sec['bf16'] / best:7.2f}x {ratio}")
             for name in names:
@@ -135,7 +141,9 @@ def time_shapes(shapes, tokens, interpret):
         paths = {p: sec[p] for p in paths_for(T)}
         kernels = ", ".join(f"{p} {v * 1e6:.0f} us ({sec['bf16'] / v:.2f}x faster than bf16)"
                             for p, v in paths.items())
-        print(f"one decoder layer, T={T}: {kernels}; dot-cvt {sec['dot-cvt'] * 1e6:.0f} us, jnp {sec['jnp'] * 1e6:.0f} us, "
+        f32 = f"gemv-f32 {sec['gemv-f32'] * 1e6:.0f} us, " if T <= wm.GEMV_MAX_T else ""
+        print(f"one decoder layer, T={T}: {kernels}; dot-cvt {sec['dot-cvt'] * 1e6:.0f} us, {f32}"
+              f"jnp {sec['jnp'] * 1e6:.0f} us, "
               f"bf16 {sec['bf16'] * 1e6:.0f} us")
 
 
@@ -169,7 +177,7 @@ def sweep_gemv(shapes, interpret):
         _, *quant = make_weights(I, O)
         x = make_x(1, I)
         label = f"gemv I={I} O={O}"
-        auto = wm._choose_gemv_config(I // 2, O, GROUP // 2, on_gpu=not interpret)
+        auto = wm._choose_gemv_config(I // 2, O, GROUP // 2, on_gpu=not interpret, x_bf16=True)
         auto = {k: auto[k] for k in wm.GEMV_TUNABLES}
         results = [(_try(interpret, x, quant, None, "gemv", label), {"auto": True, **auto})]
         results += [(_try(interpret, x, quant, cfg, "gemv", label), cfg) for cfg in _gemv_stage1(I, O)]
@@ -198,7 +206,7 @@ def sweep_prefetch(shapes, interpret):
     for I, O in shapes:
         _, *quant = make_weights(I, O)
         x = make_x(1, I)
-        auto = wm._choose_gemv_config(I // 2, O, GROUP // 2, on_gpu=not interpret)
+        auto = wm._choose_gemv_config(I // 2, O, GROUP // 2, on_gpu=not interpret, x_bf16=True)
         results = [(_try(interpret, x, quant, None, "gemv", "auto"), {"auto": True})]
         for block_o, rows, splits, prefetch in itertools.product(
                 sorted({auto["block_o"], 256, 512}), (GROUP // 2, GROUP), (2, 4, 8, 16, 32), (False, True)):

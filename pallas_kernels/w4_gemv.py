@@ -10,7 +10,9 @@ by stride-2 loads, tiny and cached) and the per-chunk sums of x are taken in the
 before the call. Nibbles become floats by the exponent trick (bits 0x4B000000 | q is the float
 2**23 + q; subtract 2**23): two integer ops and a float add instead of an int->float convert, which the
 SM issues at a quarter of the FMA rate and which would cap the kernel near 2 TB/s (`unpack="convert"`
-keeps the convert to compare). Why not the dot path at T = 1: it pads x to 16 rows (Triton's dot
+keeps the convert to compare). On the GPU with bf16 x the default is `unpack="bf16x2"`: unpack and
+products two at a time in packed PTX (pallas_kernels/w4_bf16x2.py), because the float32 path is bound
+by its instructions (~1.5 TB/s); measured 1.6x faster a decoder layer. Why not the dot path at T = 1: it pads x to 16 rows (Triton's dot
 minimum), so 15/16 of its tensor-core work is padding, and its [16, G/2] x [G/2, block_o] dots per
 group leave few bytes in flight: ~1.1 TB/s of 4.3 on an H200.
 
@@ -33,16 +35,18 @@ from pallas_kernels._pallas_util import (
     _on_gpu,
     _triton_compiler_params,
 )
+from pallas_kernels._validate import require
+from pallas_kernels.w4_bf16x2 import CENTER, bf16x2_products
 
 GEMV_TUNABLES = ("block_o", "rows", "num_splits", "num_warps", "num_stages", "unpack", "prefetch")
-UNPACKS = ("magic", "convert")
+UNPACKS = ("magic", "convert", "bf16x2")  # bf16x2: pallas_kernels/w4_bf16x2.py, bf16 x only
 GEMV_MAX_T = 4  # the most tokens the gemv path takes (forced); "auto" uses it for T = 1 only
 MAGIC_BITS = 0x4B000000  # float32 2**23: OR-ing q < 2**23 into its mantissa gives the float 2**23 + q
 MAGIC = 8388608.0
 
 
 def _choose_gemv_config(J, O, half_group, on_gpu, block_o=None, rows=None, num_splits=None, num_warps=4,
-                        num_stages=3, unpack="magic", prefetch=False):
+                        num_stages=3, unpack=None, prefetch=False, x_bf16=False):
     """Tiles of `rows` packed rows x block_o bytes. Aim for >= 2 programs per SM (a decode-sized weight
     is a few microseconds of reading: an idle SM is lost bandwidth), with at most J/256 splits (their
     float32 partials, written and read back, stay under ~3% of the packed bytes). block_o starts at
@@ -50,7 +54,14 @@ def _choose_gemv_config(J, O, half_group, on_gpu, block_o=None, rows=None, num_s
     to 64 while the programs do not even fill one wave. Splits take whole loop iterations,
     preferring a count that divides them (no masked tail)."""
     sms = _num_sms() if on_gpu else 0
-    if on_gpu and block_o is None and rows is None and num_splits is None:
+    if unpack is None:  # the packed PTX where it runs and x is bf16 (H200: 1.6x the float32 path a layer)
+        unpack = "bf16x2" if on_gpu and x_bf16 else "magic"
+    if on_gpu and block_o is None and rows is None and num_splits is None and unpack == "bf16x2":
+        # Measured (H200, 2026-11-24, .carry sweep of the PTX path, 8B shapes, g128): 4 warps, one group a
+        # tile, 32 splits; 512-byte rows, 256 where O <= 1024 (4096x14336 12.3 us, 14336x4096 13.7,
+        # 4096x4096 5.8, 4096x1024 3.7).
+        block_o, rows, num_splits, num_warps = (256 if O <= 1024 else 512), half_group, 32, 4
+    elif on_gpu and block_o is None and rows is None and num_splits is None:
         # Measured (H200, 2026-11-23, `w4_matmul_bench.py --tokens 1 --sweep`, 8B shapes, g128): one
         # loop iteration per split. Wide weights: 512-byte rows, 8 warps, 32 splits (4096x14336 24.7 ->
         # 21.1 us); the others: two groups a tile, 16 splits (4096x4096 9.2 -> 8.4, 4096x1024 7.4 -> 4.3 us).
@@ -99,7 +110,7 @@ def _gemv_kernel(x_TI_ref,        # [T, I] x's dtype: even / odd columns read by
                  offset_gO_ref,   # [g, O]
                  out_XTO_ref,     # [X, T, O] float32 partials (x's dtype when X = 1)
                  *, T, chunk, unroll, chunks_per_group, iters_per_split, block_o, mask_rows, mask_cols,
-                 unpack, prefetch):
+                 unpack, prefetch, interpret):
     """One (output block, split): `iters_per_split` tiles of unroll x [chunk, block_o] bytes; each
     chunk is reduced over its rows, scaled by its group's scale and accumulated per token.
     prefetch: tile i + 1's loads are issued before tile i's arithmetic (carried in registers through
@@ -128,17 +139,24 @@ def _gemv_kernel(x_TI_ref,        # [T, I] x's dtype: even / odd columns read by
         g = jnp.minimum(_div(c, chunks_per_group), groups - 1)  # clamped: tail chunks are all masked
         scale_B = load(scale_gO_ref, (g, o_B), col_ok_B, mask_cols, 0.0).astype(jnp.float32)
         offset_B = load(offset_gO_ref, (g, o_B), col_ok_B, mask_cols, 0.0).astype(jnp.float32)
-        x = [tuple(load(x_TI_ref, (t, 2 * j_C + k), row_ok_C, mask_rows, 0.0).astype(jnp.float32)
-                   for k in (0, 1)) for t in range(T)]
+        x = [tuple(load(x_TI_ref, (t, 2 * j_C + k), row_ok_C, mask_rows, 0.0) for k in (0, 1)) for t in range(T)]
         return p_CB, scale_B, offset_B, x
 
     def add_chunk(acc_T, tile):
         p_CB, scale_B, offset_B, x = tile
-        low_CB, high_CB = _unpack(p_CB, unpack)
+        if unpack == "bf16x2":  # the codes enter centered: q * s + z = (q - 8) * s + (z + 8 * s)
+            offset_B = offset_B + CENTER * scale_B
+        else:
+            low_CB, high_CB = _unpack(p_CB, unpack)
         out = []
         for acc_B, (xe_C, xo_C) in zip(acc_T, x):
-            part_B = jnp.sum(xe_C[:, None] * low_CB + xo_C[:, None] * high_CB, axis=0)
-            out.append(acc_B + part_B * scale_B + jnp.sum(xe_C + xo_C) * offset_B)
+            if unpack == "bf16x2":
+                prod_CB = bf16x2_products(p_CB, xe_C, xo_C, interpret=interpret)
+            else:
+                xe_C, xo_C = xe_C.astype(jnp.float32), xo_C.astype(jnp.float32)
+                prod_CB = xe_C[:, None] * low_CB + xo_C[:, None] * high_CB
+            xsum = jnp.sum(xe_C.astype(jnp.float32) + xo_C.astype(jnp.float32))
+            out.append(acc_B + jnp.sum(prod_CB, axis=0) * scale_B + xsum * offset_B)
         return tuple(out)
 
     def load_tile(i):
@@ -174,14 +192,17 @@ def _gemv_kernel(x_TI_ref,        # [T, I] x's dtype: even / odd columns read by
 def _gemv_impl(x_TI, packed_JO, scale_gO, offset_gO, *, group_size, interpret, config):
     T, _ = x_TI.shape
     J, O = packed_JO.shape
-    cfg = _choose_gemv_config(J, O, group_size // 2, on_gpu=not interpret and _on_gpu(), **(config or {}))
+    cfg = _choose_gemv_config(J, O, group_size // 2, on_gpu=not interpret and _on_gpu(),
+                              x_bf16=x_TI.dtype == jnp.bfloat16, **(config or {}))
+    if cfg["unpack"] == "bf16x2":
+        require(x_TI.dtype == jnp.bfloat16, f"config['unpack']='bf16x2' needs bfloat16 x, got {x_TI.dtype}")
     kernel = functools.partial(
         _gemv_kernel, T=T, chunk=cfg["chunk"], unroll=cfg["unroll"],
         chunks_per_group=group_size // 2 // cfg["chunk"], iters_per_split=cfg["iters_per_split"],
         block_o=cfg["block_o"],
         # rows past J exist only for a short last tile or a split tail: mask (and clamp) only then
         mask_rows=J % cfg["rows"] != 0 or cfg["iters"] % cfg["iters_per_split"] != 0,
-        mask_cols=O % cfg["block_o"] != 0, unpack=cfg["unpack"], prefetch=cfg["prefetch"])
+        mask_cols=O % cfg["block_o"] != 0, unpack=cfg["unpack"], prefetch=cfg["prefetch"], interpret=interpret)
     splits = cfg["num_splits"]
     out_XTO = pl.pallas_call(
         kernel,

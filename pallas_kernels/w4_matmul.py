@@ -127,6 +127,8 @@ def _validate_config(config, path):
     if "block_o" in config:
         b = config["block_o"]
         require(b >= 16 and is_power_of_two(b), f"config['block_o']={b} must be a power of two >= 16")
+        require(b >= 64 or config.get("unpack") != "bf16x2",
+                f"config['block_o']={b} must be >= 64 with unpack='bf16x2' (the PTX takes 4 bytes a thread)")
     if "rows" in config:
         r = config["rows"]
         require(r >= 2 and is_power_of_two(r), f"config['rows']={r} must be a power of two >= 2")

@@ -61,6 +61,10 @@ GEMV_CASES = [
     # prefetch: several tiles a split with a short last group and a masked split tail; one tile a split
     (2, 1088, 200, 128, "float32", {"block_o": 64, "rows": 32, "num_splits": 3, "prefetch": True}, "gemv"),
     (1, 576, 256, 64, "bfloat16", {"rows": 64, "num_splits": 9, "prefetch": True}, "gemv"),
+    # bf16x2 (packed PTX on the GPU, its jnp emulation in interpret mode): masked columns and rows,
+    # several splits and tokens, chunks smaller than a group
+    (1, 1088, 200, 128, "bfloat16", {"unpack": "bf16x2", "block_o": 64, "num_splits": 3}, "gemv"),
+    (3, 576, 512, 64, "bfloat16", {"unpack": "bf16x2", "block_o": 256, "rows": 16, "num_splits": 4}, "gemv"),
 ]
 
 
@@ -144,6 +148,7 @@ def test_validation_names_the_bad_value(bad, match):
     ({"rows": 64}, "dot", r"config key 'rows' must be one of .* \(path 'dot'\)"),
     ({"num_warps": 0}, "gemv", r"config\['num_warps'\]=0"),
     ({"prefetch": 1}, "gemv", r"config\['prefetch'\]=1 must be a bool"),
+    ({"unpack": "bf16x2", "block_o": 32}, "gemv", r"config\['block_o'\]=32 must be >= 64 with unpack='bf16x2'"),
 ])
 def test_kernel_config_is_validated(config, path, match):
     args = _inputs(3, 1, 256, 64, 128, "float32")
@@ -159,13 +164,43 @@ def test_kernel_needs_power_of_two_groups_and_auto_falls_back():
     assert _rel_err(out, _dense_f32(*args, 96)) < TOL["float32"]
 
 
-@pytest.mark.parametrize("I, O, want", [
-    (4096, 4096, dict(block_o=128, rows=128, num_splits=16, num_warps=4)),
-    (4096, 14336, dict(block_o=512, rows=64, num_splits=32, num_warps=8)),
+@pytest.mark.parametrize("I, O, x_bf16, want", [
+    (4096, 4096, False, dict(block_o=128, rows=128, num_splits=16, num_warps=4, unpack="magic")),
+    (4096, 14336, False, dict(block_o=512, rows=64, num_splits=32, num_warps=8, unpack="magic")),
+    (4096, 14336, True, dict(block_o=512, rows=64, num_splits=32, num_warps=4, unpack="bf16x2")),
+    (4096, 1024, True, dict(block_o=256, rows=64, num_splits=32, num_warps=4, unpack="bf16x2")),
 ])
-def test_gemv_gpu_tiling_follows_the_h200_sweep(monkeypatch, I, O, want):
+def test_gemv_gpu_tiling_follows_the_h200_sweep(monkeypatch, I, O, x_bf16, want):
     from pallas_kernels import w4_gemv
 
     monkeypatch.setattr(w4_gemv, "_num_sms", lambda: 132)  # where the gemv tiling reads it
-    cfg = wm._choose_gemv_config(I // 2, O, 64, on_gpu=True)
+    cfg = wm._choose_gemv_config(I // 2, O, 64, on_gpu=True, x_bf16=x_bf16)
     assert {k: cfg[k] for k in want} == want
+
+
+def test_gemv_bf16x2_needs_bf16_x():
+    args = _inputs(5, 1, 256, 64, 128, "float32")
+    with pytest.raises(ValueError, match=r"config\['unpack'\]='bf16x2' needs bfloat16 x, got float32"):
+        wm.w4_matmul_kernel(*args, 128, interpret=True, config={"unpack": "bf16x2"}, path="gemv")
+
+
+def test_bf16x2_emulation_rounds_like_the_ptx():
+    """The emulation's roundings, checked by hand on one byte: x * (q - 8) products round to bf16
+    (8 significant bits), then their pair sum does."""
+    from pallas_kernels.w4_bf16x2 import bf16x2_products
+
+    p = jnp.asarray([[0xF3]], jnp.uint8)  # low q = 3 -> -5, high q = 15 -> 7
+    xe, xo = jnp.asarray([1.0078125], jnp.bfloat16), jnp.asarray([3.0], jnp.bfloat16)
+    got = float(bf16x2_products(p, xe, xo, interpret=True)[0, 0])
+    # -5 * 1.0078125 = -5.0390625 needs 10 bits: rounds to -5.03125 (nearest bf16); + 21 = 15.96875,
+    # which rounds to 16.0 in bf16
+    assert got == 16.0
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the PTX runs on a GPU only; this file runs there too (BENCHMARKS.md)")
+def test_bf16x2_ptx_matches_its_emulation():
+    args = _inputs(6, 1, 4096, 1024, 128, "bfloat16")
+    cfg = {"unpack": "bf16x2", "num_splits": 4}
+    gpu = wm.w4_matmul_kernel(*args, 128, interpret=False, config=cfg, path="gemv")
+    emulated = wm.w4_matmul_kernel(*args, 128, interpret=True, config=cfg, path="gemv")
+    assert _rel_err(gpu, emulated) < 2e-3  # float32 row sums in different orders, then bf16 out
