@@ -60,15 +60,24 @@ and.b32 $3, s23, 0xFFFF0000;
 """
 
 
+def _round_to_bf16(x):
+    """float32 rounded to the nearest bf16 (ties to even), kept in float32, by integer ops: XLA may drop
+    an astype(bf16).astype(float32) pair (excess precision allowed), which would skip the rounding
+    the PTX does. Finite values only (the products of finite x and 4-bit codes)."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    bits = (bits + jnp.uint32(0x7FFF) + ((bits >> 16) & jnp.uint32(1))) & jnp.uint32(0xFFFF0000)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
 def bf16x2_products(p_CB, xe_C, xo_C, *, interpret: bool):
     """float32 [C, B]: xe * (low - 8) + xo * (high - 8) per packed byte, with bf16 products and sum.
     p_CB uint8; xe_C, xo_C bfloat16 (the rows' even / odd x)."""
-    f32, bf16 = jnp.float32, jnp.bfloat16
+    f32 = jnp.float32
     if interpret:
         low_CB = (p_CB & 0xF).astype(f32) - CENTER
         high_CB = (p_CB >> 4).astype(f32) - CENTER
-        s_CB = (xe_C[:, None].astype(f32) * low_CB).astype(bf16).astype(f32)
-        return (xo_C[:, None].astype(f32) * high_CB + s_CB).astype(bf16).astype(f32)
+        s_CB = _round_to_bf16(xe_C[:, None].astype(f32) * low_CB)  # exact in float32, then one rounding
+        return _round_to_bf16(xo_C[:, None].astype(f32) * high_CB + s_CB)
     from jax.experimental.pallas import triton as plt  # the GPU only: the Triton backend's inline asm
 
     (out_CB,) = plt.elementwise_inline_asm(

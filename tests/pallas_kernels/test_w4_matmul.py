@@ -203,4 +203,5 @@ def test_bf16x2_ptx_matches_its_emulation():
     cfg = {"unpack": "bf16x2", "num_splits": 4}
     gpu = wm.w4_matmul_kernel(*args, 128, interpret=False, config=cfg, path="gemv")
     emulated = wm.w4_matmul_kernel(*args, 128, interpret=True, config=cfg, path="gemv")
-    assert _rel_err(gpu, emulated) < 2e-3  # float32 row sums in different orders, then bf16 out
+    # the same roundings; only the float32 row sums' order differs (then bf16 out)
+    assert _rel_err(gpu, emulated) < 5e-4
