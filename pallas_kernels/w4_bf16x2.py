@@ -13,9 +13,11 @@ packed bytes (4 output columns, rows 2j / 2j + 1 in their low / high nibbles) an
   mul/fma xe * (lo - 8) + xo * (hi - 8) in bf16x2
   shl/and the two bf16 sums to float32 (bf16 is float32's top half)
 
-= 20 instructions for 8 nibbles. The products and their pair sum round to bf16 (8 bits): the output
-is ~2x the relative error of float32 products (measured below), the same order as a matmul over
-weights dequantized to bf16. The caller sums rows in float32.
+= 20 instructions for 8 nibbles. The products and their pair sum round to bf16 (8 bits): relative to
+the float32 dense product the output is off by 2.6e-3 (float32 products: 1.7e-3, the bf16 output's
+rounding; H200, 8B shapes, 2026-11-24), the same order as a matmul over weights dequantized to bf16.
+The caller sums rows in float32. Measured there: one 8B decoder layer 56 us vs 90 us for the float32
+path (2.6 TB/s of packed bytes at best).
 
 `interpret=True` (CPU tests) runs a jnp emulation with the same roundings instead of the PTX.
 """
