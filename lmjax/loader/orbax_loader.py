@@ -71,6 +71,15 @@ def restore_params(path: str, targets: dict) -> dict:
             raise CheckpointError(f"cannot restore the converted checkpoint {ckpt}: {e}") from e
 
 
+def _host_sharding() -> SingleDeviceSharding | None:
+    """The CPU backend's first device, or None where JAX runs without it (JAX_PLATFORMS=cuda): a
+    placer then takes each array from the device it was restored on."""
+    try:
+        return SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
+    except RuntimeError:
+        return None
+
+
 def load_converted(path: str, dtype: str = "auto", *, placer=None, tp: int = 1, mesh=None,
                    **overrides) -> "model_loader.LoadedModel":
     """`load_model` for a converted directory: same arguments, same result."""
@@ -87,8 +96,8 @@ def load_converted(path: str, dtype: str = "auto", *, placer=None, tp: int = 1, 
     jdtype = model_loader.resolve_dtype(dtype, hf_config)
     cfg, graphdef, state = build_abstract(hf_config, jdtype, **overrides)
     flat = dict(nnx.to_flat_state(state))
-    host = SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
     device = SingleDeviceSharding(jax.local_devices()[0])
+    host = (_host_sharding() or device) if placer is not None else None
 
     def sharding(p, var):
         if placer is not None:

@@ -67,6 +67,32 @@ def test_facades_accept_the_converted_directory(tiny, tmp_path):
     assert got == want
 
 
+def test_converted_loads_without_a_cpu_backend(tiny, tmp_path, monkeypatch):
+    """JAX_PLATFORMS=cuda leaves no CPU backend: restoring goes to the device, with or without a placer
+    (simulated here by a local_devices that refuses backend="cpu", as JAX then does)."""
+    import jax
+
+    out = convert_checkpoint(tiny, tmp_path / "out", dtype="float32")
+    want = greedy_generate(load_model(out, "float32").model, PROMPTS, 6)
+    real = jax.local_devices
+
+    def no_cpu(*args, backend=None, **kwargs):
+        if backend == "cpu":
+            raise RuntimeError("Unknown backend cpu. Available backends are ['cuda']")
+        return real(*args, backend=backend, **kwargs)
+
+    monkeypatch.setattr(jax, "local_devices", no_cpu)
+    placed = []
+
+    def placer(path, value):
+        placed.append(path)
+        return jax.device_put(value)
+
+    assert greedy_generate(load_model(out, "float32").model, PROMPTS, 6) == want
+    assert greedy_generate(load_model(out, "float32", placer=placer).model, PROMPTS, 6) == want
+    assert placed  # the placer took every array
+
+
 def test_interrupted_conversion_leaves_nothing_loadable(tiny, tmp_path, monkeypatch):
     def crash(*args, **kwargs):  # after the weights are written, before the config and tokenizer
         raise KeyboardInterrupt("simulated interruption")
