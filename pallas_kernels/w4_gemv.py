@@ -12,9 +12,9 @@ before the call. Nibbles become floats by the exponent trick (bits 0x4B000000 | 
 SM issues at a quarter of the FMA rate and which would cap the kernel near 2 TB/s (`unpack="convert"`
 keeps the convert to compare). On the GPU with bf16 x the default is `unpack="bf16x2"`: unpack and
 products two at a time in packed PTX (pallas_kernels/w4_bf16x2.py), because the float32 path is bound
-by its instructions (~1.5 TB/s); measured 1.6x faster a decoder layer. Why not the dot path at T = 1: it pads x to 16 rows (Triton's dot
-minimum), so 15/16 of its tensor-core work is padding, and its [16, G/2] x [G/2, block_o] dots per
-group leave few bytes in flight: ~1.1 TB/s of 4.3 on an H200.
+by its instructions (~1.5 TB/s); measured 1.6x faster a decoder layer. Why not the dot path at T = 1:
+it pads x to 16 rows (Triton's dot minimum), so 15/16 of its tensor-core work is padding, and its
+[16, G/2] x [G/2, block_o] dots per group leave few bytes in flight: ~1.1 TB/s of 4.3 on an H200.
 
 Shape letters as in w4_matmul.py: J packed rows, O output dim, g groups, B output block, X splits,
 T tokens, C packed rows per chunk (a chunk lies inside one group: C = min(rows, G/2)).
