@@ -48,6 +48,20 @@ def _load_masked_if(ref, idx, mask, needed: bool, other):
 
 
 # --------------------------------------------------------------------------
+# Small integer codes to 16-bit floats without an int->float convert (a quarter-rate instruction)
+# --------------------------------------------------------------------------
+# OR-ing a code q (< 128 for bf16, < 1024 for float16) into the mantissa of M gives the float M + q
+# exactly: (bits of M, M) per dtype.
+EXPONENT_TRICK = {"bfloat16": (0x4300, 128.0), "float16": (0x6400, 1024.0)}
+
+
+def plus_magic(codes_u16, dtype):
+    """(M + codes in `dtype`, M) for uint16 codes below the dtype's limit (see EXPONENT_TRICK)."""
+    bits, magic = EXPONENT_TRICK[jnp.dtype(dtype).name]
+    return jax.lax.bitcast_convert_type(codes_u16 | bits, dtype), magic
+
+
+# --------------------------------------------------------------------------
 # Integer arithmetic
 # --------------------------------------------------------------------------
 def _next_pow2(n: int) -> int:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._pallas_util import _masked_load
+from pallas_kernels._pallas_util import _masked_load, plus_magic
 from pallas_kernels.quant_kv import QuantKV
 
 
@@ -67,9 +67,6 @@ def channel_parts(head_dim: int, bits: int | None) -> list:
     return [2 * w_1W, 2 * w_1W + 1]
 
 
-MAGIC = 0x6400  # float16 1024.0: OR-ing a code c < 1024 into its mantissa gives 1024 + c
-
-
 def dot_dtype(q_dtype, bits: int | None):
     """The dtype of the dots' operands: the cache's for float caches, float16 for quantized ones
     (float32 for float32 queries)."""
@@ -82,8 +79,8 @@ def _centered(codes_CW, zero_C, dtype):
     """code - zero in `dtype` (exact), codes uint16 [C, W], zero [C] uint8."""
     if dtype != jnp.float16:
         return codes_CW.astype(jnp.float32).astype(dtype) - zero_C.astype(dtype)[:, None]
-    shifted_CW = jax.lax.bitcast_convert_type(codes_CW | MAGIC, jnp.float16)  # 1024 + code
-    return shifted_CW - (zero_C.astype(jnp.float16) + 1024.0)[:, None]
+    shifted_CW, magic = plus_magic(codes_CW, jnp.float16)  # 1024 + code
+    return shifted_CW - (zero_C.astype(jnp.float16) + magic)[:, None]
 
 
 def load_kv_tile(refs, slot_C, kv_head, valid_C, *, bits, head_dim, dtype):

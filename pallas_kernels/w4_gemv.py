@@ -146,17 +146,16 @@ def _gemv_kernel(x_TI_ref,        # [T, I] x's dtype: even / odd columns read by
         p_CB, scale_B, offset_B, x = tile
         if unpack == "bf16x2":  # the codes enter centered: q * s + z = (q - 8) * s + (z + 8 * s)
             offset_B = offset_B + CENTER * scale_B
+            products = functools.partial(bf16x2_products, p_CB, interpret=interpret)
         else:
             low_CB, high_CB = _unpack(p_CB, unpack)
+
+            def products(xe_C, xo_C):
+                return xe_C[:, None].astype(jnp.float32) * low_CB + xo_C[:, None].astype(jnp.float32) * high_CB
         out = []
         for acc_B, (xe_C, xo_C) in zip(acc_T, x):
-            if unpack == "bf16x2":
-                prod_CB = bf16x2_products(p_CB, xe_C, xo_C, interpret=interpret)
-            else:
-                xe_C, xo_C = xe_C.astype(jnp.float32), xo_C.astype(jnp.float32)
-                prod_CB = xe_C[:, None] * low_CB + xo_C[:, None] * high_CB
             xsum = jnp.sum(xe_C.astype(jnp.float32) + xo_C.astype(jnp.float32))
-            out.append(acc_B + jnp.sum(prod_CB, axis=0) * scale_B + xsum * offset_B)
+            out.append(acc_B + jnp.sum(products(xe_C, xo_C), axis=0) * scale_B + xsum * offset_B)
         return tuple(out)
 
     def load_tile(i):

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels._pallas_util import (  # jax 0.10 / 0.11 spellings of the Triton backend
+    EXPONENT_TRICK,
     FLOAT_DTYPES,
     _div,
     _load_masked_if,
@@ -48,6 +49,7 @@ from pallas_kernels._pallas_util import (  # jax 0.10 / 0.11 spellings of the Tr
     _num_sms,
     _on_gpu,
     _triton_compiler_params,
+    plus_magic,
 )
 from pallas_kernels._validate import (
     IMPLS,
@@ -73,16 +75,13 @@ from pallas_kernels.w4_gemv import (
 __all__ = [  # this module's ops and, re-exported, the gemv path's names and the helpers it imported
     "w4_matmul", "w4_matmul_kernel", "w4_matmul_reference", "validate_w4_matmul", "kernel_supports",
     "choose_path", "packed_bytes", "IMPLS", "FLOAT_DTYPES", "PATHS", "TUNABLES", "GEMV_TUNABLES", "UNPACKS",
-    "MIN_ROWS", "DOT_MAGIC", "GEMV_MAX_T", "MAGIC_BITS", "MAGIC", "_choose_gemv_config", "_unpack", "_gemv_kernel",
+    "MIN_ROWS", "DOT_UNPACKS", "GEMV_MAX_T", "MAGIC_BITS", "MAGIC", "_choose_gemv_config", "_unpack", "_gemv_kernel",
     "_gemv_impl", "_div", "_masked_load", "_masked_store", "_num_sms", "_on_gpu", "_triton_compiler_params",
 ]
 
 PATHS = ("auto", "gemv", "dot")
 TUNABLES = ("block_o", "num_splits", "num_warps", "num_stages", "unpack")  # the dot path's
-# The dot path's exponent trick, per 16-bit dtype: the nibble q OR-ed into the mantissa of M gives the
-# float M + q exactly, with no int->float convert; the dot takes M + q as it is and the epilogue
-# subtracts M * sum(x_g) (see _w4_kernel).
-DOT_MAGIC = {"bfloat16": (0x4300, 128.0), "float16": (0x6400, 1024.0)}
+DOT_UNPACKS = ("magic", "convert")  # magic: M + q for 16-bit x (_pallas_util.plus_magic), else converts
 MIN_ROWS = 16  # Triton's dot needs every dim >= 16
 
 
@@ -118,7 +117,8 @@ def _validate_config(config, path):
     for key, value in (config or {}).items():
         require(key in tunables, f"config key {key!r} must be one of {tunables} (path {path!r})")
         if key == "unpack":
-            require(value in UNPACKS, f"config['unpack']={value!r} must be one of {UNPACKS}")
+            unpacks = UNPACKS if path == "gemv" else DOT_UNPACKS
+            require(value in unpacks, f"config['unpack']={value!r} must be one of {unpacks} (path {path!r})")
         elif key == "prefetch":
             require(isinstance(value, bool), f"config['prefetch']={value!r} must be a bool")
         else:
@@ -216,8 +216,8 @@ def _w4_kernel(x_even_PJ_ref, x_odd_PJ_ref, xsum_gP_ref, packed_JO_ref, scale_gO
         xo_PH = load(x_odd_PJ_ref, (p_P[:, None], j_H[None, :]), row_ok_H[None, :], mask_rows, 0.0)
         if magic:  # M + q (see the module docstring)
             w_HB = p_HB.astype(jnp.uint16)
-            low_HB = jax.lax.bitcast_convert_type((w_HB & 0xF) | magic[0], dtype)
-            high_HB = jax.lax.bitcast_convert_type((w_HB >> 4) | magic[0], dtype)
+            low_HB, m = plus_magic(w_HB & 0xF, dtype)
+            high_HB, _ = plus_magic(w_HB >> 4, dtype)
         else:
             low_HB = (p_HB & 0xF).astype(dtype)
             high_HB = (p_HB >> 4).astype(dtype)
@@ -227,7 +227,7 @@ def _w4_kernel(x_even_PJ_ref, x_odd_PJ_ref, xsum_gP_ref, packed_JO_ref, scale_gO
         scale_B = load(scale_gO_ref, (g, o_B), col_ok_B, mask_cols, 0.0).astype(jnp.float32)
         offset_B = load(offset_gO_ref, (g, o_B), col_ok_B, mask_cols, 0.0).astype(jnp.float32)
         if magic:
-            offset_B = offset_B - magic[1] * scale_B
+            offset_B = offset_B - m * scale_B
         xsum_P = xsum_gP_ref[g, p_P]
         return acc_PB + part_PB * scale_B[None, :] + xsum_P[:, None] * offset_B[None, :]
 
@@ -256,7 +256,7 @@ def _dot_impl(x_TI, packed_JO, scale_gO, offset_gO, *, group_size, interpret, co
         mask_rows=I % group_size != 0, mask_cols=O % cfg["block_o"] != 0,
         # float32 inputs get full-precision dots (Triton's default would be tf32)
         precision=jax.lax.Precision.HIGHEST if f32 else None,
-        magic=DOT_MAGIC.get(jnp.dtype(x_TI.dtype).name) if cfg["unpack"] == "magic" else None)
+        magic=cfg["unpack"] == "magic" and jnp.dtype(x_TI.dtype).name in EXPONENT_TRICK)
     partial_XTO = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((cfg["num_splits"], T, O), jnp.float32),

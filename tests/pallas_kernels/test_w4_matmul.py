@@ -148,6 +148,7 @@ def test_validation_names_the_bad_value(bad, match):
     ({"rows": 64}, "dot", r"config key 'rows' must be one of .* \(path 'dot'\)"),
     ({"num_warps": 0}, "gemv", r"config\['num_warps'\]=0"),
     ({"prefetch": 1}, "gemv", r"config\['prefetch'\]=1 must be a bool"),
+    ({"unpack": "bf16x2"}, "dot", r"config\['unpack'\]='bf16x2' must be one of \('magic', 'convert'\)"),
     ({"unpack": "bf16x2", "block_o": 32}, "gemv", r"config\['block_o'\]=32 must be >= 64 with unpack='bf16x2'"),
 ])
 def test_kernel_config_is_validated(config, path, match):
