@@ -12,16 +12,21 @@ Status (H200, 2026-11-23): 3.9 us vs 6.3 us for the XLA path on 8B heads at one 
 random inputs (rel. err 2.2e-3 in bf16, the reference's rounding). Fed separate q/k/v inside the decode
 step it gained nothing: XLA copied q, k and v out of its merged projection GEMM for the custom call
 (3 slice fusions, ~120 us a step on 8B); the merged entry point exists to avoid that copy.
+With q split over several programs a token (2026-11-24, `bench_kv_write` of benchmarks/kernels_rope.py,
+same run): 8B heads 3.3 / 3.7 / 5.0 us at T = 1 / 4 / 64 (one program a token: 5.5 / 8.2 / 9.9), 1B
+heads 3.2 / 3.5 / 4.1 (4.0 / 4.6 / 5.3); the batch-1 decode step 4.468 -> 4.331 ms (8B), 1.086 -> 1.066 (1B).
 
 Shape letters: T tokens, N query heads, K kv heads of k/v, X = N + 2K merged heads, C heads the cache stores (C = r * K: under
 tensor parallelism the cache may repeat each kv head r times, cache head c holding kv head c // r),
 H head dim, F = rotary_dim // 2 frequencies, P cache pages, S slots per page, Z = P * S flat slots.
 In the kernel E = a head count padded to a power of two, D = H padded to a power of two.
 
-Data flow: program t (one per token) computes cos/sin of positions[t] * inv_freq[t] once per
-dimension (float32, scaled by `attention_scaling`, rounded to the tensor's dtype as HF does), rotates
-every head of q[t] into a new q, rotates k[t] and stores it with v[t] at flat slot slot_mapping[t] of
-the caches. The caches are updated in place (`input_output_aliases`): slots no token names keep their
+Data flow: grid (token t, part p). Parts 0 .. Q-1 each rotate a block of E q heads of q[t] into a new
+q; part Q rotates k[t] and stores it with v[t] at flat slot slot_mapping[t] of the caches. Each program
+computes cos/sin of positions[t] * inv_freq[t] once per dimension (float32, scaled by
+`attention_scaling`, rounded to the tensor's dtype as HF does). Why parts: with one program a token
+(the first version) a batch-1 decode step ran 4 programs that each walked all heads: 6.2 us a layer
+inside the 8B step; the parts spread one token's heads over more SMs. The caches are updated in place (`input_output_aliases`): slots no token names keep their
 contents bit for bit. Numerics and argument checks match `rope_kv_write_reference` (= HF rotate-half
 RoPE of pallas_kernels.rope, then the scatter of lmjax's `write_kv`).
 
@@ -162,6 +167,11 @@ def _rotate(x_ref, t, src_E, ok_ED, tables):
     return jnp.where(rot_D[None, :], x_ED * cos_1D + partner_ED * sin_1D, x_ED)
 
 
+def _q_heads_per_program(num_heads: int, head_dim: int) -> int:
+    """E: q heads a program rotates, a power of two: tiles of about 1024 elements (8 heads of 128)."""
+    return max(1, min(_next_pow2(num_heads), 1024 // _next_pow2(head_dim)))
+
+
 def _rope_kv_write_kernel(
     positions_T_ref,     # [T] int32
     inv_freq_TF_ref,     # [T, F] float32
@@ -172,30 +182,38 @@ def _rope_kv_write_kernel(
     q_out_TNH_ref,       # [T, N, H] rotated q
     k_cache_ZCH_ref,     # [Z, C, H]: only row slot_mapping[t] is written
     v_cache_ZCH_ref,     # [Z, C, H]
-    *, num_kv_heads, attention_scaling,
+    *, num_kv_heads, attention_scaling, q_block,
 ):
     del k_cache_in_ref, v_cache_in_ref  # the same buffers as the outputs
-    t = pl.program_id(0)
+    t, part = pl.program_id(0), pl.program_id(1)
     num_heads, head_dim = q_out_TNH_ref.shape[1:]
     num_slots, cache_heads = k_cache_ZCH_ref.shape[:2]
+    q_parts = -(-num_heads // q_block)
     tables = _rope_tables_D(positions_T_ref[t], inv_freq_TF_ref, t, head_dim, attention_scaling)
     h_ok_D = tables[0] < head_dim
-    # q: every head of token t into the new array.
-    n_E, src_E, n_ok_E = _head_lanes_E(num_heads)
-    ok_ED = n_ok_E[:, None] & h_ok_D[None, :]
-    q_ED = _rotate(qkv_TXH_ref, t, src_E, ok_ED, tables)
-    _masked_store(q_out_TNH_ref.at[t, n_E[:, None], tables[0][None, :]], q_ED.astype(q_out_TNH_ref.dtype), ok_ED)
-    # k, v: cache head c of slot slot_mapping[t] gets kv head c // r (dropped when the slot is out of range).
-    slot = slot_mapping_T_ref[t]
-    stride = cache_heads // num_kv_heads
-    c_E, k_src_E, c_ok_E = _head_lanes_E(cache_heads, stride, offset=num_heads)
-    ok_ED = c_ok_E[:, None] & h_ok_D[None, :] & (slot >= 0) & (slot < num_slots)
-    dst = (jnp.clip(slot, 0, num_slots - 1), c_E[:, None], tables[0][None, :])
-    k_ED = _rotate(qkv_TXH_ref, t, k_src_E, ok_ED, tables)
-    _masked_store(k_cache_ZCH_ref.at[dst], k_ED.astype(k_cache_ZCH_ref.dtype), ok_ED)
-    v_src_E = k_src_E + num_kv_heads
-    v_ED = _masked_load(qkv_TXH_ref.at[t, v_src_E[:, None], tables[0][None, :]], ok_ED, 0.0)
-    _masked_store(v_cache_ZCH_ref.at[dst], v_ED.astype(v_cache_ZCH_ref.dtype), ok_ED)
+
+    @pl.when(part < q_parts)
+    def _q():  # q heads part * E .. part * E + E - 1 of token t into the new array
+        n_E = part * q_block + jnp.arange(q_block, dtype=jnp.int32)
+        n_ok_E = n_E < num_heads
+        n_E = jnp.where(n_ok_E, n_E, num_heads)  # padded lanes: out of bounds, masked off
+        ok_ED = n_ok_E[:, None] & h_ok_D[None, :]
+        q_ED = _rotate(qkv_TXH_ref, t, jnp.where(n_ok_E, n_E, 0), ok_ED, tables)
+        _masked_store(q_out_TNH_ref.at[t, n_E[:, None], tables[0][None, :]], q_ED.astype(q_out_TNH_ref.dtype),
+                      ok_ED)
+
+    @pl.when(part == q_parts)
+    def _kv():  # cache head c of slot slot_mapping[t] gets kv head c // r (dropped when the slot is out of range)
+        slot = slot_mapping_T_ref[t]
+        stride = cache_heads // num_kv_heads
+        c_E, k_src_E, c_ok_E = _head_lanes_E(cache_heads, stride, offset=num_heads)
+        ok_ED = c_ok_E[:, None] & h_ok_D[None, :] & (slot >= 0) & (slot < num_slots)
+        dst = (jnp.clip(slot, 0, num_slots - 1), c_E[:, None], tables[0][None, :])
+        k_ED = _rotate(qkv_TXH_ref, t, k_src_E, ok_ED, tables)
+        _masked_store(k_cache_ZCH_ref.at[dst], k_ED.astype(k_cache_ZCH_ref.dtype), ok_ED)
+        v_src_E = k_src_E + num_kv_heads
+        v_ED = _masked_load(qkv_TXH_ref.at[t, v_src_E[:, None], tables[0][None, :]], ok_ED, 0.0)
+        _masked_store(v_cache_ZCH_ref.at[dst], v_ED.astype(v_cache_ZCH_ref.dtype), ok_ED)
 
 
 @functools.partial(jax.jit, static_argnames=("num_kv_heads", "attention_scaling", "interpret"))
@@ -203,14 +221,15 @@ def _rope_kv_write_pallas(qkv_TXH, positions_T, inv_freq_TF, k_cache_PSKH, v_cac
                           num_kv_heads, attention_scaling, interpret):
     P, S, C, H = k_cache_PSKH.shape
     num_tokens, num_heads = qkv_TXH.shape[0], qkv_TXH.shape[1] - 2 * num_kv_heads
-    widest = _next_pow2(max(num_heads, C)) * _next_pow2(H)
+    q_block = _q_heads_per_program(num_heads, H)
+    widest = max(q_block, _next_pow2(C)) * _next_pow2(H)
     kernel = functools.partial(_rope_kv_write_kernel, num_kv_heads=num_kv_heads,
-                               attention_scaling=float(attention_scaling))
+                               attention_scaling=float(attention_scaling), q_block=q_block)
     cache_ZCH = jax.ShapeDtypeStruct((P * S, C, H), k_cache_PSKH.dtype)
     q_TNH, k_ZCH, v_ZCH = pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((num_tokens, num_heads, H), qkv_TXH.dtype), cache_ZCH, cache_ZCH),
-        grid=(num_tokens,),
+        grid=(num_tokens, -(-num_heads // q_block) + 1),  # q blocks, then k / v
         input_output_aliases={4: 1, 5: 2},  # caches in place
         compiler_params=_triton_compiler_params(num_warps=8 if widest > 4096 else 4, num_stages=1),
         interpret=interpret,

@@ -67,6 +67,7 @@ def _flat_slots(cache):
     ("llama3", "bfloat16", 64, 16, 2, None),    # GQA 8
     ("llama3", "float32", 128, 32, 8, None),    # Llama-3-8B heads
     ("default", "bfloat16", 64, 8, 2, 4),       # cache repeats each kv head twice (tp > kv heads)
+    ("default", "float32", 128, 12, 4, None),   # q heads in two programs of 8, the second half empty
 ])
 def test_kernel_matches_reference(spec, dtype, H, N, K, cache_heads):
     args, scaling, cache_args = _inputs(0, spec, 11, N, K, H, dtype, cache_heads)
