@@ -6,7 +6,9 @@ the plain XLA computation (`s = x + residual`, then `self(s)`), bit for bit the 
 LMJAX_NORM_IMPL=kernel (read at trace time) it is one fused Pallas launch
 (pallas_kernels.add_rms_norm): a batch-1 decode step is launch-bound, and the add and the norm are
 two XLA launches each. Opt-in only: measured no faster on an H200 (8B batch-1 decode 4.657 vs 4.533 ms a
-step, 2026-11-23, BENCHMARKS.md session 6).
+step, 2026-11-23, BENCHMARKS.md session 6). Why (1B profile, 2026-11-24, session 11): XLA runs the o and
+down GEMMs split-K and folds the residual add into their reduction; with the add here, that reduction
+becomes a launch of its own, and those launches cost what the fusion saves.
 """
 from __future__ import annotations
 
