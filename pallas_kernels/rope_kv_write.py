@@ -26,9 +26,10 @@ q; part Q rotates k[t] and stores it with v[t] at flat slot slot_mapping[t] of t
 computes cos/sin of positions[t] * inv_freq[t] once per dimension (float32, scaled by
 `attention_scaling`, rounded to the tensor's dtype as HF does). Why parts: with one program a token
 (the first version) a batch-1 decode step ran 4 programs that each walked all heads: 6.2 us a layer
-inside the 8B step; the parts spread one token's heads over more SMs. The caches are updated in place (`input_output_aliases`): slots no token names keep their
-contents bit for bit. Numerics and argument checks match `rope_kv_write_reference` (= HF rotate-half
-RoPE of pallas_kernels.rope, then the scatter of lmjax's `write_kv`).
+inside the 8B step; the parts spread one token's heads over more SMs. The caches are updated in place
+(`input_output_aliases`): slots no token names keep their contents bit for bit. Numerics and argument
+checks match `rope_kv_write_reference` (= HF rotate-half RoPE of pallas_kernels.rope, then the scatter
+of lmjax's `write_kv`).
 
 Repeated slots: two tokens naming one slot both write it; which one lands is unspecified (so in the
 reference, XLA's scatter), element by element in the kernel. Slots outside [0, Z) are dropped, as XLA's
@@ -196,9 +197,10 @@ def _rope_kv_write_kernel(
     def _q():  # q heads part * E .. part * E + E - 1 of token t into the new array
         n_E = part * q_block + jnp.arange(q_block, dtype=jnp.int32)
         n_ok_E = n_E < num_heads
-        n_E = jnp.where(n_ok_E, n_E, num_heads)  # padded lanes: out of bounds, masked off
+        src_E = jnp.where(n_ok_E, n_E, 0)  # padded lanes read head 0 (masked) and store out of bounds
+        n_E = jnp.where(n_ok_E, n_E, num_heads)
         ok_ED = n_ok_E[:, None] & h_ok_D[None, :]
-        q_ED = _rotate(qkv_TXH_ref, t, jnp.where(n_ok_E, n_E, 0), ok_ED, tables)
+        q_ED = _rotate(qkv_TXH_ref, t, src_E, ok_ED, tables)
         _masked_store(q_out_TNH_ref.at[t, n_E[:, None], tables[0][None, :]], q_ED.astype(q_out_TNH_ref.dtype),
                       ok_ED)
 
