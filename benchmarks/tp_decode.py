@@ -143,6 +143,8 @@ def bench(args, tp: int) -> dict:
     load_s = time.perf_counter() - t0
     inputs, num_blocks = decode_inputs(args.context, args.block_size, cfg.vocab_size, model)
     runner = ModelRunner(model, num_blocks, args.block_size, 1, 1, inputs.attn.block_tables_BM.shape[1], dtype)
+    # Again: the runner may have made layers out-major (in place), whose decode call runs one row.
+    inputs, _ = decode_inputs(args.context, args.block_size, cfg.vocab_size, model)
     smeta, flags = build_sampling_metadata([SamplingRow(SamplingParams(temperature=0), seed=0)],
                                            pad_to=inputs.last_rows_B.shape[0])
     inputs, smeta = parallel.replicate((inputs, smeta), runner.mesh) if runner.mesh is not None \

@@ -25,6 +25,7 @@ from lmjax.layers.attention import AttentionMetadata, paged_attention, rope_and_
 from lmjax.layers.linear import Linear
 from lmjax.layers.merge import merge_linears
 from lmjax.layers.norm import RMSNorm
+from lmjax.layers.out_major import OutMajorLinear, out_major_logits
 from lmjax.layers.rope import logn_scale_T
 from lmjax.models.config import ModelConfig
 
@@ -61,10 +62,7 @@ class Attention(nnx.Module):
     def __call__(self, x_TD, positions_T, cache: KVCache, meta: AttentionMetadata):
         cfg, T = self.cfg, x_TD.shape[0]
         if self.qkv_proj is not None:  # one GEMM; the fused kernel takes its output whole
-            qkv_TXH = self.qkv_proj(x_TD).reshape(T, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)
-            q_TNH, cache = rope_and_write_kv_qkv(qkv_TXH, cfg.num_kv_heads, positions_T, cache, meta, cfg.rope,
-                                                 shards=self.qkv_shards)
-            return self._attend(q_TNH, cache, positions_T, meta, T)
+            return self.attend_qkv(self.qkv_proj(x_TD), positions_T, cache, meta)
         q_TNH = self.q_proj(x_TD).reshape(T, cfg.num_heads, cfg.head_dim)
         k_TKH = self.k_proj(x_TD).reshape(T, cfg.num_kv_heads, cfg.head_dim)
         v_TKH = self.v_proj(x_TD).reshape(T, cfg.num_kv_heads, cfg.head_dim)
@@ -72,6 +70,15 @@ class Attention(nnx.Module):
             q_TNH, k_TKH = self.q_norm(q_TNH), self.k_norm(k_TKH)
         # RoPE of q and k and the K/V cache write (one fused launch when LMJAX_KV_WRITE_IMPL=kernel).
         q_TNH, cache = rope_and_write_kv(q_TNH, k_TKH, v_TKH, positions_T, cache, meta, cfg.rope)
+        return self._attend(q_TNH, cache, positions_T, meta, T)
+
+    def attend_qkv(self, qkv_TX, positions_T, cache: KVCache, meta: AttentionMetadata):
+        """Attention from the merged projection's output [q | k | v] (`merge_qkv`) on: RoPE and the KV
+        write, attention, o_proj."""
+        cfg, T = self.cfg, qkv_TX.shape[0]
+        qkv_TXH = qkv_TX.reshape(T, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)
+        q_TNH, cache = rope_and_write_kv_qkv(qkv_TXH, cfg.num_kv_heads, positions_T, cache, meta, cfg.rope,
+                                             shards=self.qkv_shards)
         return self._attend(q_TNH, cache, positions_T, meta, T)
 
     def _attend(self, q_TNH, cache: KVCache, positions_T, meta: AttentionMetadata, T: int):
@@ -113,15 +120,40 @@ class DecoderLayer(nnx.Module):
         self.self_attn = Attention(cfg, layer, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.mlp = MLP(cfg, dtype)
+        self.out_major = False  # set by to_out_major
+
+    def to_out_major(self) -> bool:
+        """Its merged q/k/v and gate/up, o and down as `OutMajorLinear`s (lmjax.layers.out_major), so that
+        a one-row step fuses each add + norm into the GEMV after it and SwiGLU into gate/up. Only float
+        layers without a bias, q/k/v and gate/up merged (in one block), no q/k norm. False when not."""
+        attn, mlp = self.self_attn, self.mlp
+        layers = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if not self.out_major and attn.qkv_shards == 1 and attn.q_norm is None \
+                and all(type(x) is Linear and x.bias is None for x in layers):
+            attn.qkv_proj, attn.o_proj = OutMajorLinear.from_linear(layers[0]), OutMajorLinear.from_linear(layers[1])
+            mlp.gate_up_proj, mlp.down_proj = OutMajorLinear.from_linear(layers[2]), OutMajorLinear.from_linear(layers[3])
+            self.out_major = True
+        return self.out_major
 
     def __call__(self, x_TD, residual_TD, positions_T, cache: KVCache, meta: AttentionMetadata):
         """(mlp_out_TD, residual_TD, cache): the layer's output is mlp_out + residual, left unsummed so
         that the next norm adds it (`RMSNorm.add_and_norm`, one fused launch when asked for).
         residual_TD None: x_TD is the whole hidden state (the first layer, or a layer run on its own)."""
+        if self.out_major:
+            return self._call_out_major(x_TD, residual_TD, positions_T, cache, meta)
         h_TD, residual_TD = self.input_layernorm.add_and_norm(x_TD, residual_TD)
         attn_TD, cache = self.self_attn(h_TD, positions_T, cache, meta)
         h_TD, residual_TD = self.post_attention_layernorm.add_and_norm(attn_TD, residual_TD)
         return self.mlp(h_TD), residual_TD, cache
+
+    def _call_out_major(self, x_TD, residual_TD, positions_T, cache: KVCache, meta: AttentionMetadata):
+        """The same layer over out-major weights: each norm rides in the projection after it."""
+        attn, mlp = self.self_attn, self.mlp
+        qkv_TX, residual_TD = attn.qkv_proj.project_normed(x_TD, residual_TD, self.input_layernorm)
+        attn_TD, cache = attn.attend_qkv(qkv_TX, positions_T, cache, meta)
+        act_TI, residual_TD = mlp.gate_up_proj.project_normed(attn_TD, residual_TD, self.post_attention_layernorm,
+                                                             swiglu=True)
+        return mlp.down_proj(act_TI), residual_TD, cache
 
 
 class Embedding(nnx.Module):
@@ -141,6 +173,7 @@ class LlamaForCausalLM(nnx.Module):
         self.layers = nnx.List([DecoderLayer(cfg, i, dtype) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype)
+        self.out_major = False  # set by to_out_major: the tied lm_head then takes the GEMV for few rows
 
     def __call__(self, ids_T, positions_T, caches: list[KVCache], meta: AttentionMetadata):
         x_TD, residual_TD = self.embed_tokens(ids_T), None
@@ -159,9 +192,25 @@ class LlamaForCausalLM(nnx.Module):
         """`MLP.merge_gate_up` in every layer (in place); returns how many layers merged."""
         return sum(layer.mlp.merge_gate_up() for layer in self.layers)
 
+    def to_out_major(self) -> int:
+        """`DecoderLayer.to_out_major` in every layer (in place; merge q/k/v and gate/up first), and the
+        lm_head; returns how many layers converted (none without merged q/k/v and gate/up everywhere)."""
+        if not all(layer.self_attn.qkv_proj is not None and layer.mlp.gate_up_proj is not None
+                   for layer in self.layers):
+            return 0
+        if not (self.lm_head is None or (type(self.lm_head) is Linear and self.lm_head.bias is None)):
+            return 0
+        converted = sum(layer.to_out_major() for layer in self.layers)
+        if self.lm_head is not None:
+            self.lm_head = OutMajorLinear.from_linear(self.lm_head)
+        self.out_major = True
+        return converted
+
     def compute_logits(self, hidden_XD) -> jax.Array:
         """float32 logits for the given rows of hidden states."""
-        if self.lm_head is None:
+        if self.lm_head is None and self.out_major:
+            logits_XV = out_major_logits(hidden_XD, self.embed_tokens.embedding[...])
+        elif self.lm_head is None:
             logits_XV = hidden_XD @ self.embed_tokens.embedding[...].T
         else:
             logits_XV = self.lm_head(hidden_XD)

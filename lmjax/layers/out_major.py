@@ -1,0 +1,74 @@
+"""Linear layers stored out-major, kernel [out, in] (torch's layout), for the one-row decode path.
+
+Why: at batch 1 a decode step is launch-bound, and XLA's GEMMs over [in, out] weights need a split-K
+reduction launch at one row, which keeps every RMSNorm, residual add and SwiGLU a launch of its own.
+Over an out-major weight, pallas_kernels/gemv_om.py reads whole output rows per program: no reduction
+launch, and the "add residual, then RMSNorm" before q/k/v and gate/up, and the SwiGLU after gate/up,
+fuse into the GEMV (`project_normed`). Rows above gemv_om.MAX_T take XLA's dot over the same weight
+(dot_general contracting both operands' last axes: cuBLAS / Triton read it transposed, no copy).
+
+The engine converts a loaded model once (`to_out_major`, LMJAX_DECODE_GEMV, on one GPU by default);
+checkpoints, the loaders and tensor-parallel sharding rules keep the [in, out] Linear.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from lmjax.env import env_choice
+from lmjax.layers.linear import Linear
+from lmjax.layers.norm import RMSNorm
+from pallas_kernels.gemv_om import MAX_T, gemv_om
+
+DECODE_GEMV_CHOICES = ("auto", "on", "off")
+
+
+def decode_gemv_mode(value: str | None = None) -> str:
+    """LMJAX_DECODE_GEMV: "auto" (on one GPU), "on" (also on CPU, the kernel in interpret mode: tests),
+    "off"."""
+    return env_choice("LMJAX_DECODE_GEMV", DECODE_GEMV_CHOICES, "auto", value, label="decode gemv")
+
+
+def gemv_rows(T: int) -> bool:
+    """Whether T rows go through the GEMV kernel (else XLA's dot)."""
+    return T <= MAX_T
+
+
+class OutMajorLinear(nnx.Module):
+    """y = x @ kernel.T, kernel [O, I], no bias (layers with a bias stay `Linear`)."""
+
+    def __init__(self, kernel_OI: jax.Array):
+        self.kernel = nnx.Param(kernel_OI)
+
+    @classmethod
+    def from_linear(cls, layer: Linear) -> OutMajorLinear:
+        """The same layer with its kernel transposed once (a new array on the same device)."""
+        if layer.bias is not None:
+            raise ValueError("OutMajorLinear takes layers without a bias")
+        return cls(jnp.asarray(layer.kernel[...]).T.copy())
+
+    def __call__(self, x_TI: jax.Array) -> jax.Array:
+        if gemv_rows(x_TI.shape[0]):
+            return gemv_om(x_TI, self.kernel[...])[0]
+        return jax.lax.dot_general(x_TI, self.kernel[...], (((1,), (1,)), ((), ())))
+
+    def project_normed(self, x_TI, residual_TI, norm: RMSNorm, *, swiglu: bool = False):
+        """(y, s): s = x + residual (x when residual is None), y = this layer over norm(s), SwiGLU'd
+        when `swiglu` (the kernel then holds [gate; up] rows). One launch for few rows."""
+        if gemv_rows(x_TI.shape[0]):
+            return gemv_om(x_TI, self.kernel[...], residual_TI=residual_TI, norm_weight_I=norm.weight[...],
+                           eps=norm.eps, swiglu=swiglu)
+        h_TI, s_TI = norm.add_and_norm(x_TI, residual_TI)
+        y_TO = self(h_TI)
+        if swiglu:
+            gate_TP, up_TP = jnp.split(y_TO, 2, axis=-1)
+            y_TO = jax.nn.silu(gate_TP) * up_TP
+        return y_TO, s_TI
+
+
+def out_major_logits(hidden_XD, embedding_VD):
+    """hidden @ embedding.T for a tied lm_head, the embedding being out-major already."""
+    if gemv_rows(hidden_XD.shape[0]):
+        return gemv_om(hidden_XD, embedding_VD)[0]
+    return jax.lax.dot_general(hidden_XD, embedding_VD, (((1,), (1,)), ((), ())))

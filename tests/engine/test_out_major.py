@@ -1,0 +1,49 @@
+"""Out-major weights (lmjax.layers.out_major; on one GPU by default, forced here with LMJAX_DECODE_GEMV=on
+so the GEMV kernel runs in interpret mode): the engine gives the greedy tokens and logprobs of the plain
+layers, through batches of 3 rows (XLA's dot over the out-major weight), 2 and 1 (the fused GEMV with
+the norm prologue and SwiGLU epilogue), and the tied lm_head's GEMV."""
+import logging
+
+import numpy as np
+import pytest
+
+from conftest import write_tiny_llama
+from lmjax import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny"), tie_word_embeddings=True)
+
+
+def _run(path, prompts, params):
+    llm = LLM(path, max_model_len=128, num_scheduler_steps=4, block_size=16)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return llm, [o.outputs[0] for o in outs]
+
+
+def test_out_major_engine_gives_the_plain_tokens(tiny, monkeypatch, caplog):
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(4, 256, n).tolist() for n in (5, 21, 12)]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, logprobs=1) for m in (6, 11, 17)]
+    monkeypatch.setenv("LMJAX_DECODE_GEMV", "off")
+    _, want = _run(tiny, prompts, params)
+    monkeypatch.setenv("LMJAX_DECODE_GEMV", "on")
+    with caplog.at_level(logging.INFO, logger="lmjax.engine"):
+        llm, got = _run(tiny, prompts, params)
+    messages = [r.getMessage() for r in caplog.records]
+    assert "out-major weights (one-row GEMV with fused norms) in 2 layers" in messages
+    assert llm.llm_engine.runner.min_decode_B == 1
+    batches = {m.split("B=")[1].split()[0] for m in messages if "step decode" in m}
+    assert {"1", "2", "4"} <= batches  # both paths: XLA's dot at 4 rows, the GEMV at 2 and 1
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    for g, w in zip(got, want):
+        lp_got = [d[t].logprob for d, t in zip(g.logprobs, g.token_ids)]
+        lp_want = [d[t].logprob for d, t in zip(w.logprobs, w.token_ids)]
+        np.testing.assert_allclose(lp_got, lp_want, rtol=1e-4, atol=1e-4)
+
+
+def test_bad_mode_is_named(tiny, monkeypatch):
+    monkeypatch.setenv("LMJAX_DECODE_GEMV", "yes")
+    with pytest.raises(ValueError, match="LMJAX_DECODE_GEMV / decode gemv='yes'"):
+        LLM(tiny, max_model_len=64)
