@@ -38,11 +38,13 @@ TUNABLES = ("rows", "block_k", "num_warps", "num_stages")
 MAX_T = 2  # the most tokens it takes: float32 FMA tiles, one accumulator a token
 
 
-def choose_config(I: int, P: int, swiglu: bool, rows=None, block_k=None, num_warps=4, num_stages=3) -> dict:
-    """R rows x BK columns a chunk: the session-11 probe's best at T = 1 (R 4, BK 1024 for the 1B q/k/v)
-    with the tile held to 4096 float32 elements a token (8192 with swiglu's two tiles)."""
-    block_k = block_k or min(1024 if not swiglu else 512, I & -I)  # largest power of two dividing I, capped
+def choose_config(I: int, P: int, swiglu: bool, rows=None, block_k=None, num_warps=None, num_stages=3) -> dict:
+    """R rows x BK columns a chunk. From `benchmarks/gemv_om_bench.py --sweep` (H200, 2026-11-24, 1B and
+    8B shapes; the best tiles differ by shape and most sit within 5% of each other): 4 rows, chunks of up
+    to 2048 columns (1024 with swiglu's two tiles), 8 warps for tiles of 8192 elements."""
+    block_k = block_k or min(1024 if swiglu else 2048, I & -I)  # largest power of two dividing I, capped
     rows = rows or min(4, P & -P)
+    num_warps = num_warps or (8 if rows * block_k >= 8192 else 4)
     return dict(rows=rows, block_k=block_k, num_warps=num_warps, num_stages=num_stages)
 
 
@@ -165,7 +167,8 @@ def gemv_om_reference(x_TI, w_OI, *, residual_TI=None, norm_weight_I=None, eps: 
         s32 = s_TI.astype(jnp.float32)
         normed = (s32 * jax.lax.rsqrt(jnp.mean(s32 * s32, axis=-1, keepdims=True) + eps)).astype(x_TI.dtype)
         x_TI = norm_weight_I * normed
-    y_TO = jax.lax.dot_general(x_TI, w_OI, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    y_TO = jax.lax.dot_general(x_TI, w_OI, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
+                               precision=jax.lax.Precision.HIGHEST)  # float32 as float32 (not tf32) on a GPU
     y_TO = y_TO.astype(x_TI.dtype)
     if swiglu:
         gate, up = jnp.split(y_TO, 2, axis=-1)

@@ -31,7 +31,7 @@ from lmjax.engine.decode_loop import DecodeInputs, decode_steps
 from lmjax.engine.scheduler import ScheduledBatch
 from lmjax.env import env_choice, env_int
 from lmjax.layers.attention import AttentionMetadata, cost_follows_context, kv_write_impl
-from lmjax.layers.out_major import OutMajorLinear, decode_gemv_mode
+from lmjax.layers.out_major import OutMajorLinear, out_major_wanted
 from lmjax.layers.quant import QuantLinear
 from lmjax.layers.sampler import SamplerOutput, SamplingFlags, SamplingRow, build_sampling_metadata, sample
 from lmjax.models.forward import make_kv_caches
@@ -79,10 +79,10 @@ def _merge_projections(model: nnx.Module, quant_policy: int, tp: int) -> None:
     """q/k/v as one weight when the fused RoPE + KV-write kernel will read its output whole (GPU,
     unquantized cache: `kv_write_impl`; under tp in per-device blocks, when every device holds whole KV
     heads), gate/up on one GPU (`merge_gate_up_enabled`); float or quantized weights. Under tp, XLA
-    already makes one GEMM of gate and up (2 x H200 profile, 2026-11-23). Then, on one device with
-    `decode_gemv_mode`, the merged layers out-major (lmjax.layers.out_major), which needs both merges."""
+    already makes one GEMM of gate and up (2 x H200 profile, 2026-11-23). Then, on one device where
+    `out_major_wanted`, the merged layers out-major (lmjax.layers.out_major), which needs both merges."""
     out_major = tp == 1 and quant_policy == 0 and hasattr(model, "to_out_major") and \
-        {"on": True, "off": False}.get(decode_gemv_mode(), jax.default_backend() == "gpu")
+        out_major_wanted(model.config.hidden_size)
     if quant_policy == 0 and (out_major or kv_write_impl(merged=True) == "kernel") and hasattr(model, "merge_qkv"):
         logger.info("merged the q/k/v projections of %d layers", model.merge_qkv(tp))
     if tp == 1 and (out_major or merge_gate_up_enabled()) and hasattr(model, "merge_gate_up"):

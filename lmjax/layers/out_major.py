@@ -7,7 +7,7 @@ launch, and the "add residual, then RMSNorm" before q/k/v and gate/up, and the S
 fuse into the GEMV (`project_normed`). Rows above gemv_om.MAX_T take XLA's dot over the same weight
 (dot_general contracting both operands' last axes: cuBLAS / Triton read it transposed, no copy).
 
-The engine converts a loaded model once (`to_out_major`, LMJAX_DECODE_GEMV, on one GPU by default);
+The engine converts a loaded model once (`to_out_major`; LMJAX_DECODE_GEMV, `out_major_wanted`);
 checkpoints, the loaders and tensor-parallel sharding rules keep the [in, out] Linear.
 """
 from __future__ import annotations
@@ -24,10 +24,23 @@ from pallas_kernels.gemv_om import MAX_T, gemv_om
 DECODE_GEMV_CHOICES = ("auto", "on", "off")
 
 
+# "auto" converts models up to this hidden size: the small weights of a 1B step are where XLA's one-row
+# GEMMs and their neighbouring launches lose most (H200, 2026-11-24: 1B faster, 8B slower, BENCHMARKS.md).
+AUTO_MAX_HIDDEN = 2048
+
+
 def decode_gemv_mode(value: str | None = None) -> str:
-    """LMJAX_DECODE_GEMV: "auto" (on one GPU), "on" (also on CPU, the kernel in interpret mode: tests),
-    "off"."""
+    """LMJAX_DECODE_GEMV: "auto", "on" (also on CPU, the kernel in interpret mode: tests), "off"."""
     return env_choice("LMJAX_DECODE_GEMV", DECODE_GEMV_CHOICES, "auto", value, label="decode gemv")
+
+
+def out_major_wanted(hidden_size: int, value: str | None = None) -> bool:
+    """Whether the engine converts a model (one device, float KV cache): "on", or "auto" on a GPU for
+    hidden sizes up to AUTO_MAX_HIDDEN."""
+    mode = decode_gemv_mode(value)
+    if mode == "auto":
+        return jax.default_backend() == "gpu" and hidden_size <= AUTO_MAX_HIDDEN
+    return mode == "on"
 
 
 def gemv_rows(T: int) -> bool:
