@@ -64,7 +64,7 @@ def om_fn(fused: str | None, config: dict):
 
 def sweep_configs(I: int, O: int):
     yield {}
-    for rows, block_k, warps in itertools.product((2, 4, 8, 16), (256, 512, 1024, 2048), (4, 8)):
+    for rows, block_k, warps in itertools.product((2, 4, 8, 16, 32), (128, 256, 512, 1024, 2048), (4, 8)):
         if O % rows == 0 and I % block_k == 0 and rows * block_k <= 16384:
             yield dict(rows=rows, block_k=block_k, num_warps=warps)
 
@@ -105,12 +105,15 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.2-1b")
     p.add_argument("--sweep", action="store_true", help="also try the tilings of sweep_configs")
+    p.add_argument("--proj", nargs="*", default=None, help="only these projections (qkv o gate_up down lm_head)")
     args = p.parse_args()
     print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}, {args.shape}")
     print("| proj | I x O | fused | XLA T=1 | XLA T=4 | gemv_om default | best | best config | GB/s | err |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     totals = {"xla_T1_us": 0.0, "xla_T4_us": 0.0, "default_us": 0.0, "best_us": 0.0}
     for name, I, O, fused in projections(args.shape):
+        if args.proj is not None and name not in args.proj:
+            continue
         r = run_projection(name, I, O, fused, args)
         for k in totals:
             totals[k] += r[k]

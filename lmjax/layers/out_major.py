@@ -78,10 +78,3 @@ class OutMajorLinear(nnx.Module):
             gate_TP, up_TP = jnp.split(y_TO, 2, axis=-1)
             y_TO = jax.nn.silu(gate_TP) * up_TP
         return y_TO, s_TI
-
-
-def out_major_logits(hidden_XD, embedding_VD):
-    """hidden @ embedding.T for a tied lm_head, the embedding being out-major already."""
-    if gemv_rows(hidden_XD.shape[0]):
-        return gemv_om(hidden_XD, embedding_VD)[0]
-    return jax.lax.dot_general(hidden_XD, embedding_VD, (((1,), (1,)), ((), ())))

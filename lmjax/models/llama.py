@@ -25,7 +25,7 @@ from lmjax.layers.attention import AttentionMetadata, paged_attention, rope_and_
 from lmjax.layers.linear import Linear
 from lmjax.layers.merge import merge_linears
 from lmjax.layers.norm import RMSNorm
-from lmjax.layers.out_major import OutMajorLinear, out_major_logits
+from lmjax.layers.out_major import OutMajorLinear
 from lmjax.layers.rope import logn_scale_T
 from lmjax.models.config import ModelConfig
 
@@ -173,7 +173,6 @@ class LlamaForCausalLM(nnx.Module):
         self.layers = nnx.List([DecoderLayer(cfg, i, dtype) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype)
-        self.out_major = False  # set by to_out_major: the tied lm_head then takes the GEMV for few rows
 
     def __call__(self, ids_T, positions_T, caches: list[KVCache], meta: AttentionMetadata):
         x_TD, residual_TD = self.embed_tokens(ids_T), None
@@ -193,24 +192,17 @@ class LlamaForCausalLM(nnx.Module):
         return sum(layer.mlp.merge_gate_up() for layer in self.layers)
 
     def to_out_major(self) -> int:
-        """`DecoderLayer.to_out_major` in every layer (in place; merge q/k/v and gate/up first), and the
-        lm_head; returns how many layers converted (none without merged q/k/v and gate/up everywhere)."""
+        """`DecoderLayer.to_out_major` in every layer (in place; merge q/k/v and gate/up first); returns
+        how many layers converted. The lm_head stays: XLA's one-row GEMM over it already streams at the
+        copy rate (H200, 2026-11-24: 1B 117.6 us vs the GEMV kernel's 122, benchmarks/gemv_om_bench.py)."""
         if not all(layer.self_attn.qkv_proj is not None and layer.mlp.gate_up_proj is not None
                    for layer in self.layers):
             return 0
-        if not (self.lm_head is None or (type(self.lm_head) is Linear and self.lm_head.bias is None)):
-            return 0
-        converted = sum(layer.to_out_major() for layer in self.layers)
-        if self.lm_head is not None:
-            self.lm_head = OutMajorLinear.from_linear(self.lm_head)
-        self.out_major = True
-        return converted
+        return sum(layer.to_out_major() for layer in self.layers)
 
     def compute_logits(self, hidden_XD) -> jax.Array:
         """float32 logits for the given rows of hidden states."""
-        if self.lm_head is None and self.out_major:
-            logits_XV = out_major_logits(hidden_XD, self.embed_tokens.embedding[...])
-        elif self.lm_head is None:
+        if self.lm_head is None:
             logits_XV = hidden_XD @ self.embed_tokens.embedding[...].T
         else:
             logits_XV = self.lm_head(hidden_XD)

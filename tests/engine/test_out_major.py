@@ -1,7 +1,7 @@
 """Out-major weights (lmjax.layers.out_major; on one GPU by default, forced here with LMJAX_DECODE_GEMV=on
 so the GEMV kernel runs in interpret mode): the engine gives the greedy tokens and logprobs of the plain
 layers, through batches of 3 rows (XLA's dot over the out-major weight), 2 and 1 (the fused GEMV with
-the norm prologue and SwiGLU epilogue), and the tied lm_head's GEMV."""
+the norm prologue and SwiGLU epilogue)."""
 import logging
 
 import numpy as np
