@@ -47,3 +47,22 @@ def test_bad_mode_is_named(tiny, monkeypatch):
     monkeypatch.setenv("LMJAX_DECODE_GEMV", "yes")
     with pytest.raises(ValueError, match="LMJAX_DECODE_GEMV / decode gemv='yes'"):
         LLM(tiny, max_model_len=64)
+
+
+def test_to_out_major_converts_plain_layers_only(tiny, tmp_path):
+    """Transposed copies of exactly the merged weights; layers with a bias (Llama's attention_bias) stay."""
+    from lmjax.layers.out_major import OutMajorLinear
+    from lmjax.loader.model_loader import load_model
+
+    model = load_model(tiny, "float32").model
+    assert model.to_out_major() == 0  # nothing merged yet
+    model.merge_qkv(), model.merge_gate_up()
+    qkv_IO = np.asarray(model.layers[0].self_attn.qkv_proj.kernel[...])
+    assert model.to_out_major() == len(model.layers)
+    layer = model.layers[0]
+    assert isinstance(layer.mlp.down_proj, OutMajorLinear) and isinstance(layer.self_attn.o_proj, OutMajorLinear)
+    np.testing.assert_array_equal(np.asarray(layer.self_attn.qkv_proj.kernel[...]), qkv_IO.T)
+
+    biased = load_model(write_tiny_llama(tmp_path / "bias", attention_bias=True), "float32").model
+    biased.merge_qkv(), biased.merge_gate_up()
+    assert biased.to_out_major() == 0 and not any(layer.out_major for layer in biased.layers)
