@@ -16,9 +16,10 @@ whatever the row needs before or after its dot fits in the same program:
   GEMM outputs are.
 
 Products and sums are float32 FMA over [R, BK] tiles (T accumulators: each token reuses the tile); the
-output is rounded once. Measured alone (H200, session 11 probe of this loop): 1B q/k/v 4.9 us vs XLA's
-5.5 in the step, a 1B layer's four GEMVs 37.3 us vs 37.9. For T >= 4 rows use a dot (XLA): the FMA tiles
-are 2-2.5x slower there.
+output is rounded once. Measured (H200, 2026-11-24, benchmarks/gemv_om_bench.py, BENCHMARKS.md session
+12): 1B q/k/v with add + norm 5.6 us where XLA's add, norm and 4-row GEMM take 11.8; o 3.9 vs 9.1; gate/up
+with add + norm + SwiGLU 19.3 vs 20.6; down 10.2 vs 10.0. On the 8B shape XLA's GEMMs are faster. Above
+MAX_T rows use a dot (XLA): these FMA tiles are 2-2.5x slower at 4 rows.
 
 Shape letters: T tokens, I input, O output rows (of w), P output columns (O, or O / 2 with swiglu),
 R rows a program, BK columns a chunk.

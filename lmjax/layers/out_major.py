@@ -59,7 +59,7 @@ class OutMajorLinear(nnx.Module):
         """The same layer with its kernel transposed once (a new array on the same device)."""
         if layer.bias is not None:
             raise ValueError("OutMajorLinear takes layers without a bias")
-        return cls(jnp.asarray(layer.kernel[...]).T.copy())
+        return cls(jnp.asarray(layer.kernel[...]).T)
 
     def __call__(self, x_TI: jax.Array) -> jax.Array:
         if gemv_rows(x_TI.shape[0]):
