@@ -66,3 +66,28 @@ def test_to_out_major_converts_plain_layers_only(tiny, tmp_path):
     biased = load_model(write_tiny_llama(tmp_path / "bias", attention_bias=True), "float32").model
     biased.merge_qkv(), biased.merge_gate_up()
     assert biased.to_out_major() == 0 and not any(layer.out_major for layer in biased.layers)
+
+
+def test_auto_policy_is_small_models_on_gpu(monkeypatch):
+    from lmjax.layers import out_major
+
+    monkeypatch.delenv("LMJAX_DECODE_GEMV", raising=False)
+    assert not out_major.out_major_wanted(2048)  # CPU
+    monkeypatch.setattr(out_major.jax, "default_backend", lambda: "gpu")
+    assert out_major.out_major_wanted(2048) and not out_major.out_major_wanted(4096)
+    assert out_major.out_major_wanted(4096, "on") and not out_major.out_major_wanted(576, "off")
+
+
+def test_out_major_layers_decode_one_row(monkeypatch):
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from lmjax.engine import model_runner
+    from lmjax.layers.out_major import OutMajorLinear
+
+    class _Model(nnx.Module):
+        def __init__(self):
+            self.proj = OutMajorLinear(jnp.zeros((8, 8)))
+
+    monkeypatch.delenv("LMJAX_DECODE_BATCH_FLOOR", raising=False)
+    assert model_runner.decode_batch_floor(_Model()) == 1
