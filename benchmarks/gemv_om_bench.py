@@ -23,6 +23,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.kernels_common import bench  # noqa: E402
+from pallas_kernels.add_rms_norm import add_rms_norm_reference  # noqa: E402
 from pallas_kernels.gemv_om import gemv_om, gemv_om_reference  # noqa: E402
 
 SHAPES = {  # D, q heads, kv heads, head dim, intermediate, vocab
@@ -42,9 +43,7 @@ def xla_fn(fused: str | None):
     """The unfused XLA ops over w_IO for a list of weights."""
     def one(x, res, g, w_IO):
         if fused is not None:
-            s = x + res
-            s32 = s.astype(jnp.float32)
-            x = g * (s32 * jax.lax.rsqrt(jnp.mean(s32 * s32, -1, keepdims=True) + 1e-5)).astype(x.dtype)
+            x, _ = add_rms_norm_reference(x, res, g, 1e-5)
         y = x @ w_IO
         if fused == "swiglu":
             gate, up = jnp.split(y, 2, axis=-1)

@@ -38,7 +38,7 @@ from random_model import SHAPES  # noqa: E402
 from lmjax import parallel  # noqa: E402
 from lmjax.config import SamplingParams  # noqa: E402
 from lmjax.engine.decode_loop import DecodeInputs  # noqa: E402
-from lmjax.engine.model_runner import ModelRunner, StepInputs, bucket, decode_batch_floor  # noqa: E402
+from lmjax.engine.model_runner import ModelRunner, StepInputs, bucket  # noqa: E402
 from lmjax.layers.attention import AttentionMetadata  # noqa: E402
 from lmjax.layers.quant import QuantSpec, quantize_model  # noqa: E402
 from lmjax.layers.sampler import SamplingRow, build_sampling_metadata  # noqa: E402
@@ -74,12 +74,17 @@ def random_model(shape: str, dtype, tp: int):
     return nnx.merge(graphdef, nnx.from_flat_state(flat)), cfg
 
 
-def decode_inputs(context: int, block_size: int, vocab: int, model=None):
-    """Numpy StepInputs for one decode token of one sequence at position context - 1 (T padded as build_inputs
-    pads; B as the multi-step decode call pads, which time_multi_step reuses)."""
-    T, B = bucket(1, 16), bucket(1, decode_batch_floor(model))
+def context_blocks(context: int, block_size: int) -> tuple[int, int]:
+    """(cache blocks the sequence holds, block-table width M)."""
     blocks = -(-context // block_size)
-    M = bucket(blocks, 1)
+    return blocks, bucket(blocks, 1)
+
+
+def decode_inputs(context: int, block_size: int, vocab: int, min_decode_B: int):
+    """Numpy StepInputs for one decode token of one sequence at position context - 1 (T padded as build_inputs
+    pads; B as the multi-step decode call pads (the runner's `min_decode_B`), which time_multi_step reuses)."""
+    T, B = bucket(1, 16), bucket(1, min_decode_B)
+    blocks, M = context_blocks(context, block_size)
     table = np.zeros((B, M), np.int32)
     table[0, :blocks] = np.arange(1, blocks + 1)
     pos = context - 1
@@ -93,7 +98,7 @@ def decode_inputs(context: int, block_size: int, vocab: int, model=None):
     attn = AttentionMetadata(slot_mapping_T=slots, seq_lens_T=seq_lens, kv_lens_B=kv_lens, block_tables_BM=table,
                              cu_q_lens_B1=cu)
     return StepInputs(ids_T=ids, positions_T=positions, attn=attn, last_rows_B=np.zeros(B, np.int32),
-                      next_ids_T=np.full(T, -1, np.int32)), blocks + 1
+                      next_ids_T=np.full(T, -1, np.int32))
 
 
 def time_multi_step(runner, caches, inputs: StepInputs, smeta, flags, args):
@@ -141,10 +146,9 @@ def bench(args, tp: int) -> dict:
         quantize_model(model, QuantSpec(args.quant))
     jax.block_until_ready(nnx.state(model))
     load_s = time.perf_counter() - t0
-    inputs, num_blocks = decode_inputs(args.context, args.block_size, cfg.vocab_size, model)
-    runner = ModelRunner(model, num_blocks, args.block_size, 1, 1, inputs.attn.block_tables_BM.shape[1], dtype)
-    # Again: the runner may have made layers out-major (in place), whose decode call runs one row.
-    inputs, _ = decode_inputs(args.context, args.block_size, cfg.vocab_size, model)
+    blocks, M = context_blocks(args.context, args.block_size)
+    runner = ModelRunner(model, blocks + 1, args.block_size, 1, 1, M, dtype)  # + the sink block 0
+    inputs = decode_inputs(args.context, args.block_size, cfg.vocab_size, runner.min_decode_B)
     smeta, flags = build_sampling_metadata([SamplingRow(SamplingParams(temperature=0), seed=0)],
                                            pad_to=inputs.last_rows_B.shape[0])
     inputs, smeta = parallel.replicate((inputs, smeta), runner.mesh) if runner.mesh is not None \

@@ -34,6 +34,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels._pallas_util import _on_gpu, _triton_compiler_params
 from pallas_kernels._validate import is_power_of_two, require
+from pallas_kernels.add_rms_norm import add_rms_norm_reference
 
 TUNABLES = ("rows", "block_k", "num_warps", "num_stages")
 MAX_T = 2  # the most tokens it takes: float32 FMA tiles, one accumulator a token
@@ -166,10 +167,7 @@ def gemv_om_reference(x_TI, w_OI, *, residual_TI=None, norm_weight_I=None, eps: 
     """The unfused computation in jnp, the roundings of lmjax's RMSNorm, GEMM and SwiGLU."""
     s_TI = None
     if norm_weight_I is not None:
-        s_TI = x_TI if residual_TI is None else x_TI + residual_TI
-        s32 = s_TI.astype(jnp.float32)
-        normed = (s32 * jax.lax.rsqrt(jnp.mean(s32 * s32, axis=-1, keepdims=True) + eps)).astype(x_TI.dtype)
-        x_TI = norm_weight_I * normed
+        x_TI, s_TI = add_rms_norm_reference(x_TI, residual_TI, norm_weight_I, eps)
     y_TO = jax.lax.dot_general(x_TI, w_OI, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
                                precision=jax.lax.Precision.HIGHEST)  # float32 as float32 (not tf32) on a GPU
     y_TO = y_TO.astype(x_TI.dtype)

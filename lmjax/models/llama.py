@@ -120,7 +120,11 @@ class DecoderLayer(nnx.Module):
         self.self_attn = Attention(cfg, layer, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.mlp = MLP(cfg, dtype)
-        self.out_major = False  # set by to_out_major
+
+    @property
+    def out_major(self) -> bool:
+        """Whether `to_out_major` converted this layer."""
+        return isinstance(self.self_attn.qkv_proj, OutMajorLinear)
 
     def to_out_major(self) -> bool:
         """Its merged q/k/v and gate/up, o and down as `OutMajorLinear`s (lmjax.layers.out_major), so that
@@ -132,7 +136,6 @@ class DecoderLayer(nnx.Module):
                 and all(type(x) is Linear and x.bias is None for x in layers):
             attn.qkv_proj, attn.o_proj = OutMajorLinear.from_linear(layers[0]), OutMajorLinear.from_linear(layers[1])
             mlp.gate_up_proj, mlp.down_proj = OutMajorLinear.from_linear(layers[2]), OutMajorLinear.from_linear(layers[3])
-            self.out_major = True
         return self.out_major
 
     def __call__(self, x_TD, residual_TD, positions_T, cache: KVCache, meta: AttentionMetadata):
@@ -195,9 +198,6 @@ class LlamaForCausalLM(nnx.Module):
         """`DecoderLayer.to_out_major` in every layer (in place; merge q/k/v and gate/up first); returns
         how many layers converted. The lm_head stays: XLA's one-row GEMM over it already streams at the
         copy rate (H200, 2026-11-24: 1B 117.6 us vs the GEMV kernel's 122, benchmarks/gemv_om_bench.py)."""
-        if not all(layer.self_attn.qkv_proj is not None and layer.mlp.gate_up_proj is not None
-                   for layer in self.layers):
-            return 0
         return sum(layer.to_out_major() for layer in self.layers)
 
     def compute_logits(self, hidden_XD) -> jax.Array:
