@@ -85,39 +85,37 @@ def _sum_chunk(x_ref, res_ref, t, cols, dtype):
     return x if res_ref is None else (x.astype(jnp.float32) + res_ref[t, cols].astype(jnp.float32)).astype(dtype)
 
 
-def _kernel(*refs, T, I, P, R, BK, eps, norm, has_residual, swiglu):
-    it = iter(refs)
-    x_ref = next(it)
-    res_ref = next(it) if has_residual else None
-    g_ref = next(it) if norm else None
-    w_ref, o_ref = next(it), next(it)
-    s_ref = next(it) if norm else None
-    dtype, p, iters = x_ref.dtype, pl.program_id(0), I // BK
+def norm_rstd_T(x_ref, res_ref, s_ref, *, p, T, I, BK, eps):
+    """The prologue's first pass: 1 / rms of s = x + residual per token, float32 (a list of T scalars).
+    Program 0 also stores s into s_ref (the new residual stream)."""
+    dtype = x_ref.dtype
 
-    r_T = [None] * T
-    if norm:  # first pass: sum of squares of s (program 0 also stores s, the new residual)
-        def squares(i, acc_T):
-            cols = pl.ds(pl.multiple_of(i * BK, BK), BK)
-            out = []
-            for t in range(T):
-                s = _sum_chunk(x_ref, res_ref, t, cols, dtype)
+    def squares(i, acc_T):
+        cols = pl.ds(pl.multiple_of(i * BK, BK), BK)
+        out = []
+        for t in range(T):
+            s = _sum_chunk(x_ref, res_ref, t, cols, dtype)
 
-                @pl.when(p == 0)
-                def _():
-                    s_ref[t, cols] = s.astype(s_ref.dtype)
+            @pl.when(p == 0)
+            def _():
+                s_ref[t, cols] = s.astype(s_ref.dtype)
 
-                s32 = s.astype(jnp.float32)
-                out.append(acc_T[t] + s32 * s32)
-            return tuple(out)
+            s32 = s.astype(jnp.float32)
+            out.append(acc_T[t] + s32 * s32)
+        return tuple(out)
 
-        ss_T = jax.lax.fori_loop(0, iters, squares, tuple(jnp.zeros((BK,), jnp.float32) for _ in range(T)))
-        r_T = [jax.lax.rsqrt(jnp.sum(ss) / I + eps) for ss in ss_T]
+    ss_T = jax.lax.fori_loop(0, I // BK, squares, tuple(jnp.zeros((BK,), jnp.float32) for _ in range(T)))
+    return [jax.lax.rsqrt(jnp.sum(ss) / I + eps) for ss in ss_T]
 
-    row_blocks = [pl.ds(p * R, R)] + ([pl.ds(P + p * R, R)] if swiglu else [])
+
+def dot_row_blocks(x_ref, res_ref, g_ref, w_ref, row_blocks, r_T, *, T, I, BK):
+    """float32 [R, BK] accumulators of w[rows] times each token's x (normed when g_ref is given: r_T
+    from `norm_rstd_T`), T of them per row block, block-major; the caller sums them over BK."""
+    dtype = x_ref.dtype
 
     def body(i, acc):
         cols = pl.ds(pl.multiple_of(i * BK, BK), BK)
-        x_T = [(_normed_chunk(x_ref, res_ref, g_ref, t, cols, r_T[t], dtype) if norm
+        x_T = [(_normed_chunk(x_ref, res_ref, g_ref, t, cols, r_T[t], dtype) if g_ref is not None
                 else x_ref[t, cols].astype(jnp.float32)) for t in range(T)]
         out = []
         for b, rows in enumerate(row_blocks):
@@ -125,8 +123,22 @@ def _kernel(*refs, T, I, P, R, BK, eps, norm, has_residual, swiglu):
             out += [acc[b * T + t] + w * x_T[t][None, :] for t in range(T)]
         return tuple(out)
 
+    R = row_blocks[0].size
     zeros = tuple(jnp.zeros((R, BK), jnp.float32) for _ in range(T * len(row_blocks)))
-    acc = jax.lax.fori_loop(0, iters, body, zeros)
+    return jax.lax.fori_loop(0, I // BK, body, zeros)
+
+
+def _kernel(*refs, T, I, P, R, BK, eps, norm, has_residual, swiglu):
+    it = iter(refs)
+    x_ref = next(it)
+    res_ref = next(it) if has_residual else None
+    g_ref = next(it) if norm else None
+    w_ref, o_ref = next(it), next(it)
+    s_ref = next(it) if norm else None
+    dtype, p = x_ref.dtype, pl.program_id(0)
+    r_T = norm_rstd_T(x_ref, res_ref, s_ref, p=p, T=T, I=I, BK=BK, eps=eps) if norm else [None] * T
+    row_blocks = [pl.ds(p * R, R)] + ([pl.ds(P + p * R, R)] if swiglu else [])
+    acc = dot_row_blocks(x_ref, res_ref, g_ref, w_ref, row_blocks, r_T, T=T, I=I, BK=BK)
     for t in range(T):
         y = jnp.sum(acc[t], axis=1).astype(dtype)
         if swiglu:  # gate and up rounded as the GEMM outputs are, then one rounding of silu(gate) * up

@@ -31,6 +31,7 @@ from lmjax import parallel
 from lmjax.env import env_choice
 from lmjax.layers.quant import QuantKV, paged_attention_quant, quant_kv_spec, write_kv_quant
 from lmjax.layers.rope import apply_rope
+from pallas_kernels.gemv_om import MAX_T as GEMV_MAX_T
 from pallas_kernels.ragged_paged_attention import IMPLS as ATTENTION_IMPLS
 from pallas_kernels.ragged_paged_attention import PREFILL_IMPLS, ragged_paged_attention
 from pallas_kernels.rope import RopeSpec, inv_freq_TF
@@ -127,6 +128,16 @@ def rope_and_write_kv_qkv(qkv_TXH, num_kv_heads: int, positions_T, cache, meta: 
     if tp > 1:  # outside shard_map only the XLA path shards (GSPMD); the kernel would see global arrays
         impl = "reference"
     return _write_merged(qkv_TXH, positions_T, cache, meta, num_kv_heads=num_kv_heads, spec=spec, impl=impl)
+
+
+def qkv_gemv_takes_rope(cache, spec: RopeSpec, num_kv_heads: int, head_dim: int, T: int) -> bool:
+    """Whether an out-major q/k/v GEMV of T rows also does RoPE and the KV write (pallas_kernels.gemv_om_qkv):
+    where the fused RoPE + KV-write kernel would run (`kv_write_impl`, merged), on a float cache with one
+    head per KV head, full rotary, no tp mesh; LMJAX_QKV_ROPE_FUSION=off keeps them apart (A/B runs)."""
+    k_cache = cache[0]
+    wanted = env_choice("LMJAX_QKV_ROPE_FUSION", ("auto", "off"), "auto", label="qkv rope fusion") == "auto"
+    return (wanted and T <= GEMV_MAX_T and kv_write_impl(merged=True) == "kernel" and not isinstance(k_cache, QuantKV)
+            and _mesh_tp()[1] <= 1 and k_cache.shape[2] == num_kv_heads and spec.rotary_dim == head_dim)
 
 
 def unshard_qkv(qkv_TXH, num_kv_heads: int, shards: int):

@@ -4,7 +4,8 @@ Why: at batch 1 a decode step is launch-bound, and XLA's GEMMs over [in, out] we
 reduction launch at one row, which keeps every RMSNorm, residual add and SwiGLU a launch of its own.
 Over an out-major weight, pallas_kernels/gemv_om.py reads whole output rows per program: no reduction
 launch, and the "add residual, then RMSNorm" before q/k/v and gate/up, and the SwiGLU after gate/up,
-fuse into the GEMV (`project_normed`). Rows above gemv_om.MAX_T take XLA's dot over the same weight
+fuse into the GEMV (`project_normed`); the q/k/v GEMV also takes RoPE and the KV-cache write
+(`project_qkv_rope`, pallas_kernels/gemv_om_qkv.py). Rows above gemv_om.MAX_T take XLA's dot over the same weight
 (dot_general contracting both operands' last axes: cuBLAS / Triton read it transposed, no copy).
 
 The engine converts a loaded model once (`to_out_major`; LMJAX_DECODE_GEMV, `out_major_wanted`);
@@ -20,6 +21,7 @@ from lmjax.env import env_choice
 from lmjax.layers.linear import Linear
 from lmjax.layers.norm import RMSNorm
 from pallas_kernels.gemv_om import MAX_T, gemv_om
+from pallas_kernels.gemv_om_qkv import gemv_om_qkv
 
 DECODE_GEMV_CHOICES = ("auto", "on", "off")
 
@@ -78,3 +80,14 @@ class OutMajorLinear(nnx.Module):
             gate_TP, up_TP = jnp.split(y_TO, 2, axis=-1)
             y_TO = jax.nn.silu(gate_TP) * up_TP
         return y_TO, s_TI
+
+    def project_qkv_rope(self, x_TI, residual_TI, norm: RMSNorm, *, num_kv_heads: int, head_dim: int, positions_T,
+                         inv_freq_TF, attention_scaling: float, cache, slot_mapping_T):
+        """(q_TNH, cache, s): this merged q/k/v layer over norm(x + residual), q and k rotated, k and v
+        written into the float cache at their slots, in one launch (<= MAX_T rows, full rotary)."""
+        q_TNH, k_cache, v_cache, s_TI = gemv_om_qkv(
+            x_TI, self.kernel[...], residual_TI=residual_TI, norm_weight_I=norm.weight[...], eps=norm.eps,
+            num_kv_heads=num_kv_heads, head_dim=head_dim, positions_T=positions_T, inv_freq_TF=inv_freq_TF,
+            attention_scaling=attention_scaling, k_cache_PSKH=cache[0], v_cache_PSKH=cache[1],
+            slot_mapping_T=slot_mapping_T)
+        return q_TNH, (k_cache, v_cache), s_TI

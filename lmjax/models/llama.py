@@ -21,12 +21,18 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from lmjax.layers.attention import AttentionMetadata, paged_attention, rope_and_write_kv, rope_and_write_kv_qkv
+from lmjax.layers.attention import (
+    AttentionMetadata,
+    paged_attention,
+    qkv_gemv_takes_rope,
+    rope_and_write_kv,
+    rope_and_write_kv_qkv,
+)
 from lmjax.layers.linear import Linear
 from lmjax.layers.merge import merge_linears
 from lmjax.layers.norm import RMSNorm
 from lmjax.layers.out_major import OutMajorLinear
-from lmjax.layers.rope import logn_scale_T
+from lmjax.layers.rope import inv_freq_TF, logn_scale_T
 from lmjax.models.config import ModelConfig
 
 KVCache = tuple[jax.Array, jax.Array]  # (k_PSKH, v_PSKH) of one layer
@@ -80,6 +86,22 @@ class Attention(nnx.Module):
         q_TNH, cache = rope_and_write_kv_qkv(qkv_TXH, cfg.num_kv_heads, positions_T, cache, meta, cfg.rope,
                                              shards=self.qkv_shards)
         return self._attend(q_TNH, cache, positions_T, meta, T)
+
+    def attend_normed(self, x_TD, residual_TD, norm: RMSNorm, positions_T, cache: KVCache, meta: AttentionMetadata):
+        """Out-major layers (`DecoderLayer.to_out_major`): (out_TD, new residual, cache) of attention over
+        norm(x + residual), the add and norm in the q/k/v GEMV's launch, and RoPE with the KV write too
+        where `qkv_gemv_takes_rope` allows."""
+        cfg, T = self.cfg, x_TD.shape[0]
+        if not qkv_gemv_takes_rope(cache, cfg.rope, cfg.num_kv_heads, cfg.head_dim, T):
+            qkv_TX, residual_TD = self.qkv_proj.project_normed(x_TD, residual_TD, norm)
+            out_TD, cache = self.attend_qkv(qkv_TX, positions_T, cache, meta)
+            return out_TD, residual_TD, cache
+        q_TNH, cache, residual_TD = self.qkv_proj.project_qkv_rope(
+            x_TD, residual_TD, norm, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, positions_T=positions_T,
+            inv_freq_TF=inv_freq_TF(cfg.rope, meta.seq_lens_T), attention_scaling=cfg.rope.attention_scaling,
+            cache=cache, slot_mapping_T=meta.slot_mapping_T)
+        out_TD, cache = self._attend(q_TNH, cache, positions_T, meta, T)
+        return out_TD, residual_TD, cache
 
     def _attend(self, q_TNH, cache: KVCache, positions_T, meta: AttentionMetadata, T: int):
         cfg, (k_cache, v_cache) = self.cfg, cache
@@ -152,8 +174,8 @@ class DecoderLayer(nnx.Module):
     def _call_out_major(self, x_TD, residual_TD, positions_T, cache: KVCache, meta: AttentionMetadata):
         """The same layer over out-major weights: each norm rides in the projection after it."""
         attn, mlp = self.self_attn, self.mlp
-        qkv_TX, residual_TD = attn.qkv_proj.project_normed(x_TD, residual_TD, self.input_layernorm)
-        attn_TD, cache = attn.attend_qkv(qkv_TX, positions_T, cache, meta)
+        attn_TD, residual_TD, cache = attn.attend_normed(x_TD, residual_TD, self.input_layernorm, positions_T, cache,
+                                                         meta)
         act_TI, residual_TD = mlp.gate_up_proj.project_normed(attn_TD, residual_TD, self.post_attention_layernorm,
                                                              swiglu=True)
         return mlp.down_proj(act_TI), residual_TD, cache

@@ -1,7 +1,8 @@
 """Out-major weights (lmjax.layers.out_major; on one GPU by default, forced here with LMJAX_DECODE_GEMV=on
 so the GEMV kernel runs in interpret mode): the engine gives the greedy tokens and logprobs of the plain
 layers, through batches of 3 rows (XLA's dot over the out-major weight), 2 and 1 (the fused GEMV with
-the norm prologue and SwiGLU epilogue)."""
+the norm prologue and SwiGLU epilogue, and in the q/k/v GEMV RoPE with the KV write when that
+kernel path is asked for)."""
 import logging
 
 import numpy as np
@@ -9,6 +10,7 @@ import pytest
 
 from conftest import write_tiny_llama
 from lmjax import LLM, SamplingParams
+from pallas_kernels.gemv_om_qkv import gemv_om_qkv
 
 
 @pytest.fixture(scope="module")
@@ -22,13 +24,21 @@ def _run(path, prompts, params):
     return llm, [o.outputs[0] for o in outs]
 
 
-def test_out_major_engine_gives_the_plain_tokens(tiny, monkeypatch, caplog):
+@pytest.mark.parametrize("kv_write", ["reference", "kernel"])
+def test_out_major_engine_gives_the_plain_tokens(tiny, kv_write, monkeypatch, caplog):
+    """kv_write "kernel": RoPE and the KV write ride in the q/k/v GEMV (pallas_kernels.gemv_om_qkv), as
+    on a GPU; "reference": the GEMV, then RoPE and the write in XLA."""
+    from lmjax.layers import out_major
+
     rng = np.random.default_rng(7)
     prompts = [rng.integers(4, 256, n).tolist() for n in (5, 21, 12)]
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, logprobs=1) for m in (6, 11, 17)]
     monkeypatch.setenv("LMJAX_DECODE_GEMV", "off")
     _, want = _run(tiny, prompts, params)
+    traced = []
+    monkeypatch.setattr(out_major, "gemv_om_qkv", lambda *a, **k: traced.append(1) or gemv_om_qkv(*a, **k))
     monkeypatch.setenv("LMJAX_DECODE_GEMV", "on")
+    monkeypatch.setenv("LMJAX_KV_WRITE_IMPL", kv_write)
     with caplog.at_level(logging.INFO, logger="lmjax.engine"):
         llm, got = _run(tiny, prompts, params)
     messages = [r.getMessage() for r in caplog.records]
@@ -36,6 +46,7 @@ def test_out_major_engine_gives_the_plain_tokens(tiny, monkeypatch, caplog):
     assert llm.llm_engine.runner.min_decode_B == 1
     batches = {m.split("B=")[1].split()[0] for m in messages if "step decode" in m}
     assert {"1", "2", "4"} <= batches  # both paths: XLA's dot at 4 rows, the GEMV at 2 and 1
+    assert bool(traced) == (kv_write == "kernel")
     assert [c.token_ids for c in got] == [c.token_ids for c in want]
     for g, w in zip(got, want):
         lp_got = [d[t].logprob for d, t in zip(g.logprobs, g.token_ids)]
