@@ -32,12 +32,13 @@ from pallas_kernels.rope_kv_write import rope_kv_write_reference, split_qkv
 TUNABLES = ("rows", "block_k", "num_warps", "num_stages")
 
 
-def choose_config(I: int, H: int, rows=None, block_k=None, num_warps=None, num_stages=3) -> dict:
-    """R rows of each half x BK columns: gemv_om's plain tile (4 rows, chunks of up to 2048 columns) as
-    two blocks of 2 rows."""
-    block_k = block_k or min(2048, I & -I)
-    rows = rows or min(2, H // 2)
-    num_warps = num_warps or (8 if 2 * rows * block_k >= 8192 else 4)
+def choose_config(I: int, H: int, T: int = 1, rows=None, block_k=None, num_warps=4, num_stages=3) -> dict:
+    """R rows of each half x BK columns, 4 warps. From `benchmarks/gemv_om_bench.py --qkv-rope --sweep`
+    (H200, 2026-11-24, 1B heads; us a call, against 7.42 / 9.76 for gemv_om + rope_kv_write_qkv):
+    T = 1: 2 + 2 rows in chunks of 2048 columns, 6.35 us (8 warps 6.88); T = 2: 4 + 4 rows in chunks of
+    512, 8.56 us (2 + 2 rows x 2048: 11.4)."""
+    block_k = block_k or min(2048 if T == 1 else 512, I & -I)
+    rows = rows or min(2 if T == 1 else 4, H // 2)
     return dict(rows=rows, block_k=block_k, num_warps=num_warps, num_stages=num_stages)
 
 
@@ -67,7 +68,7 @@ def validate(x_TI, w_XI, residual_TI, norm_weight_I, num_kv_heads, head_dim, pos
             f"gemv_om_qkv: residual_TI shape {getattr(residual_TI, 'shape', None)} != {(T, I)}")
     unknown = set(config) - set(TUNABLES)
     require(not unknown, f"gemv_om_qkv: unknown config keys {sorted(unknown)}; tunables: {TUNABLES}")
-    c = choose_config(I, head_dim, **config)
+    c = choose_config(I, head_dim, T, **config)
     for key in ("rows", "block_k"):
         require(is_power_of_two(c[key]), f"gemv_om_qkv: {key}={c[key]} must be a power of two")
     require((head_dim // 2) % c["rows"] == 0, f"gemv_om_qkv: rows={c['rows']} must divide H/2={head_dim // 2}")
@@ -126,7 +127,7 @@ def _pallas(x_TI, w_XI, residual_TI, norm_weight_I, positions_T, inv_freq_TF, k_
     T, I = x_TI.shape
     H, K = head_dim, num_kv_heads
     N = w_XI.shape[0] // H - 2 * K
-    c = choose_config(I, H, **dict(config))
+    c = choose_config(I, H, T, **dict(config))
     P, S = k_cache_PSKH.shape[:2]
     has_residual = residual_TI is not None
     args = [positions_T, inv_freq_TF.astype(jnp.float32), slot_mapping_T, x_TI] + \
