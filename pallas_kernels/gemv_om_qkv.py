@@ -2,13 +2,17 @@
 the out-major weight [N + 2K heads x H, I], RoPE of q and k, and the K/V write into the paged cache.
 
 Why: at batch 1 a decode step is a chain of small launches, each paying its ramp and tail (1B, H200:
-the RoPE + KV-write kernel after the q/k/v GEMV costs ~2-3 us a layer of ~55). gemv_om's programs own
+the RoPE + KV-write kernel after the q/k/v GEMV costs ~2 us a layer of ~55). gemv_om's programs own
 whole output rows, so the rows RoPE pairs (channel c and c + H/2 of a head, rotate-half) can be given to
 one program: program p takes head h = p // (H / 2R) and channels j*R .. j*R + R - 1 of both halves (two
 row blocks of R rows, as gemv_om's SwiGLU takes gate and up rows), rotates them in float32 with cos / sin
 rounded to x's dtype as HF does (rope_kv_write's numerics), and stores q into a new [T, N, H] array,
 k and v into cache slot slot_mapping[t] (caches updated in place, slots outside the cache dropped).
 v heads take the same two blocks unrotated. The prologue and the dot loop are gemv_om's.
+Measured (H200, 2026-11-24, benchmarks/gemv_om_bench.py --qkv-rope, 1B heads, CUPTI): 6.33 us a call
+against 7.42 for gemv_om + rope_kv_write_qkv at T = 1 (8.51 vs 9.76 at T = 2); the 1B batch-1 decode
+step 0.935 / 0.948 ms with it vs 0.941 / 0.955 without (LMJAX_QKV_ROPE_FUSION=off), BENCHMARKS.md
+session 13.
 
 Scope: full rotary (inv_freq has H / 2 entries), one cache head per KV head (no tensor-parallel
 repeats), float caches; T <= gemv_om.MAX_T. Callers fall back to gemv_om + rope_kv_write otherwise.
