@@ -83,7 +83,8 @@ def test_auto_policy_is_small_models_on_gpu(monkeypatch):
     from lmjax.layers import out_major
 
     monkeypatch.delenv("LMJAX_DECODE_GEMV", raising=False)
-    assert not out_major.out_major_wanted(2048)  # CPU
+    monkeypatch.setattr(out_major.jax, "default_backend", lambda: "cpu")
+    assert not out_major.out_major_wanted(2048)
     monkeypatch.setattr(out_major.jax, "default_backend", lambda: "gpu")
     assert out_major.out_major_wanted(2048) and not out_major.out_major_wanted(4096)
     assert out_major.out_major_wanted(4096, "on") and not out_major.out_major_wanted(576, "off")

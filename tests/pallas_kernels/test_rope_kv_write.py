@@ -222,6 +222,8 @@ def _generate(path, impl, monkeypatch):
     kernel = module._rope_kv_write_pallas
     monkeypatch.setattr(module, "_rope_kv_write_pallas", lambda *a, **kw: traced.append(1) or kernel(*a, **kw))
     monkeypatch.setenv("LMJAX_KV_WRITE_IMPL", impl)  # read when the steps are traced
+    # Plain layers on any backend: out-major weights (a GPU default) merge q/k/v for both paths.
+    monkeypatch.setenv("LMJAX_DECODE_GEMV", "off")
     llm = LLM(path, max_model_len=128, num_scheduler_steps=4, block_size=8, max_num_batched_tokens=32)
     rng = np.random.default_rng(0)
     prompts = [{"prompt_token_ids": rng.integers(4, 256, n).tolist()} for n in (3, 21, 40)]
