@@ -103,3 +103,30 @@ def test_out_major_layers_decode_one_row(monkeypatch):
 
     monkeypatch.delenv("LMJAX_DECODE_BATCH_FLOOR", raising=False)
     assert model_runner.decode_batch_floor(_Model()) == 1
+
+
+def test_qkv_rope_fusion_rule_and_switch(monkeypatch):
+    """Where the q/k/v GEMV takes RoPE and the KV write: the fused-kernel path, <= 2 rows, full rotary,
+    a float cache with one head per KV head; LMJAX_QKV_ROPE_FUSION=off keeps them apart; a bad value is named."""
+    import jax.numpy as jnp
+
+    from lmjax.layers.attention import qkv_gemv_takes_rope
+    from lmjax.layers.quant import make_quant_kv_caches
+    from pallas_kernels.rope import RopeSpec
+
+    cache, spec = (jnp.zeros((2, 4, 2, 16)),) * 2, RopeSpec(rotary_dim=16)
+    monkeypatch.delenv("LMJAX_QKV_ROPE_FUSION", raising=False)
+    monkeypatch.setenv("LMJAX_KV_WRITE_IMPL", "kernel")
+    assert qkv_gemv_takes_rope(cache, spec, 2, 16, 2)
+    assert not qkv_gemv_takes_rope(cache, spec, 2, 16, 3)  # rows above the GEMV's
+    assert not qkv_gemv_takes_rope(cache, RopeSpec(rotary_dim=8), 2, 16, 1)  # partial rotary
+    assert not qkv_gemv_takes_rope(cache, spec, 1, 16, 1)  # the cache repeats kv heads
+    assert not qkv_gemv_takes_rope(make_quant_kv_caches(1, 2, 4, 2, 16, 8)[0], spec, 2, 16, 1)
+    monkeypatch.setenv("LMJAX_QKV_ROPE_FUSION", "off")
+    assert not qkv_gemv_takes_rope(cache, spec, 2, 16, 1)
+    monkeypatch.setenv("LMJAX_QKV_ROPE_FUSION", "no")
+    with pytest.raises(ValueError, match="LMJAX_QKV_ROPE_FUSION / qkv rope fusion='no'"):
+        qkv_gemv_takes_rope(cache, spec, 2, 16, 1)
+    monkeypatch.setenv("LMJAX_QKV_ROPE_FUSION", "auto")
+    monkeypatch.setenv("LMJAX_KV_WRITE_IMPL", "reference")
+    assert not qkv_gemv_takes_rope(cache, spec, 2, 16, 1)
