@@ -29,9 +29,9 @@ from jax.sharding import PartitionSpec
 
 from lmjax import parallel
 from lmjax.env import env_choice
+from lmjax.layers.out_major import gemv_rows
 from lmjax.layers.quant import QuantKV, paged_attention_quant, quant_kv_spec, write_kv_quant
 from lmjax.layers.rope import apply_rope
-from pallas_kernels.gemv_om import MAX_T as GEMV_MAX_T
 from pallas_kernels.ragged_paged_attention import IMPLS as ATTENTION_IMPLS
 from pallas_kernels.ragged_paged_attention import PREFILL_IMPLS, ragged_paged_attention
 from pallas_kernels.rope import RopeSpec, inv_freq_TF
@@ -136,7 +136,7 @@ def qkv_gemv_takes_rope(cache, spec: RopeSpec, num_kv_heads: int, head_dim: int,
     head per KV head, full rotary, no tp mesh; LMJAX_QKV_ROPE_FUSION=off keeps them apart (A/B runs)."""
     k_cache = cache[0]
     wanted = env_choice("LMJAX_QKV_ROPE_FUSION", ("auto", "off"), "auto", label="qkv rope fusion") == "auto"
-    return (wanted and T <= GEMV_MAX_T and kv_write_impl(merged=True) == "kernel" and not isinstance(k_cache, QuantKV)
+    return (wanted and gemv_rows(T) and kv_write_impl(merged=True) == "kernel" and not isinstance(k_cache, QuantKV)
             and _mesh_tp()[1] <= 1 and k_cache.shape[2] == num_kv_heads and spec.rotary_dim == head_dim)
 
 
