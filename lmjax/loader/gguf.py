@@ -1,7 +1,7 @@
 """GGUF file -> (HF config dict, HF-named numpy weights), so GGUF flows through the safetensors path.
 
 Data flow:
-  GGUFReader memory-maps the file
+  GGUFReader memory-maps the file (`open_gguf`: as a plain ndarray, see there)
   -> metadata `{arch}.*` / `tokenizer.ggml.*` keys become a config.json-style dict (`gguf_config`)
   -> each tensor is dequantized by `gguf.quants.dequantize` (we never decode quant blocks ourselves),
      reshaped from GGUF's reversed dims to torch order ([out, in] for linears), cast to `dtype`,
@@ -12,6 +12,7 @@ Data flow:
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -59,13 +60,47 @@ _SKIPPED = {"rope_freqs.weight"}
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
-def _open(path: str):
+@functools.cache
+def _plain_array_reader():
     import gguf  # imported lazily: only GGUF users pay for it
 
+    class PlainArrayReader(gguf.GGUFReader):
+        """GGUFReader over a plain-ndarray view of its memory map.
+
+        Why: the reader slices its np.memmap once per metadata value (~250k slices for a 49k-token
+        vocabulary) and dequantize slices each tensor again; every np.memmap slice runs
+        memmap.__array_finalize__, which made reading SmolLM2's GGUF take 8-15 s on a CPU host. A plain
+        ndarray view reads the same mapped bytes with none of that (~3x faster metadata, ~10x faster
+        dequantization). The reader itself is unchanged: it only ever assigns `self.data` once.
+        """
+
+        @property
+        def data(self):
+            return self._plain_data
+
+        @data.setter
+        def data(self, mapped):
+            self._plain_data = mapped.view(np.ndarray)
+
+    return PlainArrayReader
+
+
+def open_gguf(path: str):
+    """A `gguf.GGUFReader` of `path` (metadata parsed, tensors mapped, nothing dequantized); errors name
+    the file. Shared per process while the file is unchanged: the tokenizer, the config and the weights
+    each need the metadata, and parsing it is the slow part (seconds for a large vocabulary). Callers
+    only read it."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file not found: {path}")
+    stat = os.stat(path)
+    return _read_gguf(os.path.abspath(path), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=2)
+def _read_gguf(path: str, mtime_ns: int, size: int):
+    reader_class = _plain_array_reader()
     try:
-        return gguf.GGUFReader(path)
+        return reader_class(path)
     except Exception as e:  # bad magic, truncated header or data: the reader's own errors are cryptic
         raise GGUFError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from e
 
@@ -191,7 +226,7 @@ def _dequantize(tensor, path: str, dtype) -> np.ndarray:
 
 def gguf_config(path: str) -> dict:
     """The HF config dict of a GGUF file, without dequantizing any weight (reads the header only)."""
-    return _config_from_reader(_open(path), path)
+    return _config_from_reader(open_gguf(path), path)
 
 
 def load_gguf(path: str, dtype=np.float32) -> tuple[dict, dict[str, np.ndarray]]:
@@ -200,7 +235,7 @@ def load_gguf(path: str, dtype=np.float32) -> tuple[dict, dict[str, np.ndarray]]
     Linear weights come out [out, in] like torch. With tied embeddings (no `output.weight`) the config
     says `tie_word_embeddings: True` and there is no `lm_head.weight`.
     """
-    reader = _open(path)
+    reader = open_gguf(path)
     config = _config_from_reader(reader, path)
     permuted = _ARCHS[_field(reader, "general.architecture")][2]
     # K has its own (kv) head count under GQA; llama.cpp permuted it per kv head.

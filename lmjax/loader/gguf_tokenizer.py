@@ -7,15 +7,16 @@ would build; tests/loader/test_gguf_tokenizer.py holds the two paths to identica
 """
 from __future__ import annotations
 
-import gguf
 from transformers import PreTrainedTokenizerFast
+
+from lmjax.loader.gguf import open_gguf
 
 _SPECIAL = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_token": "unknown_token_id",
             "pad_token": "padding_token_id"}
 
 
 def _metadata(path: str) -> dict:
-    reader = gguf.GGUFReader(path)
+    reader = open_gguf(path)
     return {key: field.contents() for key, field in reader.fields.items()
             if key.startswith("tokenizer.") or key == "general.architecture"}
 

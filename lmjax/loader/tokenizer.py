@@ -3,8 +3,11 @@
 `load_tokenizer(model_path, tokenizer_path=None)` picks the source in this order: `tokenizer_path` when
 given, else `model_path`. A directory goes to `AutoTokenizer.from_pretrained(dir)`; when that directory
 has no tokenizer files but holds exactly one `.gguf`, that file is used. A `.gguf` file goes to
-`AutoTokenizer.from_pretrained(dirname, gguf_file=basename)`. Results are cached per resolved path since
-building a tokenizer from GGUF metadata takes seconds; the cached object is shared, so do not mutate it.
+`gguf_tokenizer` (transformers' own GGUF tokenizer converter fed by the `gguf` reader: the object
+`AutoTokenizer.from_pretrained(dirname, gguf_file=basename)` builds, without its torch import and in a
+third of its time; tests/loader/test_gguf_tokenizer.py holds the two equal). Results are cached per
+resolved path since building a tokenizer from GGUF metadata takes seconds; the cached object is shared, so
+do not mutate it.
 """
 from __future__ import annotations
 
@@ -26,17 +29,6 @@ def _single_gguf_in(directory: str) -> str | None:
 def _has_tokenizer_files(directory: str) -> bool:
     names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
     return any(os.path.exists(os.path.join(directory, n)) for n in names)
-
-
-def _gguf(path: str, auto_tokenizer):
-    """transformers' own GGUF path needs torch; without torch, the same converter through `gguf`."""
-    try:
-        import torch  # noqa: F401
-    except ImportError:
-        from lmjax.loader.gguf_tokenizer import gguf_tokenizer
-
-        return gguf_tokenizer(path)
-    return auto_tokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
 
 
 # tokenizer_class values for which AutoTokenizer builds transformers' plain fast tokenizer
@@ -79,11 +71,12 @@ def _load(path: str):
             # on a slow host; on a second start the tokenizer is what the engine's start waits for).
             from transformers import PreTrainedTokenizerFast
             return PreTrainedTokenizerFast.from_pretrained(path)
-        from transformers import AutoTokenizer  # heavy import, only when a tokenizer is needed
-        if os.path.isdir(path):
-            return AutoTokenizer.from_pretrained(path)
         if path.endswith(".gguf"):
-            return _gguf(path, AutoTokenizer)
+            from lmjax.loader.gguf_tokenizer import gguf_tokenizer
+            return gguf_tokenizer(path)
+        if os.path.isdir(path):
+            from transformers import AutoTokenizer  # heavy import, only when a tokenizer is needed
+            return AutoTokenizer.from_pretrained(path)
     except Exception as e:  # transformers raises many types; the caller needs the path above all
         raise TokenizerLoadError(f"could not load a tokenizer from {path}: {type(e).__name__}: {e}") from e
     raise TokenizerLoadError(f"could not load a tokenizer from {path}: expected a directory or a .gguf file")
