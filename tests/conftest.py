@@ -51,6 +51,48 @@ def smollm2_gguf() -> str:
     return smollm2_gguf_path()
 
 
+# The layers of SmolLM2 (30) that its pruned copy keeps: the first and last three.
+PRUNED_LAYERS = (0, 1, 2, 27, 28, 29)
+
+
+def write_smollm2_pruned(path, layers=PRUNED_LAYERS) -> str:
+    """SmolLM2 with only decoder `layers` (renumbered 0..), its embedding, final norm and tokenizer (with
+    the chat template), as an HF safetensors checkpoint under `path`; returns the path as a str.
+
+    Why: the engine compiles a step per batch bucket and sampling mode, seconds each on CPU for 30 layers.
+    Tests of engine mechanics (batching, preemption, sampling, streaming, serving) keep real weights, a
+    real tokenizer and varied, prompt-dependent tokens at a fifth of that (a model cut to its first
+    layers only repeats ", and,"); parity with transformers runs on the whole model."""
+    import json
+
+    from safetensors.numpy import save_file
+
+    from lmjax.loader.gguf import load_gguf
+    from lmjax.loader.tokenizer import load_tokenizer
+
+    gguf = smollm2_gguf_path()
+    config, weights = load_gguf(gguf)
+    renumber = {old: new for new, old in enumerate(layers)}
+    kept = {}
+    for name, array in weights.items():
+        parts = name.split(".")
+        if parts[:2] != ["model", "layers"]:
+            kept[name] = array
+        elif int(parts[2]) in renumber:
+            kept[".".join(parts[:2] + [str(renumber[int(parts[2])])] + parts[3:])] = array
+    os.makedirs(path, exist_ok=True)
+    save_file(kept, os.path.join(path, "model.safetensors"))
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({**config, "num_hidden_layers": len(layers), "torch_dtype": "float32"}, f, indent=1)
+    load_tokenizer(gguf).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def smollm2_pruned(tmp_path_factory) -> str:
+    return write_smollm2_pruned(tmp_path_factory.mktemp("smollm2") / "SmolLM2-135M-Instruct-pruned")
+
+
 @pytest.fixture(scope="session")
 def smollm2_tokenizer(smollm2_gguf):
     from lmjax.loader.tokenizer import load_tokenizer

@@ -1,5 +1,6 @@
 """The two facades: seed 002's pipeline examples run as written (lmdeploy -> lmjax) on SmolLM2, both
-facades agree, and bad input fails before any work with an error naming the value."""
+facades agree, and bad input fails before any work with an error naming the value. Tests of plumbing
+alone run on the pruned SmolLM2 (conftest.write_smollm2_pruned)."""
 import pytest
 
 import lmjax
@@ -28,10 +29,10 @@ def test_seed_002_examples(pipe):
     assert len(response) == 2 and all(r.input_token_len > 5 for r in response)
 
 
-def test_seed_002_pytorch_backend_config():
+def test_seed_002_pytorch_backend_config(smollm2_pruned):
     backend_config = PytorchEngineConfig(session_len=2024)
     gen_config = GenerationConfig(top_p=0.8, top_k=40, temperature=0.8, max_new_tokens=8)
-    pipe = lmjax.pipeline(MODEL, backend_config=backend_config)
+    pipe = lmjax.pipeline(smollm2_pruned, backend_config=backend_config)
     prompts = [[{"role": "user", "content": "Hi, pls intro yourself"}], [{"role": "user", "content": "Shanghai is"}]]
     response = pipe(prompts, gen_config=gen_config)
     assert len(response) == 2 and pipe.engine.session_len == 2024
@@ -94,12 +95,12 @@ def test_prompt_over_session_len_fails_before_any_work(pipe):
     assert engine.blocks.num_free_blocks == engine.blocks.num_usable_blocks
 
 
-def test_llm_rejects_bad_prompts_and_unknown_args():
+def test_llm_rejects_bad_prompts_and_unknown_args(smollm2_pruned):
     with pytest.raises(TypeError, match="not_an_arg"):
         LLM(MODEL, not_an_arg=1)
     with pytest.raises(NotImplementedError, match="quantization"):
         LLM(MODEL, quantization="awq")
-    llm = LLM(MODEL, max_model_len=256)
+    llm = LLM(smollm2_pruned, max_model_len=256)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         llm.generate([[1, 2, 10**7]], use_tqdm=False)
     with pytest.raises(ValueError, match="empty"):

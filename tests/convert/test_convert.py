@@ -148,6 +148,35 @@ def test_cli_convert(tiny, tmp_path):
     assert info["quant"] == {"method": "w8", "group_size": 128, "algorithm": "rtn"} and (out / ORBAX_SUBDIR).is_dir()
 
 
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_calibrated_w4_conversion_restores_what_was_calibrated(tiny, tmp_path, method):
+    """A w4 conversion calibrated on --calib-text restores exactly the model that calibrating in memory on
+    the same text gives (the tokenizer beside the checkpoint cuts the text into the same prompts)."""
+    import numpy as np
+    from flax import nnx
+
+    from convert.calibrate import calibrate_w4, calibration_prompts
+    from lmjax.layers.quant import QuantSpec
+    from lmjax.loader.tokenizer import load_tokenizer
+    from lmjax.models.forward import prompt_logits
+
+    words = np.random.default_rng(0).integers(3, TINY["vocab_size"], 300)
+    calib = tmp_path / "calib.txt"
+    calib.write_text(" ".join(f"t{w}" for w in words))
+    out = convert_checkpoint(tiny, tmp_path / "w4", dtype="float32", quant="w4", group_size=32,
+                             w4_method=method, calib_text=str(calib))
+    info = json.load(open(os.path.join(out, "config.json")))["lmjax"]
+    assert info["quant"] == {"method": "w4", "group_size": 32, "algorithm": method, "calibration": str(calib)}
+    prompts = calibration_prompts(load_tokenizer(tiny), calib.read_text())
+    in_memory = calibrate_w4(nnx.clone(load_model(tiny, "float32").model), QuantSpec("w4", 32), prompts,
+                             method=method)
+    restored = load_model(out, "float32").model
+    for got, want in zip(prompt_logits(restored, PROMPTS), prompt_logits(in_memory, PROMPTS)):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    rtn = load_model(convert_checkpoint(tiny, tmp_path / "rtn", dtype="float32", quant="w4", group_size=32,
+                                        w4_method="rtn"), "float32").model
+    assert not np.allclose(prompt_logits(rtn, PROMPTS)[0], prompt_logits(restored, PROMPTS)[0], atol=1e-6)
+
 # ---------------------------------------------------------------- SmolLM2 (GGUF source)
 @pytest.fixture(scope="module")
 def smollm2_bf16(smollm2_gguf, tmp_path_factory) -> str:

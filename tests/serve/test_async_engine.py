@@ -13,10 +13,10 @@ GREEDY = GenerationConfig(max_new_tokens=8)  # LMDeploy's default top_k=1: greed
 
 
 @pytest.fixture(scope="module")
-def engine(smollm2_gguf):
+def engine(smollm2_pruned):
     from lmjax.api.async_engine import AsyncEngine
 
-    e = AsyncEngine(smollm2_gguf, backend_config=TurbomindEngineConfig(session_len=1024, dtype="float32"))
+    e = AsyncEngine(smollm2_pruned, backend_config=TurbomindEngineConfig(session_len=1024, dtype="float32"))
     yield e
     e.close()
 

@@ -27,9 +27,9 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_gguf):
+def server(smollm2_pruned):
     port = _free_port()
-    cmd = [sys.executable, "-m", "lmjax.cli", "serve", "api_server", smollm2_gguf, "--server-port", str(port),
+    cmd = [sys.executable, "-m", "lmjax.cli", "serve", "api_server", smollm2_pruned, "--server-port", str(port),
            "--session-len", str(SESSION_LEN), "--dtype", "float32", "--api-keys", KEY, "--log-level", "WARNING"]
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -60,10 +60,10 @@ def model_id(server):
 
 
 @pytest.fixture(scope="module")
-def llm(smollm2_gguf):
+def llm(smollm2_pruned):
     from lmjax import LLM
 
-    return LLM(smollm2_gguf, max_model_len=SESSION_LEN, dtype="float32")
+    return LLM(smollm2_pruned, max_model_len=SESSION_LEN, dtype="float32")
 
 
 def _greedy(max_tokens=12):
