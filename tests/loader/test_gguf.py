@@ -135,6 +135,25 @@ def test_tiny_roundtrip(tmp_path, arch):
     assert config["rope_parameters"]["factor"] == 2.0
 
 
+def test_reader_is_shared_until_the_file_changes(tmp_path):
+    """The parsed reader serves the tokenizer, config and weights of one load; a file rewritten at the
+    same path is read again, never served stale."""
+    import os
+
+    from lmjax.loader.gguf import open_gguf
+
+    path = tmp_path / "tiny.gguf"
+    _write_tiny(path, "llama")
+    first = open_gguf(str(path))
+    assert open_gguf(str(path)) is first and type(first.data) is np.ndarray  # a plain view, not np.memmap
+    hf = _write_tiny(path, "qwen2")
+    os.utime(path, ns=(0, os.stat(path).st_mtime_ns + 1))  # a new mtime even on a coarse clock
+    second = open_gguf(str(path))
+    assert second is not first and second.fields["general.architecture"].contents() == "qwen2"
+    config, weights = load_gguf(str(path))
+    assert config["model_type"] == "qwen2" and set(weights) == set(hf)
+
+
 def test_missing_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="missing.gguf"):
         load_gguf(str(tmp_path / "missing.gguf"))
