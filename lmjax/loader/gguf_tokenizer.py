@@ -1,7 +1,8 @@
 """The tokenizer embedded in a GGUF file, without torch.
 
 transformers reads GGUF tokenizers through a metadata reader that imports torch, which lmjax does not
-need at run time. Here the `gguf` package reads the metadata and transformers' own converter
+need at run time, and parses the metadata again, 3x slower than `open_gguf` (benchmarks/gguf_load.py).
+lmjax's one GGUF tokenizer path: `open_gguf` reads the metadata and transformers' own converter
 (`convert_gguf_tokenizer`) builds the fast tokenizer, so the result is the same object transformers
 would build; tests/loader/test_gguf_tokenizer.py holds the two paths to identical encodings.
 """
