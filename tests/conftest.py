@@ -8,6 +8,16 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # (and still shared between the tests of a session, which compile the same tiny models many times).
 os.environ.setdefault("LMJAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="lmjax-test-jax-cache-"))
 
+# Under pytest-xdist (the README's test command: two workers) each worker is its own JAX process, which
+# inherits the controller's environment. Each gets its own cache directory: JAX writes an entry in place
+# (no rename), so a worker could read another's half-written one. On a GPU, a worker leaves device memory
+# to the other instead of reserving 75% of it up front.
+_XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if _XDIST_WORKER:
+    if os.environ["LMJAX_COMPILATION_CACHE_DIR"].strip() not in ("", "0"):  # "" / "0": the cache is off
+        os.environ["LMJAX_COMPILATION_CACHE_DIR"] = os.path.join(os.environ["LMJAX_COMPILATION_CACHE_DIR"], _XDIST_WORKER)
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
 import pytest  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
