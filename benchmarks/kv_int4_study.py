@@ -7,7 +7,7 @@ engine's layout (per token per KV head: 4-bit codes, one float16 scale, one uint
 transforms below are exact in float (q.k unchanged) and would cost one [H, H] matmul per head, as the
 Hadamard rotation does today. "engine" is the real int4 cache (`quant_policy=4`); "baseline" applies
 the engine's quantizer (`quantize_kv` / `dequantize_kv`) in the float cache. Calibration statistics (per
-layer and KV head) come from convert/calibration_text.py (1526 tokens, disjoint from the evaluation
+layer and KV head) come from lmjax/calibration_text.py (1526 tokens, disjoint from the evaluation
 text); "oracle" rows take them from the evaluation text itself (what calibration could give at best).
 
 Run (CPU, about 5 minutes; ~2 s per variant for the proxy):
@@ -260,7 +260,7 @@ def main():
     from lmjax.loader.model_loader import load_model
     from lmjax.loader.tokenizer import load_tokenizer
 
-    from convert.calibration_text import DEFAULT_CALIBRATION_TEXT
+    from lmjax.calibration_text import DEFAULT_CALIBRATION_TEXT
 
     path = smollm2_gguf_path()
     model = load_model(path, dtype="float32").model

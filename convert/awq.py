@@ -20,7 +20,7 @@ the output error with those codes fixed (`convert.gptq.refine_group_params`, clo
 
 Measured on SmolLM2-135M, w4 g128, perplexity on tests/convert/data/perplexity.txt (float32 10.64) and,
 as a check against tuning to that one text, on 1075 tokens of Python's pydoc topics (float32 9.42);
-calibration: convert/calibration_text.py; conversion time of the calibrated ones on 2 CPU cores:
+calibration: lmjax/calibration_text.py; conversion time of the calibrated ones on 2 CPU cores:
   round to nearest                          36.65   14.60
   GPTQ (least-squares group parameters)     21.51   11.73   48 s
   round to nearest + least squares          21.87

@@ -25,7 +25,7 @@ import numpy as np
 from flax import nnx
 
 from convert.awq import fold_layer, rtn_ls_w4
-from convert.calibration_text import DEFAULT_CALIBRATION_TEXT
+from lmjax.calibration_text import DEFAULT_CALIBRATION_TEXT
 from convert.gptq import gptq_w4
 from lmjax.layers.attention import contiguous_metadata
 from lmjax.layers.quant import QuantLinear, QuantSpec, linear_slots, set_slot
@@ -40,7 +40,7 @@ _MIN_SEQ = 16  # a shorter tail of the text adds noise, not information
 
 
 def calibration_prompts(tokenizer, text: str | None = None, seq_len: int = CALIBRATION_SEQ_LEN) -> list[list[int]]:
-    """Token ids of `text` (default: convert.calibration_text) in sequences of at most `seq_len`."""
+    """Token ids of `text` (default: lmjax.calibration_text) in sequences of at most `seq_len`."""
     ids = tokenizer.encode(text if text is not None else DEFAULT_CALIBRATION_TEXT)
     prompts = [ids[i:i + seq_len] for i in range(0, len(ids), seq_len)]
     prompts = [p for p in prompts if len(p) >= _MIN_SEQ]

@@ -53,7 +53,7 @@ def convert_checkpoint(src: str, out: str, dtype: str = "bfloat16", tp: int = 1,
     the storage chunks are laid out for (restore works at any tp). quant: None, "w8" or "w4"
     (`group_size` input rows per int4 scale). w4_method: "awq" (activation-aware scales, round to
     nearest, least-squares group parameters) or "gptq", both calibrated on `calib_text` (a text file;
-    default: convert.calibration_text), or "rtn" (round to nearest, no calibration). All write the same
+    default: lmjax.calibration_text), or "rtn" (round to nearest, no calibration). All write the same
     layout."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} is not supported; choose one of {DTYPES}")
@@ -87,7 +87,7 @@ def convert_checkpoint(src: str, out: str, dtype: str = "bfloat16", tp: int = 1,
 
 def _read_text(calib_text: str | None) -> str | None:
     if calib_text is None:
-        return None  # convert.calibration_text
+        return None  # lmjax.calibration_text
     if not os.path.isfile(calib_text):
         raise ValueError(f"calibration text calib_text={calib_text!r} is not a file")
     with open(calib_text, encoding="utf-8") as f:

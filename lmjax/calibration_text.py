@@ -1,4 +1,5 @@
-"""The default calibration text of `lmjax convert --quant w4` (GPTQ needs sample inputs of every layer).
+"""The default calibration text: `lmjax convert --quant w4` (GPTQ and AWQ need sample inputs of every layer)
+and the int4 KV cache's per-layer K/q maps (lmjax.models.kv_calibration, computed when an engine starts).
 
 Mixed registers on purpose (narrative prose, exposition, dialogue, lists, code), so the activation
 statistics are not those of one style. Public-domain openings (Austen 1813, Dickens 1859, Melville
