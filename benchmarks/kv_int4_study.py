@@ -5,7 +5,9 @@ Fake quantization: the cache stays float32 and `lmjax.layers.attention.write_kv`
 dequantize(quantize(x)) in place of x, so a variant needs no cache layout. Every variant keeps the
 engine's layout (per token per KV head: 4-bit codes, one float16 scale, one uint8 zero point); the
 transforms below are exact in float (q.k unchanged) and would cost one [H, H] matmul per head, as the
-Hadamard rotation does today. "engine" is the real int4 cache (`quant_policy=4`); "baseline" applies
+Hadamard rotation does. "engine" is the real int4 cache (`quant_policy=4`; since session 15 with the
+calibrated maps, the K clip and V rotated, as an engine runs it; "engine, uncalibrated": without the
+maps; the 2026-11-23 table's "engine" row was the rotation alone); "baseline" applies
 the engine's quantizer (`quantize_kv` / `dequantize_kv`) in the float cache. Calibration statistics (per
 layer and KV head) come from lmjax/calibration_text.py (1526 tokens, disjoint from the evaluation
 text); "oracle" rows take them from the evaluation text itself (what calibration could give at best).
@@ -48,7 +50,7 @@ sys.path.insert(0, os.path.join(REPO, "tests", "convert"))
 sys.path.insert(0, REPO)
 
 from lmjax.layers import attention  # noqa: E402
-from lmjax.layers.quant import dequantize_kv, kv_rotation, quantize_kv  # noqa: E402
+from lmjax.layers.kv_quant import dequantize_kv, kv_rotation, quantize_kv  # noqa: E402
 
 _ORIGINAL_WRITE_KV = attention.write_kv
 
@@ -159,18 +161,37 @@ class Patch:
         return x.astype(v_TKH.dtype)
 
 
-def run(model, ids, patch: Patch | None, quant_policy=0) -> np.ndarray:
+def run(model, ids, patch: Patch | None, quant_policy=0, kv_maps=None) -> np.ndarray:
     """log-softmax [T - 1, V] of the next-token predictions."""
     from lmjax.models.forward import prompt_logits
 
     attention.write_kv = patch if patch is not None else _ORIGINAL_WRITE_KV
     jax.clear_caches()  # the patched function is read at trace time
     try:
-        logits = prompt_logits(model, [ids], quant_policy=quant_policy)[0]
+        logits = prompt_logits(model, [ids], quant_policy=quant_policy, kv_maps=kv_maps)[0]
         return np.asarray(jax.nn.log_softmax(jnp.asarray(logits[:-1]), axis=-1))
     finally:
         attention.write_kv = _ORIGINAL_WRITE_KV
         jax.clear_caches()
+
+
+def run_engine(model, ids, calib_ids, name: str) -> np.ndarray:
+    """The real int4 cache as an engine runs it (calibrated maps, K clip, V rotated; lmjax.layers.kv_quant):
+    "engine", "engine, uncalibrated" (the rotation as the maps), "engine, K signs seed N" (calibrated,
+    the rotation diag(random signs) @ Hadamard: another noise realisation of the same method)."""
+    from lmjax.layers import kv_quant
+    from lmjax.models import kv_calibration
+
+    original = kv_quant.kv_rotation
+    if "signs seed" in name:
+        H = model.config.head_dim
+        signs = np.random.default_rng(int(name.rsplit(" ", 1)[1])).choice([-1.0, 1.0], H).astype(np.float32)
+        kv_quant.kv_rotation = kv_calibration.kv_rotation = lambda h, r=signs[:, None] * original(H): r
+    try:
+        maps = None if name.endswith("uncalibrated") else kv_calibration.calibrate_kv_int4(model, calib_ids)
+        return run(model, ids, None, quant_policy=4, kv_maps=maps)
+    finally:
+        kv_quant.kv_rotation = kv_calibration.kv_rotation = original
 
 
 def k_stats(model, ids) -> tuple[list[tuple[np.ndarray, np.ndarray]], list[np.ndarray]]:
@@ -292,7 +313,7 @@ def main():
     variants = [a.replace("_", " ") for a in sys.argv[1:]] or DEFAULT  # "K4_layer_3" for "K4 layer 3"
     if os.environ.get("PROXY"):  # the attention-output error alone (seconds per variant)
         print(f"{'variant':40s} {'attn err 1e-3':>13s}")
-        for name in (n for n in variants if n != "engine"):
+        for name in (n for n in variants if not n.startswith("engine")):
             err = attention_error(Patch(VARIANTS[name], stats), oracle, oracle_q)
             print(f"{name:40s} {err * 1e3:13.3f}", flush=True)
         return
@@ -301,8 +322,8 @@ def main():
     print(f"{'variant':40s} {'ppl':>8s} {'vs f32':>7s} {'KL 1e-3':>8s}")
     print(f"{'float32 KV':40s} {base:8.4f}", flush=True)
     for name in variants:
-        if name == "engine":
-            logp = run(model, ids, None, quant_policy=4)
+        if name.startswith("engine"):
+            logp = run_engine(model, ids, calib_ids, name)
         else:
             logp = run(model, ids, Patch(VARIANTS[name], stats))
         ppl, kl = perplexity(logp, ids), mean_kl(ref, logp)
@@ -387,7 +408,8 @@ VARIANTS = {v.name: v for v in [
               rotate_v=True, sign_seed=i) for i in range(4)],
     *[Variant(f"smooth from weights, K signs seed {i}", k_smooth="weights", sign_seed=i) for i in range(4)],
 ]}
-VARIANTS["engine"] = None
+ENGINE_VARIANTS = ["engine", "engine, uncalibrated", *[f"engine, K signs seed {i}" for i in (1, 2, 3)]]
+VARIANTS.update(dict.fromkeys(ENGINE_VARIANTS))
 # The table in the docstring: the default when no variant is named.
 DEFAULT = ["engine", "baseline", "baseline, K signs seed 1", "baseline, K signs seed 2", "K4 only", "V4 only",
            "V rotated", "float zero", "K clip", "K bias calib", "K bias oracle", "smooth k/q, no bias",

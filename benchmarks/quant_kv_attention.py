@@ -25,7 +25,7 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kernels_common import HEADS, bench, measure_ceilings, paged_inputs, rel_err  # noqa: E402
 
-from lmjax.layers.quant import quantize_cache  # noqa: E402
+from lmjax.layers.kv_quant import quantize_cache  # noqa: E402
 from pallas_kernels import ragged_paged_attention as rpa  # noqa: E402
 from pallas_kernels.quant_kv import QuantKV  # noqa: E402
 from pallas_kernels.ragged_paged_attention_tiled import ragged_paged_attention_tiled  # noqa: E402

@@ -3,7 +3,7 @@
 One layer's K (or V) cache: codes uint8 [P, S, K, W] and, per token per KV head, a float16 scale and
 an integer zero point (uint8) [P, S, K]: x = (code - zero) * scale. W = H for 8 bits; W = H / 2 for
 4 bits (two codes per byte, element 2i in the low nibble). The writer is
-`lmjax.layers.quant.write_kv_quant` (which also says why K is stored rotated).
+`lmjax.layers.kv_quant.write_kv_quant` (which also says why int4 K is stored mapped).
 
 `QuantKV` stands in for the float cache array [P, S, K, H] it replaces: `shape`, `ndim` and `dtype`
 are those of that array, and indexing it with block ids returns those blocks dequantized (float32),
@@ -25,13 +25,18 @@ ZERO_DTYPE = jnp.uint8
 @dataclasses.dataclass
 class QuantKV:
     """data uint8 [P, S, K, W], scale float16 and zero uint8 [P, S, K]; bits 8 or 4; dtype: that of
-    the float cache it stands for (the queries' dtype)."""
+    the float cache it stands for (the queries' dtype). k_map / q_map (float32 [K, H, H], optional): a K
+    cache holds k @ k_map per head and is read by queries q @ q_map (k_map q_map^T = I: q . k unchanged);
+    lmjax sets them on int4 K caches (lmjax.layers.kv_quant). The kernels never read them: the codes are
+    what they dequantize, and q comes to them already mapped."""
 
     data_PSKW: jax.Array
     scale_PSK: jax.Array
     zero_PSK: jax.Array
     bits: int = dataclasses.field(metadata=dict(static=True), default=8)
     compute_dtype: str = dataclasses.field(metadata=dict(static=True), default="float32")
+    k_map_KHH: jax.Array | None = None
+    q_map_KHH: jax.Array | None = None
 
     @property
     def shape(self) -> tuple[int, int, int, int]:

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 
 from lmjax import parallel
 from lmjax.config import EngineConfig
-from lmjax.layers.quant import kv_bytes_per_token
+from lmjax.layers.kv_quant import kv_bytes_per_token
 from lmjax.models.config import ModelConfig
 
 # CPU devices report no memory limit; the fraction then applies to this budget (host RAM is shared

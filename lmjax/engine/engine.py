@@ -27,6 +27,7 @@ from lmjax.layers.sampler import SamplingRow, row_banned_ids, tokenize_bad_words
 from lmjax.loader.model_loader import load_model
 from lmjax.loader.resolve import resolve_model_path
 from lmjax.loader.tokenizer import load_tokenizer, tokenizer_source
+from lmjax.models.kv_calibration import calibrate_kv_int4, calibration_ids
 
 logger = logging.getLogger("lmjax.engine")
 _GREEDY_ROW = SamplingRow(SamplingParams(temperature=0.0), seed=0)
@@ -54,7 +55,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.blocks, config.max_batch_size, config.max_prefill_token_num)
         self.runner = ModelRunner(loaded.model, num_blocks, config.block_size, config.max_prefill_token_num,
                                   config.max_batch_size, -(-self.session_len // config.block_size), loaded.dtype,
-                                  config.quant_policy)
+                                  config.quant_policy, self._kv_maps(loaded.model))
         self._rng = random.Random(config.seed)
         self._by_seq: dict[int, tuple[Request, Completion]] = {}
         self._seq_ids = iter(range(1 << 62))
@@ -70,6 +71,17 @@ class LLMEngine:
                     config.block_size, self.session_len)
         if config.warmup:
             self.warmup()
+
+    def _kv_maps(self, model):
+        """int4 KV cache (quant_policy=4): its per-layer K / q maps, calibrated on the built-in text
+        (lmjax.models.kv_calibration); None for other caches."""
+        if self.config.quant_policy != 4:
+            return None
+        start = time.perf_counter()
+        maps = calibrate_kv_int4(model, calibration_ids(self.tokenizer))
+        self.load_seconds["kv_calibration"] = time.perf_counter() - start
+        logger.info("int4 KV cache calibrated in %.1f s", self.load_seconds["kv_calibration"])
+        return maps
 
     # ------------------------------------------------------------------ requests in
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,

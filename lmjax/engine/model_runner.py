@@ -142,14 +142,14 @@ def _last_token_ids(items, B: int) -> np.ndarray:
 
 class ModelRunner:
     def __init__(self, model: nnx.Module, num_blocks: int, block_size: int, max_tokens_per_step: int,
-                 max_batch_size: int, max_blocks_per_seq: int, kv_dtype, quant_policy: int = 0):
+                 max_batch_size: int, max_blocks_per_seq: int, kv_dtype, quant_policy: int = 0, kv_maps=None):
         mesh = parallel.mesh_of(nnx.state(model))  # None on one device
         _merge_projections(model, quant_policy, parallel.tp_size(mesh))
         self.graphdef, self.state = nnx.split(model)
         self.config = model.config
         self.block_size = block_size
         self.mesh = mesh
-        self.caches = make_kv_caches(model.config, num_blocks, block_size, kv_dtype, self.mesh, quant_policy)
+        self.caches = make_kv_caches(model.config, num_blocks, block_size, kv_dtype, self.mesh, quant_policy, kv_maps)
         if self.mesh is None:  # committed (aliased, no copy), as the step's donated outputs are: else
             self.caches = jax.device_put(self.caches, jax.devices()[0])  # the second step compiles again
         self.max_T = bucket(max_tokens_per_step, 16)

@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec
 from lmjax import parallel
 from lmjax.env import env_choice
 from lmjax.layers.out_major import gemv_rows
-from lmjax.layers.quant import QuantKV, paged_attention_quant, quant_kv_spec, write_kv_quant
+from lmjax.layers.kv_quant import QuantKV, paged_attention_quant, quant_kv_spec, write_kv_quant
 from lmjax.layers.rope import apply_rope
 from pallas_kernels.ragged_paged_attention import IMPLS as ATTENTION_IMPLS
 from pallas_kernels.ragged_paged_attention import PREFILL_IMPLS, ragged_paged_attention
@@ -176,7 +176,7 @@ def paged_attention(q_TNH, k_cache_PSKH, v_cache_PSKH, meta: AttentionMetadata, 
     quantized = isinstance(k_cache_PSKH, QuantKV)
 
     def attend(q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, block_tables_BM, cu_q_lens_B1):
-        if quantized:  # int4 queries rotated like the stored K, then the same op (see lmjax.layers.quant)
+        if quantized:  # int4 queries rotated like the stored K, then the same op (see lmjax.layers.kv_quant)
             return paged_attention_quant(q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, block_tables_BM,
                                          cu_q_lens_B1, sm_scale=sm_scale, sliding_window=sliding_window, impl=impl)
         return ragged_paged_attention(q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, block_tables_BM,

@@ -20,25 +20,20 @@ A last group shorter than G is allowed (SmolLM2's hidden size 576 is 4.5 groups 
 The model code knows nothing of this: `quantize_model` swaps every `Linear` of a built model (the
 lm_head excepted) for a `QuantLinear`, from real weights (conversion) or abstractly inside
 `nnx.eval_shape` (restore of a converted checkpoint), like gpt-fast's quant handlers.
-The second half of this module is KV-cache quantization (LMDeploy's quant_policy 8 / 4): the caches
-`lmjax.layers.attention` writes and reads when the engine runs with quant_policy set.
+KV-cache quantization (LMDeploy's quant_policy 8 / 4) is lmjax.layers.kv_quant.
 Shape letters: T tokens, I input dim, O output dim, G group size.
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
 
-from lmjax import parallel
 from lmjax.env import env_choice
 from lmjax.layers.linear import Linear
-from pallas_kernels.quant_kv import SCALE_DTYPE, ZERO_DTYPE, QuantKV, dequantize_kv  # noqa: F401 (re-exported)
 from pallas_kernels.w4_matmul import kernel_supports, w4_matmul_kernel
 
 METHODS = ("w8", "w4")
@@ -228,143 +223,3 @@ def set_slot(parent: nnx.Module, key, module: nnx.Module) -> None:
         parent[key] = module
     else:
         setattr(parent, key, module)
-
-
-# ---------------------------------------------------------------- KV-cache quantization (quant_policy)
-# LMDeploy's `quant_policy`: 8 = int8, 4 = int4, asymmetric, one scale and zero point per token per KV
-# head (layout in pallas_kernels/quant_kv.py): x ~ (code - zero) * scale, scale float16, the zero point
-# an integer code in uint8 (3 bytes of parameters per token per head: the int8 cache then holds 1.91x
-# the tokens of bf16 at head_dim 64 and 1.94x at 128; a float16 zero would make that 1.88x at 64).
-# Quantize on write; attention reads the codes (the GPU kernel: pallas_kernels/kv_tiles.py) or dequantizes
-# the blocks it reads (the XLA tiled op, the reference).
-#
-# int4 stores K rotated: k @ R with R an orthonormal [H, H] (Hadamard when H is a power of two), and
-# the queries are rotated the same way at attention time, so q . k is unchanged. A few channels of K
-# carry most of its magnitude; one scale per token then spends its 16 levels on them. The rotation
-# spreads every channel over all of them (QuaRot's trick) and keeps the per-token per-head layout.
-# Measured on SmolLM2-135M (head_dim 64, tests/convert/data/perplexity.txt, float32 10.641): int4 K
-# alone +39% unrotated, +23% rotated; int4 V alone +2% (rotating V measured worse: left as is); K4 V4
-# +48% -> +18% with the rotation and the integer zero point. int8 needs neither rotation (+0.01%) nor
-# gets it. The float16 zero point of an earlier version cost int8 +0.34%: at 8 bits a float16 zero
-# carries an error of about 1/16 of a step.
-# Shape letters as in lmjax.layers.attention (P blocks, S block size, K kv heads, H head dim).
-KV_POLICIES = (8, 4)
-KV_SCALE_DTYPE = SCALE_DTYPE
-
-
-def _check_policy(bits: int) -> None:
-    if bits not in KV_POLICIES:
-        raise ValueError(f"quant_policy={bits} is not supported; choose one of {KV_POLICIES} (0: no quantization)")
-
-
-def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, quant_policy: int = 0,
-                       dtype=jnp.bfloat16) -> int:
-    """Cache bytes one token takes (K and V, every layer)."""
-    if quant_policy == 0:
-        per_head = head_dim * jnp.dtype(dtype).itemsize
-    else:
-        _check_policy(quant_policy)
-        per_head = head_dim * quant_policy // 8 + jnp.dtype(KV_SCALE_DTYPE).itemsize + jnp.dtype(ZERO_DTYPE).itemsize
-    return 2 * num_layers * num_kv_heads * per_head
-
-
-@functools.lru_cache(maxsize=None)
-def kv_rotation(head_dim: int) -> np.ndarray:
-    """Orthonormal [H, H]: Sylvester's Hadamard / sqrt(H) for a power of two, else a fixed random
-    orthogonal matrix (seeded: the same for every process and every run)."""
-    if head_dim & (head_dim - 1) == 0:
-        h = np.ones((1, 1))
-        while h.shape[0] < head_dim:
-            h = np.block([[h, h], [h, -h]])
-        return (h / np.sqrt(head_dim)).astype(np.float32)
-    q, r = np.linalg.qr(np.random.default_rng(0).standard_normal((head_dim, head_dim)))
-    return (q * np.sign(np.diag(r))).astype(np.float32)
-
-
-def rotate_heads(x_XH: jax.Array, transpose: bool = False) -> jax.Array:
-    """x @ R (or x @ R^T) over the last (head) dim, in float32."""
-    r = jnp.asarray(kv_rotation(x_XH.shape[-1]))
-    return jnp.matmul(x_XH.astype(jnp.float32), r.T if transpose else r, precision=jax.lax.Precision.HIGHEST)
-
-
-def quantize_kv(x_TKH: jax.Array, bits: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(data uint8 [T, K, W], scale [T, K], zero [T, K]): x ~ (code - zero) * scale per token and head.
-
-    The range is [min, max] widened to hold 0, so the integer zero point is a code in [0, 2^bits - 1];
-    scale and zero are computed from the stored (float16-rounded) scale, so rounding stays within
-    half a step."""
-    _check_policy(bits)
-    levels = 2**bits - 1
-    x = x_TKH.astype(jnp.float32)
-    lo, hi = jnp.minimum(jnp.min(x, axis=-1), 0.0), jnp.maximum(jnp.max(x, axis=-1), 0.0)
-    scale = ((hi - lo) / levels).astype(KV_SCALE_DTYPE)
-    scale = jnp.where(scale == 0, jnp.ones_like(scale), scale)
-    step = scale.astype(jnp.float32)
-    zero = jnp.clip(jnp.round(-lo / step), 0, levels)
-    q = jnp.clip(jnp.round(x / step[..., None]) + zero[..., None], 0, levels).astype(jnp.uint8)
-    if bits == 4:
-        q = q[..., 0::2] | (q[..., 1::2] << 4)
-    return q, scale, zero.astype(ZERO_DTYPE)
-
-
-def quantize_cache(cache_PSKH: jax.Array, bits: int, dtype=None) -> QuantKV:
-    """A whole float cache [P, S, K, H] quantized per token and head (benchmarks and tests; the engine
-    quantizes on write), standing in for `dtype` (default: the cache's)."""
-    P, S, K, H = cache_PSKH.shape
-    data, scale, zero = quantize_kv(cache_PSKH.reshape(P * S, K, H), bits)
-    return QuantKV(data.reshape(P, S, K, -1), scale.reshape(P, S, K), zero.reshape(P, S, K), bits,
-                   jnp.dtype(dtype or cache_PSKH.dtype).name)
-
-
-def make_quant_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                         quant_policy: int, dtype=jnp.float32, mesh=None) -> list[tuple[QuantKV, QuantKV]]:
-    """Zeroed per-layer (k, v) quantized caches standing in for float caches of `dtype`; under a mesh
-    with a tp axis, sharded on KV heads (repeated as in `lmjax.parallel.kv_cache_heads`)."""
-    _check_policy(quant_policy)
-    if quant_policy == 4 and head_dim % 2:
-        raise ValueError(f"quant_policy=4 packs two values per byte: head_dim={head_dim} must be even")
-    tp = parallel.tp_size(mesh) if mesh is not None else 1
-    K = parallel.kv_cache_heads(num_kv_heads, tp) if tp > 1 else num_kv_heads
-    P, S, W = num_blocks, block_size, head_dim * quant_policy // 8
-
-    def one():
-        return QuantKV(jnp.zeros((P, S, K, W), jnp.uint8), jnp.ones((P, S, K), KV_SCALE_DTYPE),
-                       jnp.zeros((P, S, K), ZERO_DTYPE), quant_policy, jnp.dtype(dtype).name)
-    if tp > 1:
-        one = jax.jit(one, out_shardings=jax.tree.map(lambda s: NamedSharding(mesh, s), quant_kv_spec(one)))
-    return [(one(), one()) for _ in range(num_layers)]
-
-
-def quant_kv_spec(make_or_cache) -> QuantKV:
-    """PartitionSpecs of a QuantKV sharded on its KV-head axis (a QuantKV of specs: shard_map's
-    in_specs and jit's out_shardings take it as a tree prefix)."""
-    cache = jax.eval_shape(make_or_cache) if callable(make_or_cache) else make_or_cache
-    heads = parallel.TP_AXIS
-    return QuantKV(PartitionSpec(None, None, heads, None), PartitionSpec(None, None, heads),
-                   PartitionSpec(None, None, heads), cache.bits, cache.compute_dtype)
-
-
-def write_kv_quant(k_cache: QuantKV, v_cache: QuantKV, k_TKH, v_TKH, slot_mapping_T):
-    """`lmjax.layers.attention.write_kv` for quantized caches: quantize (int4 K rotated), scatter."""
-    def write(cache: QuantKV, x_TKH):
-        P, S, K, W = cache.data_PSKW.shape
-        if K != x_TKH.shape[1]:  # the cache repeats KV heads under tp (see lmjax.parallel.kv_cache_heads)
-            x_TKH = jnp.repeat(x_TKH, K // x_TKH.shape[1], axis=1)
-        q, scale, zero = quantize_kv(x_TKH, cache.bits)
-        data = cache.data_PSKW.reshape(P * S, K, W).at[slot_mapping_T].set(q).reshape(P, S, K, W)
-        scale_ = cache.scale_PSK.reshape(P * S, K).at[slot_mapping_T].set(scale).reshape(P, S, K)
-        zero_ = cache.zero_PSK.reshape(P * S, K).at[slot_mapping_T].set(zero).reshape(P, S, K)
-        return dataclasses.replace(cache, data_PSKW=data, scale_PSK=scale_, zero_PSK=zero_)
-    return write(k_cache, rotate_heads(k_TKH) if k_cache.bits == 4 else k_TKH), write(v_cache, v_TKH)
-
-
-def paged_attention_quant(q_TNH, k_cache: QuantKV, v_cache: QuantKV, kv_lens_B, block_tables_BM, cu_q_lens_B1, *,
-                          sm_scale: float, sliding_window: int | None = None, impl: str = "auto"):
-    """Attention over quantized caches: the queries rotated like the stored K (int4), then the op, whose
-    every impl reads the quantized cache (the Pallas kernel on GPU reads the codes; see
-    pallas_kernels.ragged_paged_attention)."""
-    from pallas_kernels.ragged_paged_attention import ragged_paged_attention
-
-    q_rot_TNH = rotate_heads(q_TNH).astype(q_TNH.dtype) if k_cache.bits == 4 else q_TNH
-    return ragged_paged_attention(q_rot_TNH, k_cache, v_cache, kv_lens_B, block_tables_BM, cu_q_lens_B1,
-                                  sm_scale=sm_scale, sliding_window=sliding_window, impl=impl)

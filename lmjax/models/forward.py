@@ -12,17 +12,18 @@ from flax import nnx
 
 from lmjax import parallel
 from lmjax.layers.attention import AttentionMetadata, contiguous_metadata
-from lmjax.layers.quant import make_quant_kv_caches
+from lmjax.layers.kv_quant import make_quant_kv_caches
 from lmjax.models.config import ModelConfig
 
 
 def make_kv_caches(cfg: ModelConfig, num_blocks: int, block_size: int, dtype, mesh=None,
-                   quant_policy: int = 0) -> list[tuple[jax.Array, jax.Array]]:
+                   quant_policy: int = 0, kv_maps=None) -> list[tuple[jax.Array, jax.Array]]:
     """Zeroed per-layer (k_PSKH, v_PSKH) caches; under a tp mesh, sharded on KV heads. quant_policy
-    8 / 4: `QuantKV` caches (int8 / int4 codes standing in for `dtype`, see lmjax.layers.quant)."""
+    8 / 4: `QuantKV` caches (int8 / int4 codes standing in for `dtype`, see lmjax.layers.kv_quant);
+    int4 with kv_maps from lmjax.models.kv_calibration, else the uncalibrated rotation."""
     if quant_policy:
         return make_quant_kv_caches(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
-                                    quant_policy, dtype, mesh)
+                                    quant_policy, dtype, mesh, kv_maps)
     return parallel.make_kv_caches(cfg, num_blocks, block_size, dtype, mesh)
 
 
@@ -32,14 +33,16 @@ def _forward_all(model, ids_T, positions_T, caches, meta):
     return model.compute_logits(hidden_TD), caches
 
 
-def prompt_logits(model, prompts: list[list[int]], block_size: int = 16, quant_policy: int = 0) -> list[np.ndarray]:
+def prompt_logits(model, prompts: list[list[int]], block_size: int = 16, quant_policy: int = 0,
+                  kv_maps=None) -> list[np.ndarray]:
     """float32 logits [L, V] at every position of each prompt, all prompts in one ragged step
-    (through a KV cache quantized by `quant_policy` 8 / 4 when set)."""
+    (through a KV cache quantized by `quant_policy` 8 / 4 when set; int4 with `kv_maps`, see
+    `make_kv_caches`)."""
     lengths = [len(p) for p in prompts]
     num_blocks = 1 + sum(-(-n // block_size) for n in lengths)
     dtype = model.embed_tokens.embedding[...].dtype
     mesh = parallel.mesh_of(model)
-    caches = make_kv_caches(model.config, num_blocks, block_size, dtype, mesh, quant_policy)
+    caches = make_kv_caches(model.config, num_blocks, block_size, dtype, mesh, quant_policy, kv_maps)
     meta = contiguous_metadata(lengths, block_size, num_blocks)
     ids_T = jnp.asarray(np.concatenate(prompts), jnp.int32)
     positions_T = jnp.asarray(np.concatenate([np.arange(n) for n in lengths]), jnp.int32)

@@ -50,6 +50,7 @@ class Attention(nnx.Module):
         self.qkv_proj = nnx.data(None)  # set by merge_qkv: q_proj, k_proj and v_proj as one weight
         self.qkv_shards = 1  # its column blocks (tensor parallelism): [q_0 | k_0 | v_0 | q_1 | ...]
         self.cfg, self.sliding_window = cfg, cfg.sliding_window(layer)
+        self.record_queries = False  # lmjax.models.kv_calibration: sow each call's queries (static: retraces)
 
     def merge_qkv(self, shards: int = 1) -> bool:
         """Replace q_proj, k_proj and v_proj by one layer `qkv_proj` whose output is [q | k | v] (same
@@ -107,6 +108,8 @@ class Attention(nnx.Module):
         cfg, (k_cache, v_cache) = self.cfg, cache
         if cfg.use_logn_attn:  # after RoPE, on q only: K in the cache is unscaled either way
             q_TNH = q_TNH * logn_scale_T(positions_T, cfg.logn_max_position)[:, None, None].astype(q_TNH.dtype)
+        if self.record_queries:  # as attention gets them: RoPE'd (and logn-scaled)
+            self.sow(nnx.Intermediate, "queries_TNH", q_TNH)
         out_TNH = paged_attention(q_TNH, k_cache, v_cache, meta, sm_scale=cfg.head_dim**-0.5,
                                   sliding_window=self.sliding_window)
         return self.o_proj(out_TNH.reshape(T, -1)), (k_cache, v_cache)

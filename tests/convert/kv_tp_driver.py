@@ -1,6 +1,7 @@
 """Greedy tokens of the engine with a quantized KV cache at tp = 1 and tp = 3 (SmolLM2: 9 q heads, 3
 KV heads), in a fresh process with 3 forced CPU devices (the device count must be set before jax is
-imported). Prints one JSON line: {"policy": {"tp": {"tokens", "shard_shapes", "devices"}}}.
+imported). Prints one JSON line: {"policy": {"tp": {"tokens", "shard_shapes", "map_shard_shapes", "devices"}}}
+(map_shard_shapes: the int4 K cache's calibrated maps, sharded like its heads).
 
     python tests/convert/kv_tp_driver.py '{"model": GGUF, "policies": [8, 4], "prompts": [[1, 2]]}'
 """
@@ -25,7 +26,8 @@ def run(policy: int, tp: int) -> dict:
         engine.step()
     k_cache = engine.runner.caches[0][0]
     shards = [s.data.shape for s in k_cache.data_PSKW.addressable_shards]
-    return {"tokens": [list(r.completions[0].token_ids) for r in reqs], "shard_shapes": shards,
+    maps = [] if k_cache.k_map_KHH is None else [s.data.shape for s in k_cache.k_map_KHH.addressable_shards]
+    return {"tokens": [list(r.completions[0].token_ids) for r in reqs], "shard_shapes": shards, "map_shard_shapes": maps,
             "devices": len({s.device for s in k_cache.scale_PSK.addressable_shards})}
 
 

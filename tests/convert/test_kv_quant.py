@@ -9,8 +9,8 @@ import pytest
 
 from lmjax.layers import attention
 from lmjax.layers.attention import contiguous_metadata
-from lmjax.layers.quant import (QuantKV, dequantize_kv, kv_bytes_per_token, kv_rotation, make_quant_kv_caches,
-                                quantize_kv)
+from lmjax.layers.kv_quant import (QuantKV, dequantize_kv, kv_bytes_per_token, kv_rotation, make_quant_kv_caches,
+                                   quantize_kv)
 from test_quant import perplexity  # noqa: F401  (same fixtures and measure as the weight tests)
 from test_quant import base_ppl, text_ids  # noqa: F401
 
@@ -123,22 +123,33 @@ def test_bad_quant_policy_names_the_value(bad):
 
 
 # ---------------------------------------------------------------- SmolLM2 perplexity
-# KV int4 target of the issue: 5%. Measured +18% (12.57 vs 10.64): not met, and not for want of trying
-# inside the spec (one scale and zero point per token per head): int4 K alone costs +39% (+23% with the
-# rotation), int4 V alone +2%; even per-channel K scales over all tokens (KIVI's layout, outside the
-# spec) measured +14%, and keeping the first token in float changed nothing. SmolLM2-135M's head_dim
-# of 64 and sharp attention make 16 levels per token too coarse for K. The bound below guards the
-# measured figure; the issue note records the miss. benchmarks/kv_int4_study.py measured more (this
-# ~600-token perplexity swings +14..+24% with the Hadamard sign pattern alone, so it also reports KL
-# and an attention-error proxy): subtracting a mean K vector and MSE clip search gain little; a
-# calibrated per-layer [H, H] k/q transform (replacing R) with V rotated halves the KL, ppl about +7%
-# (+4..+11% over four sign patterns, against +14..+32% for this quantizer): not in the engine yet.
-@pytest.mark.parametrize("bits, tolerance", [(8, 0.01), (4, 0.25)])
-def test_smollm2_perplexity_with_quantized_kv(smollm2_lmjax, text_ids, base_ppl, bits, tolerance):  # noqa: F811
-    ppl = perplexity(smollm2_lmjax.model, text_ids, quant_policy=bits)
+# KV targets of the issue: int8 within 1%, int4 within 5%. int4 is what an engine runs with
+# quant_policy=4: K stored through per-layer maps calibrated on lmjax/calibration_text.py (disjoint from
+# this text), K clipped, V rotated (lmjax.layers.kv_quant). Measured +2.45% (10.902 vs 10.642; KL from the
+# float-KV predictions 142e-3); the Hadamard rotation alone, the engine before: +17.6%. This ~600-token
+# perplexity is noisy for the question: the same method with three other Hadamard sign patterns gave
+# +9.1 / +9.3 / +6.5% (KL 151-159e-3; benchmarks/kv_int4_study.py, "engine, K signs seed N"), so the
+# bound guards the shipped configuration's figure, not a claim about every rotation.
+@pytest.fixture(scope="module")
+def kv_maps(smollm2_lmjax, smollm2_tokenizer):
+    from lmjax.models.kv_calibration import calibrate_kv_int4, calibration_ids
+
+    return calibrate_kv_int4(smollm2_lmjax.model, calibration_ids(smollm2_tokenizer))
+
+
+@pytest.mark.parametrize("bits, tolerance", [(8, 0.01), (4, 0.05)])
+def test_smollm2_perplexity_with_quantized_kv(smollm2_lmjax, text_ids, base_ppl, kv_maps, bits, tolerance):  # noqa: F811
+    ppl = perplexity(smollm2_lmjax.model, text_ids, quant_policy=bits, kv_maps=kv_maps if bits == 4 else None)
     print(f"SmolLM2 perplexity: float32 KV {base_ppl:.4f}, KV int{bits} {ppl:.4f} ({ppl / base_ppl - 1:+.2%})")
     assert ppl <= base_ppl * (1 + tolerance)
     assert ppl != base_ppl  # the quantized cache was really read
+
+
+def test_smollm2_int4_calibration_beats_the_rotation_alone(smollm2_lmjax, text_ids, base_ppl, kv_maps):  # noqa: F811
+    calibrated = perplexity(smollm2_lmjax.model, text_ids, quant_policy=4, kv_maps=kv_maps)
+    rotation = perplexity(smollm2_lmjax.model, text_ids, quant_policy=4)
+    print(f"SmolLM2 KV int4 perplexity: calibrated {calibrated:.4f}, rotation alone {rotation:.4f}")
+    assert calibrated < rotation - 0.5  # measured 10.90 vs 11.83 (both with the K clip and V rotated)
 
 
 # ---------------------------------------------------------------- the engine
@@ -199,7 +210,8 @@ def test_pipeline_with_turbomind_quant_policy_8(smollm2_pruned):
 
 
 def test_tensor_parallel_engine_with_quantized_kv(smollm2_pruned, greedy_prompts):
-    """tp = 3 shards the quantized cache on KV heads (one per device) and generates tp = 1's tokens.
+    """tp = 3 shards the quantized cache on KV heads (one per device), its int4 maps too (calibrated under
+    the mesh), and generates tp = 1's tokens.
     int4 only (the packed layout, W = 32 codes a row; int8 shares the sharding code): the pair of
     policies took 100 s of CI."""
     import json
@@ -217,6 +229,8 @@ def test_tensor_parallel_engine_with_quantized_kv(smollm2_pruned, greedy_prompts
         W = 64 * int(policy) // 8
         assert three["devices"] == 3 and all(s == [32, 16, 1, W] for s in three["shard_shapes"]), three
         assert one["shard_shapes"] == [[32, 16, 3, W]]
+        if policy == "4":  # the calibrated K / q maps travel with the cache, one KV head's per device
+            assert one["map_shard_shapes"] == [[3, 64, 64]] and three["map_shard_shapes"] == [[1, 64, 64]] * 3
         assert _common_prefix_ratio(one["tokens"], three["tokens"]) >= 0.9, (policy, one["tokens"], three["tokens"])
 
 

@@ -70,11 +70,12 @@ def test_quantize_model_swaps_every_linear_but_lm_head(smollm2_lmjax):
 
 
 # ---------------------------------------------------------------- perplexity
-def perplexity(model, ids: list[int], quant_policy: int = 0) -> float:
-    """exp(mean next-token NLL) of `ids` (KV cache quantized by `quant_policy` when set)."""
+def perplexity(model, ids: list[int], quant_policy: int = 0, kv_maps=None) -> float:
+    """exp(mean next-token NLL) of `ids` (KV cache quantized by `quant_policy` when set, int4 with
+    `kv_maps`)."""
     from lmjax.models.forward import prompt_logits
 
-    logits = prompt_logits(model, [ids], quant_policy=quant_policy)[0]
+    logits = prompt_logits(model, [ids], quant_policy=quant_policy, kv_maps=kv_maps)[0]
     logp = jax.nn.log_softmax(jnp.asarray(logits[:-1]), axis=-1)
     nll = -jnp.take_along_axis(logp, jnp.asarray(ids[1:])[:, None], axis=1)
     return float(jnp.exp(jnp.mean(nll)))

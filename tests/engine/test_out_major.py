@@ -111,7 +111,7 @@ def test_qkv_rope_fusion_rule_and_switch(monkeypatch):
     import jax.numpy as jnp
 
     from lmjax.layers.attention import qkv_gemv_takes_rope
-    from lmjax.layers.quant import make_quant_kv_caches
+    from lmjax.layers.kv_quant import make_quant_kv_caches
     from pallas_kernels.rope import RopeSpec
 
     cache, spec = (jnp.zeros((2, 4, 2, 16)),) * 2, RopeSpec(rotary_dim=16)

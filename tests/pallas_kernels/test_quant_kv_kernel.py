@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lmjax.layers.quant import quantize_cache
+from lmjax.layers.kv_quant import quantize_cache
 from pallas_kernels import ragged_paged_attention as rpa
 from pallas_kernels.quant_kv import QuantKV
 from rpa_cases import make_case, rel_err

@@ -262,7 +262,7 @@ def test_layer_falls_back_for_quantized_caches_and_reads_the_env(monkeypatch):
     with pytest.raises(ValueError, match="impl='fused'"):
         attention.kv_write_impl("fused")
     # quant_policy 8: impl="kernel" still takes apply_rope + write_kv (quantize on write).
-    from lmjax.layers.quant import make_quant_kv_caches
+    from lmjax.layers.kv_quant import make_quant_kv_caches
 
     lengths, S = [5, 3], 4
     meta = attention.contiguous_metadata(lengths, S, 4)

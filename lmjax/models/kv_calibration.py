@@ -1,0 +1,72 @@
+"""Calibration of the int4 KV cache (quant_policy=4): per layer and KV head, the maps that K is stored
+through and queries read it with (why and how: lmjax.layers.kv_basis, lmjax.layers.kv_quant).
+
+One forward over a calibration text (default: lmjax/calibration_text.py, disjoint from the perplexity
+text the tests score) with a float cache in the model's dtype: each layer's RoPE'd keys are read back
+from that cache, its queries are sown by the attention layers (`Attention.record_queries`, collected by nnx.capture), exactly as
+the attention op gets them. The engine runs it when it starts with quant_policy=4: one prefill-sized
+forward (SmolLM2 on 2 CPU cores: a few seconds, most of it compiling; one GPU: well under a second
+after compiling), so no conversion step is needed, as with LMDeploy's quant_policy.
+
+Shape letters: T tokens, N q heads, K kv heads, H head dim, P blocks, S block size.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from lmjax import parallel
+from lmjax.calibration_text import DEFAULT_CALIBRATION_TEXT
+from lmjax.layers.attention import contiguous_metadata
+from lmjax.layers.kv_basis import int4_kv_maps
+from lmjax.layers.kv_quant import kv_rotation
+from lmjax.models.forward import make_kv_caches
+
+MAX_CALIBRATION_TOKENS = 2048
+BLOCK_SIZE = 16
+
+
+@nnx.jit
+def _forward_caches(model, ids_T, positions_T, caches, meta):
+    _, caches = model(ids_T, positions_T, caches, meta)
+    return caches
+
+
+def calibration_ids(tokenizer, text: str = DEFAULT_CALIBRATION_TEXT) -> list[int]:
+    return list(tokenizer.encode(text))
+
+
+def calibrate_kv_int4(model, ids: list[int]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per layer, (k_map, q_map) float32 [K, H, H] for `make_kv_caches(..., quant_policy=4, kv_maps=...)`,
+    from one forward over `ids` (cut to the model's context and MAX_CALIBRATION_TOKENS)."""
+    cfg = model.config
+    ids = list(ids)[:min(MAX_CALIBRATION_TOKENS, cfg.max_position_embeddings)]
+    if len(ids) < 2:
+        raise ValueError(f"KV calibration needs at least 2 tokens, got {len(ids)}")
+    T = len(ids)
+    num_blocks = 1 + -(-T // BLOCK_SIZE)
+    mesh = parallel.mesh_of(model)
+    caches = make_kv_caches(cfg, num_blocks, BLOCK_SIZE, model.embed_tokens.embedding[...].dtype, mesh)
+    meta = contiguous_metadata([T], BLOCK_SIZE, num_blocks)
+    attentions = [layer.self_attn for layer in model.layers]
+    for attn in attentions:
+        attn.record_queries = True
+    try:
+        with parallel.use_mesh(mesh):
+            caches, sown = nnx.capture(_forward_caches, nnx.Intermediate)(
+                model, jnp.asarray(ids, jnp.int32), jnp.arange(T, dtype=jnp.int32), caches, meta)
+    finally:
+        for attn in attentions:
+            attn.record_queries = False
+    queries = [np.asarray(sown["layers"][i]["self_attn"]["queries_TNH"].get_value()[0], np.float32)
+               for i in range(len(attentions))]
+    slots_T = np.asarray(meta.slot_mapping_T)
+    rotation = kv_rotation(cfg.head_dim)
+    maps = []
+    for (k_cache_PSKH, _), q_TNH in zip(caches, queries):
+        P, S, K, H = k_cache_PSKH.shape
+        k_TKH = np.asarray(k_cache_PSKH, np.float32).reshape(P * S, K, H)[slots_T]
+        k_TKH = k_TKH[:, ::K // cfg.num_kv_heads]  # a tp cache may hold each KV head several times
+        maps.append(int4_kv_maps(k_TKH, q_TNH, rotation))
+    return maps
