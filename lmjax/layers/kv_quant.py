@@ -94,29 +94,28 @@ def quantize_kv(x_TKH: jax.Array, bits: int, clip_ratios=(1.0,)) -> tuple[jax.Ar
     """(data uint8 [T, K, W], scale [T, K], zero [T, K]): x ~ (code - zero) * scale per token and head.
 
     The range is [min, max] (times the clip ratio, of those given, whose codes have the least squared
-    error) widened to hold 0, so the integer zero point is a code in [0, 2^bits - 1]; scale and zero
-    are computed from the stored (float16-rounded) scale, so rounding stays within half a step."""
+    error; the first of equals) widened to hold 0, so the integer zero point is a code in
+    [0, 2^bits - 1]; scale and zero are computed from the stored (float16-rounded) scale, so rounding
+    stays within half a step. The ratios are one leading axis R, so XLA fuses the search into a few
+    launches instead of a chain per ratio."""
     _check_policy(bits)
     levels = 2**bits - 1
     x = x_TKH.astype(jnp.float32)
-    mn, mx = jnp.min(x, axis=-1), jnp.max(x, axis=-1)
-
-    def codes(ratio):
-        lo, hi = jnp.minimum(mn * ratio, 0.0), jnp.maximum(mx * ratio, 0.0)
-        scale = ((hi - lo) / levels).astype(KV_SCALE_DTYPE)
-        scale = jnp.where(scale == 0, jnp.ones_like(scale), scale)
-        step = scale.astype(jnp.float32)
-        zero = jnp.clip(jnp.round(-lo / step), 0, levels)
-        q = jnp.clip(jnp.round(x / step[..., None]) + zero[..., None], 0, levels)
-        err = jnp.sum(((q - zero[..., None]) * step[..., None] - x) ** 2, axis=-1)
-        return q, scale, zero, err
-
-    q, scale, zero, err = codes(clip_ratios[0])
-    for ratio in clip_ratios[1:]:
-        q_r, scale_r, zero_r, err_r = codes(ratio)
-        better = err_r < err
-        q, scale = jnp.where(better[..., None], q_r, q), jnp.where(better, scale_r, scale)
-        zero, err = jnp.where(better, zero_r, zero), jnp.minimum(err_r, err)
+    ratio_R11 = jnp.asarray(clip_ratios, jnp.float32)[:, None, None]
+    lo_RTK = jnp.minimum(jnp.min(x, axis=-1) * ratio_R11, 0.0)
+    hi_RTK = jnp.maximum(jnp.max(x, axis=-1) * ratio_R11, 0.0)
+    scale_RTK = ((hi_RTK - lo_RTK) / levels).astype(KV_SCALE_DTYPE)
+    scale_RTK = jnp.where(scale_RTK == 0, jnp.ones_like(scale_RTK), scale_RTK)
+    step_RTK = scale_RTK.astype(jnp.float32)
+    zero_RTK = jnp.clip(jnp.round(-lo_RTK / step_RTK), 0, levels)
+    q_RTKH = jnp.clip(jnp.round(x / step_RTK[..., None]) + zero_RTK[..., None], 0, levels)
+    if len(clip_ratios) == 1:
+        q, scale, zero = q_RTKH[0], scale_RTK[0], zero_RTK[0]
+    else:
+        err_RTK = jnp.sum(((q_RTKH - zero_RTK[..., None]) * step_RTK[..., None] - x) ** 2, axis=-1)
+        best_1TK = jnp.argmin(err_RTK, axis=0)[None]
+        scale, zero = (jnp.take_along_axis(a, best_1TK, axis=0)[0] for a in (scale_RTK, zero_RTK))
+        q = jnp.take_along_axis(q_RTKH, best_1TK[..., None], axis=0)[0]
     q = q.astype(jnp.uint8)
     if bits == 4:
         q = q[..., 0::2] | (q[..., 1::2] << 4)
