@@ -144,8 +144,8 @@ def ragged_paged_attention(
 
     The caches may be quantized (`QuantKV`, quant_policy 8 / 4): the Triton kernel reads the codes
     (pallas_kernels/kv_tiles.py; int4 needs head_dim >= 32, else "auto" takes the tiled version), the
-    reference and the tiled version dequantize the blocks they read. int4 stores K rotated: q must come
-    rotated the same way (lmjax.layers.kv_quant.paged_attention_quant does it).
+    reference and the tiled version dequantize the blocks they read. lmjax stores int4 K (and V) mapped: q
+    must come mapped the same way, and the output back (lmjax.layers.kv_quant.paged_attention_quant).
     """
     validate_ragged_paged_attention(
         q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, block_tables_BM, cu_q_lens_B1,

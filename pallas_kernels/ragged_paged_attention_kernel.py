@@ -262,7 +262,7 @@ def _kernel_impl(q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, block_tables_BM, 
                  *, sm_scale, sliding_window, interpret, config=None, skip_q_len=None, into_TNH=None):
     """The Triton kernel over every row, or with skip_q_len only over sequences with fewer query rows:
     the rows of the others come from into_TNH (written by another kernel), unchanged. The caches are
-    float arrays or `QuantKV` (int4: K stored rotated, so q must come rotated too)."""
+    float arrays or `QuantKV` (lmjax's int4: K stored mapped, so q comes mapped too)."""
     num_tokens, num_q_heads, head_dim = q_TNH.shape
     _, block_size, num_kv_heads, _ = k_cache_PSKH.shape
     num_seqs, max_blocks = block_tables_BM.shape
