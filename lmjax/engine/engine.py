@@ -53,9 +53,10 @@ class LLMEngine:
         num_blocks = kv_cache_blocks(config, loaded.config, loaded.dtype, self.session_len)
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_batch_size, config.max_prefill_token_num)
+        kv_maps = self._kv_maps(loaded.model) if config.quant_policy == 4 else None
         self.runner = ModelRunner(loaded.model, num_blocks, config.block_size, config.max_prefill_token_num,
                                   config.max_batch_size, -(-self.session_len // config.block_size), loaded.dtype,
-                                  config.quant_policy, self._kv_maps(loaded.model))
+                                  config.quant_policy, kv_maps)
         self._rng = random.Random(config.seed)
         self._by_seq: dict[int, tuple[Request, Completion]] = {}
         self._seq_ids = iter(range(1 << 62))
@@ -73,14 +74,11 @@ class LLMEngine:
             self.warmup()
 
     def _kv_maps(self, model):
-        """int4 KV cache (quant_policy=4): its per-layer K / q maps, calibrated on the built-in text
-        (lmjax.models.kv_calibration); None for other caches."""
-        if self.config.quant_policy != 4:
-            return None
+        """The int4 KV cache's per-layer K / q maps, calibrated on the built-in text (lmjax.models.kv_calibration)."""
         start = time.perf_counter()
         maps = calibrate_kv_int4(model, calibration_ids(self.tokenizer))
-        self.load_seconds["kv_calibration"] = time.perf_counter() - start
-        logger.info("int4 KV cache calibrated in %.1f s", self.load_seconds["kv_calibration"])
+        self.load_seconds["kv_calibration"] = seconds = time.perf_counter() - start
+        logger.info("int4 KV cache calibrated in %.1f s", seconds)
         return maps
 
     # ------------------------------------------------------------------ requests in

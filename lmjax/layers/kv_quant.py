@@ -198,8 +198,15 @@ def write_kv_quant(k_cache: QuantKV, v_cache: QuantKV, k_TKH, v_TKH, slot_mappin
         k_TKH, v_TKH = (jnp.repeat(x, K // x.shape[1], axis=1) for x in (k_TKH, v_TKH))
     if k_cache.bits != 4:
         return write(k_cache, k_TKH), write(v_cache, v_TKH)
-    k_TKH = map_heads(k_TKH, k_cache.k_map_KHH) if k_cache.k_map_KHH is not None else rotate_heads(k_TKH)
+    k_TKH = map_heads(k_TKH, _int4_maps(k_cache)[0])
     return write(k_cache, k_TKH, K_CLIP_RATIOS), write(v_cache, rotate_heads(v_TKH))
+
+
+def _int4_maps(k_cache: QuantKV) -> tuple[jax.Array, jax.Array]:
+    if k_cache.k_map_KHH is None or k_cache.q_map_KHH is None:
+        raise ValueError("an int4 K cache needs its k_map / q_map (make_quant_kv_caches sets them); "
+                         "this QuantKV has none")
+    return k_cache.k_map_KHH, k_cache.q_map_KHH
 
 
 def paged_attention_quant(q_TNH, k_cache: QuantKV, v_cache: QuantKV, kv_lens_B, block_tables_BM, cu_q_lens_B1, *,
@@ -212,8 +219,7 @@ def paged_attention_quant(q_TNH, k_cache: QuantKV, v_cache: QuantKV, kv_lens_B, 
     if k_cache.bits != 4:
         return ragged_paged_attention(q_TNH, k_cache, v_cache, kv_lens_B, block_tables_BM, cu_q_lens_B1,
                                       sm_scale=sm_scale, sliding_window=sliding_window, impl=impl)
-    q_map = k_cache.q_map_KHH
-    q_in_TNH = (map_heads(q_TNH, q_map) if q_map is not None else rotate_heads(q_TNH)).astype(q_TNH.dtype)
+    q_in_TNH = map_heads(q_TNH, _int4_maps(k_cache)[1]).astype(q_TNH.dtype)
     out_TNH = ragged_paged_attention(q_in_TNH, k_cache, v_cache, kv_lens_B, block_tables_BM, cu_q_lens_B1,
                                      sm_scale=sm_scale, sliding_window=sliding_window, impl=impl)
     return rotate_heads(out_TNH, transpose=True).astype(out_TNH.dtype)

@@ -33,11 +33,9 @@ def _forward_all(model, ids_T, positions_T, caches, meta):
     return model.compute_logits(hidden_TD), caches
 
 
-def prompt_logits(model, prompts: list[list[int]], block_size: int = 16, quant_policy: int = 0,
-                  kv_maps=None) -> list[np.ndarray]:
-    """float32 logits [L, V] at every position of each prompt, all prompts in one ragged step
-    (through a KV cache quantized by `quant_policy` 8 / 4 when set; int4 with `kv_maps`, see
-    `make_kv_caches`)."""
+def prefill_inputs(model, prompts: list[list[int]], block_size: int = 16, quant_policy: int = 0, kv_maps=None):
+    """(ids_T, positions_T, caches, meta, mesh) to prefill whole prompts in one ragged step into zeroed
+    caches in the model's dtype laid out contiguously (`make_kv_caches`, `contiguous_metadata`)."""
     lengths = [len(p) for p in prompts]
     num_blocks = 1 + sum(-(-n // block_size) for n in lengths)
     dtype = model.embed_tokens.embedding[...].dtype
@@ -46,6 +44,16 @@ def prompt_logits(model, prompts: list[list[int]], block_size: int = 16, quant_p
     meta = contiguous_metadata(lengths, block_size, num_blocks)
     ids_T = jnp.asarray(np.concatenate(prompts), jnp.int32)
     positions_T = jnp.asarray(np.concatenate([np.arange(n) for n in lengths]), jnp.int32)
+    return ids_T, positions_T, caches, meta, mesh
+
+
+def prompt_logits(model, prompts: list[list[int]], block_size: int = 16, quant_policy: int = 0,
+                  kv_maps=None) -> list[np.ndarray]:
+    """float32 logits [L, V] at every position of each prompt, all prompts in one ragged step
+    (through a KV cache quantized by `quant_policy` 8 / 4 when set; int4 with `kv_maps`, see
+    `make_kv_caches`)."""
+    lengths = [len(p) for p in prompts]
+    ids_T, positions_T, caches, meta, mesh = prefill_inputs(model, prompts, block_size, quant_policy, kv_maps)
     with parallel.use_mesh(mesh):
         logits_TV, _ = _forward_all(model, ids_T, positions_T, caches, meta)
     return np.split(np.asarray(logits_TV), np.cumsum(lengths)[:-1])

@@ -3,28 +3,25 @@ through and queries read it with (why and how: lmjax.layers.kv_basis, lmjax.laye
 
 One forward over a calibration text (default: lmjax/calibration_text.py, disjoint from the perplexity
 text the tests score) with a float cache in the model's dtype: each layer's RoPE'd keys are read back
-from that cache, its queries are sown by the attention layers (`Attention.record_queries`, collected by nnx.capture), exactly as
-the attention op gets them. The engine runs it when it starts with quant_policy=4: one prefill-sized
-forward (SmolLM2 on 2 CPU cores: a few seconds, most of it compiling; one GPU: well under a second
-after compiling), so no conversion step is needed, as with LMDeploy's quant_policy.
+from that cache, its queries are sown by the attention layers (`Attention.record_queries`, collected
+by nnx.capture), exactly as the attention op gets them. The engine runs it when it starts with
+quant_policy=4: one prefill-sized forward (SmolLM2 on 2 CPU cores: 10-18 s, most of it compiling; the
+1B shape on an H100: 1.5 s), so no conversion step is needed, as with LMDeploy's quant_policy.
 
 Shape letters: T tokens, N q heads, K kv heads, H head dim, P blocks, S block size.
 """
 from __future__ import annotations
 
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from lmjax import parallel
 from lmjax.calibration_text import DEFAULT_CALIBRATION_TEXT
-from lmjax.layers.attention import contiguous_metadata
 from lmjax.layers.kv_basis import int4_kv_maps
 from lmjax.layers.kv_quant import kv_rotation
-from lmjax.models.forward import make_kv_caches
+from lmjax.models.forward import prefill_inputs
 
 MAX_CALIBRATION_TOKENS = 2048
-BLOCK_SIZE = 16
 
 
 @nnx.jit
@@ -44,18 +41,13 @@ def calibrate_kv_int4(model, ids: list[int]) -> list[tuple[np.ndarray, np.ndarra
     ids = list(ids)[:min(MAX_CALIBRATION_TOKENS, cfg.max_position_embeddings)]
     if len(ids) < 2:
         raise ValueError(f"KV calibration needs at least 2 tokens, got {len(ids)}")
-    T = len(ids)
-    num_blocks = 1 + -(-T // BLOCK_SIZE)
-    mesh = parallel.mesh_of(model)
-    caches = make_kv_caches(cfg, num_blocks, BLOCK_SIZE, model.embed_tokens.embedding[...].dtype, mesh)
-    meta = contiguous_metadata([T], BLOCK_SIZE, num_blocks)
+    ids_T, positions_T, caches, meta, mesh = prefill_inputs(model, [ids])
     attentions = [layer.self_attn for layer in model.layers]
     for attn in attentions:
         attn.record_queries = True
     try:
         with parallel.use_mesh(mesh):
-            caches, sown = nnx.capture(_forward_caches, nnx.Intermediate)(
-                model, jnp.asarray(ids, jnp.int32), jnp.arange(T, dtype=jnp.int32), caches, meta)
+            caches, sown = nnx.capture(_forward_caches, nnx.Intermediate)(model, ids_T, positions_T, caches, meta)
     finally:
         for attn in attentions:
             attn.record_queries = False

@@ -127,3 +127,16 @@ def test_caches_without_calibration_carry_the_rotation_and_int8_none():
     assert k8.k_map_KHH is None and v4.k_map_KHH is None
     with pytest.raises(ValueError, match="kv_maps has 2 layers' maps, the model 1 layers"):
         make_quant_kv_caches(1, 2, 8, 2, 16, 4, kv_maps=[(r, r), (r, r)])
+
+
+def test_an_int4_cache_without_maps_is_named_not_read_another_way():
+    from lmjax.layers.attention import contiguous_metadata, paged_attention, write_kv
+
+    (k4, v4), = make_quant_kv_caches(1, 4, 8, 2, 16, 4)
+    bare = QuantKV(k4.data_PSKW, k4.scale_PSK, k4.zero_PSK, 4, k4.compute_dtype)
+    meta = contiguous_metadata([3], 8, 4)
+    k = jnp.ones((3, 2, 16))
+    with pytest.raises(ValueError, match="an int4 K cache needs its k_map / q_map"):
+        write_kv(bare, v4, k, k, meta.slot_mapping_T)
+    with pytest.raises(ValueError, match="an int4 K cache needs its k_map / q_map"):
+        paged_attention(jnp.ones((3, 4, 16)), bare, v4, meta, sm_scale=0.25, impl="reference")
