@@ -40,6 +40,7 @@ from pallas_kernels.w4_bf16x2 import CENTER, bf16x2_products
 
 GEMV_TUNABLES = ("block_o", "rows", "num_splits", "num_warps", "num_stages", "unpack", "prefetch")
 UNPACKS = ("magic", "convert", "bf16x2")  # bf16x2: pallas_kernels/w4_bf16x2.py, bf16 x only
+WIDE_O = 16384  # the bf16x2 tiling's "widest weights" (merged gate/up of 8B-sized models)
 GEMV_MAX_T = 4  # the most tokens the gemv path takes (forced); "auto" uses it for T = 1 only
 MAGIC_BITS = 0x4B000000  # float32 2**23: OR-ing q < 2**23 into its mantissa gives the float 2**23 + q
 MAGIC = 8388608.0
@@ -58,9 +59,13 @@ def _choose_gemv_config(J, O, half_group, on_gpu, block_o=None, rows=None, num_s
         unpack = "bf16x2" if on_gpu and x_bf16 else "magic"
     if on_gpu and block_o is None and rows is None and num_splits is None and unpack == "bf16x2":
         # Measured (H200, 2026-11-24, .carry sweep of the PTX path, 8B shapes, g128): 4 warps, one group a
-        # tile, 32 splits; 512-byte rows, 256 where O <= 1024 (4096x14336 12.3 us, 14336x4096 13.7,
-        # 4096x4096 5.8, 4096x1024 3.7).
-        block_o, rows, num_splits, num_warps = (256 if O <= 1024 else 512), half_group, 32, 4
+        # tile; 512-byte rows, 256 where O <= 1024. Splits re-measured with the weights cold in L2, as
+        # in a decode step (session 16, 2026-11-25, H100 and H200 agree; the earlier sweep's weights
+        # fit in L2): one tile a split (14336x4096: 112 splits, 14.2 vs 17.6 us at 32 on the H200, 16.8
+        # vs 18.8 on the H100), except the widest weights (merged gate/up, 4096x28672), where 8 splits'
+        # float32 partials cost less than 32's (24.7 vs 25.6 us H200, 27.2 vs 31.3 H100).
+        block_o, rows, num_warps = (256 if O <= 1024 else 512), half_group, 4
+        num_splits = 8 if O >= WIDE_O else -(-J // rows)
     elif on_gpu and block_o is None and rows is None and num_splits is None:
         # Measured (H200, 2026-11-23, `w4_matmul_bench.py --tokens 1 --sweep`, 8B shapes, g128): one
         # loop iteration per split. Wide weights: 512-byte rows, 8 warps, 32 splits (4096x14336 24.7 ->
