@@ -132,16 +132,31 @@ class SamplingParams:
                 or self.frequency_penalty != 0.0)
 
 
+class _DefaultTopK(int):
+    """GenerationConfig's top_k when the caller left it alone (it prints as 1): do_sample=True then
+    means LMDeploy 0.6's default, SAMPLING_TOP_K. dataclasses.replace carries the mark along."""
+
+
+SAMPLING_TOP_K = 50  # LMDeploy >= 0.6: GenerationConfig.top_k's default, used when do_sample=True
+
+
 @_strict_fields
 @dataclass
 class GenerationConfig:
-    """LMDeploy's per-request generation parameters. Defaults follow the LMDeploy docs:
-    top_k=1 means greedy decoding (there is no `do_sample`); set top_k=0 or >1 to sample.
+    """LMDeploy's per-request generation parameters. Defaults follow the LMDeploy docs of the seeds
+    (before LMDeploy 0.6): top_k=1 means greedy decoding; set top_k=0 or >1 to sample.
+
+    do_sample is LMDeploy 0.6's switch, for code written against it: None (default) keeps the rule
+    above; False decodes greedily whatever top_k, top_p and temperature say; True samples, and with
+    top_k left at its default, from the 50 most likely tokens (LMDeploy 0.6's default top_k). One
+    difference, on purpose: LMDeploy's do_sample=False also drops repetition_penalty; lmjax applies it
+    (greedy decoding with a penalty is a request worth honouring, not noise to strip).
     """
     n: int = 1
     max_new_tokens: int | None = 512
+    do_sample: bool | None = None
     top_p: float = 1.0
-    top_k: int = 1
+    top_k: int = _DefaultTopK(1)
     min_p: float = 0.0
     temperature: float = 0.8
     repetition_penalty: float = 1.0
@@ -162,6 +177,9 @@ class GenerationConfig:
                         self.repetition_penalty, self.n, self.logprobs)
         _check(self.max_new_tokens is None or self.max_new_tokens >= 1,
                f"max_new_tokens must be None or >= 1, got {self.max_new_tokens}")
+        _check(self.do_sample in (None, True, False), f"do_sample must be None, True or False, got {self.do_sample!r}")
+        if self.do_sample and isinstance(self.top_k, _DefaultTopK):
+            self.top_k = SAMPLING_TOP_K
         _check(self.min_new_tokens is None or self.min_new_tokens >= 0,
                f"min_new_tokens must be None or >= 0, got {self.min_new_tokens}")
         self.stop_words = _as_list(self.stop_words, "stop_words", str)
@@ -170,7 +188,7 @@ class GenerationConfig:
         self.bad_token_ids = _as_list(self.bad_token_ids, "bad_token_ids", int)
 
     def to_sampling_params(self) -> SamplingParams:
-        greedy = self.top_k == 1 or self.temperature == 0
+        greedy = self.do_sample is False or self.top_k == 1 or self.temperature == 0
         return SamplingParams(
             n=self.n, max_tokens=self.max_new_tokens, min_tokens=self.min_new_tokens or 0,
             temperature=0.0 if greedy else self.temperature, top_k=0 if greedy else self.top_k,
@@ -197,6 +215,9 @@ class EngineConfig:
     integer > 1 meaning a block count. num_gpu_blocks > 0 overrides both.
     session_len None: the model's max_position_embeddings. device_type 'auto': JAX's default.
     seed: engine-wide seed; requests without one get seeds derived from it.
+    max_logprobs: the most top log-probabilities a request may ask for, per sampled token
+    (`logprobs`) or prompt token (`prompt_logprobs`); vLLM's engine argument and default. Each
+    power-of-two count compiles its own step, so the cap bounds compilations too; -1: the vocabulary.
     """
     dtype: str = "auto"
     tp: int = 1
@@ -215,6 +236,7 @@ class EngineConfig:
     device_type: str = "auto"
     num_scheduler_steps: int = 8  # decode steps per host round trip when no request needs the host
     warmup: bool = False  # compile every decode batch bucket at start-up (LLM(enforce_eager=False))
+    max_logprobs: int = 20
 
     def __post_init__(self):
         _check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
@@ -227,6 +249,8 @@ class EngineConfig:
         _check(0 < c <= 1 or float(c).is_integer(),
                f"cache_max_entry_count must be a fraction in (0, 1] or a block count, got {c}")
         _check(self.num_gpu_blocks >= 0, f"num_gpu_blocks must be >= 0, got {self.num_gpu_blocks}")
+        _check(isinstance(self.max_logprobs, int) and self.max_logprobs >= -1,
+               f"max_logprobs must be an int >= -1 (-1: the vocabulary), got {self.max_logprobs!r}")
         _check(self.quant_policy in (0, 4, 8), f"quant_policy must be 0, 4 or 8, got {self.quant_policy}")
         _check(self.rope_scaling_factor >= 0,
                f"rope_scaling_factor must be >= 0, got {self.rope_scaling_factor}")

@@ -89,7 +89,34 @@ def test_generation_config_temperature_zero_is_greedy():
     assert GenerationConfig(top_k=40, temperature=0.0).to_sampling_params().is_greedy
 
 
+@pytest.mark.parametrize("kwargs, greedy, top_k", [
+    (dict(), True, 0),  # the seeds' rule: top_k=1 (its default) is greedy
+    (dict(top_k=40), False, 40),
+    (dict(do_sample=False, top_k=40, top_p=0.5, temperature=1.2), True, 0),  # LMDeploy 0.6: greedy whatever they say
+    (dict(do_sample=True), False, 50),  # LMDeploy 0.6's default top_k when sampling
+    (dict(do_sample=True, top_k=0), False, 0),  # given explicitly: kept
+    (dict(do_sample=True, top_k=1), True, 0),  # top-1 sampling is greedy
+    (dict(do_sample=True, temperature=0.0), True, 0),
+])
+def test_generation_config_do_sample(kwargs, greedy, top_k):
+    p = GenerationConfig(**kwargs).to_sampling_params()
+    assert (p.is_greedy, p.top_k) == (greedy, top_k)
+
+
+def test_generation_config_do_sample_survives_replace_and_keeps_repetition_penalty():
+    g = dataclasses.replace(GenerationConfig(repetition_penalty=1.3), do_sample=True)
+    assert g.top_k == 50  # top_k was never given: replace carries its default mark
+    greedy = dataclasses.replace(g, do_sample=False).to_sampling_params()
+    assert greedy.is_greedy and greedy.repetition_penalty == 1.3  # LMDeploy drops it here; lmjax does not
+    assert GenerationConfig().top_k == 1 and repr(GenerationConfig()).count("top_k=1,") == 1
+    with pytest.raises(ValueError, match="do_sample must be None, True or False, got 'yes'"):
+        GenerationConfig(do_sample="yes")
+
+
 def test_engine_config_validation():
+    assert EngineConfig().max_logprobs == 20  # vLLM's default
+    with pytest.raises(ValueError, match="max_logprobs must be an int >= -1 .* got -2"):
+        EngineConfig(max_logprobs=-2)
     with pytest.raises(ValueError, match="dtype must be one of .* got 'fp8'"):
         EngineConfig(dtype="fp8")
     with pytest.raises(ValueError, match="block_size must be an int >= 1, got 0"):

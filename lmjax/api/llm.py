@@ -68,7 +68,8 @@ class LLM:
                  max_model_len: int | None = None, max_num_seqs: int | None = None, block_size: int = 64,
                  max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = False,
                  num_gpu_blocks_override: int | None = None, num_scheduler_steps: int = 8,
-                 enforce_eager: bool | None = None, kv_cache_dtype: str = "auto", **kwargs):
+                 enforce_eager: bool | None = None, kv_cache_dtype: str = "auto", max_logprobs: int = 20,
+                 **kwargs):
         _check_vllm_only(kwargs)
         if not 0 < gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
@@ -80,7 +81,7 @@ class LLM:
                               max_prefill_token_num=max_num_batched_tokens or default_tokens,
                               enable_prefix_caching=enable_prefix_caching,
                               num_scheduler_steps=num_scheduler_steps, warmup=enforce_eager is False,
-                              quant_policy=kv_cache_quant_policy(kv_cache_dtype))
+                              quant_policy=kv_cache_quant_policy(kv_cache_dtype), max_logprobs=max_logprobs)
         self.llm_engine = LLMEngine(model, config, tokenizer)
 
     def get_tokenizer(self):

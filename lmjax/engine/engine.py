@@ -86,6 +86,7 @@ class LLMEngine:
                     request_id: str | None = None) -> Request:
         """Validate and queue a request; raises ValueError (naming the value) before any work."""
         self.validate_prompt(prompt_token_ids)
+        self._check_logprobs(params)
         n = len(prompt_token_ids)
         max_tokens = min(params.max_tokens or self.session_len, self.session_len - n)
         if not self.scheduler.fits_in_cache(n + max_tokens):
@@ -112,6 +113,15 @@ class LLMEngine:
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+
+    def _check_logprobs(self, params: SamplingParams) -> None:
+        vocab, cap = self.model_config.vocab_size, self.config.max_logprobs
+        cap = vocab if cap == -1 else min(cap, vocab)
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > cap:
+                raise ValueError(f"{name}={k} is more than max_logprobs={cap} (EngineConfig(max_logprobs=...), "
+                                 f"LLM(max_logprobs=...); -1 allows up to the vocabulary, {vocab})")
 
     def _add_completion(self, req: Request, index: int, seed: int) -> None:
         p = req.params

@@ -105,4 +105,12 @@ def test_llm_rejects_bad_prompts_and_unknown_args(smollm2_pruned):
         llm.generate([[1, 2, 10**7]], use_tqdm=False)
     with pytest.raises(ValueError, match="empty"):
         llm.generate([[]], use_tqdm=False)
+    # more top log-probabilities than max_logprobs (vLLM's 20), or than the vocabulary, before any work:
+    # past the vocabulary the step itself used to fail, taking the other requests of its batch with it
+    for params in (SamplingParams(logprobs=21), SamplingParams(prompt_logprobs=10**6)):
+        with pytest.raises(ValueError, match=r"logprobs=\d+ is more than max_logprobs=20"):
+            llm.generate(["hi", "there"], params, use_tqdm=False)
+    llm.llm_engine.config.max_logprobs = -1  # the vocabulary: 49,152 tokens
+    with pytest.raises(ValueError, match="logprobs=1000000 is more than max_logprobs=49152"):
+        llm.generate(["hi"], SamplingParams(logprobs=10**6), use_tqdm=False)
     assert not llm.llm_engine.has_unfinished()
