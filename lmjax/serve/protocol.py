@@ -1,7 +1,9 @@
 """Request bodies of the HTTP API (pydantic, strict: `"5"` is not an int and `true` is not a number) and
 their mapping onto the engine's SamplingParams. Field names and defaults follow OpenAI's API (with vLLM's
 extensions `top_k`, `repetition_penalty`, `ignore_eos`, `min_tokens`, `skip_special_tokens`) and, for
-`/v1/chat/interactive`, LMDeploy's `GenerateRequest`. Unknown fields are ignored, as OpenAI does.
+`/v1/chat/interactive`, LMDeploy's `GenerateRequest`. Unknown fields are ignored, as OpenAI does; OpenAI
+fields lmjax does not honour (tools, response_format, logit_bias, best_of > n, suffix, non-text content
+parts) are a 400 that names them unless left at their no-op values.
 Out-of-range values are caught by SamplingParams / GenerationConfig, whose ValueError names the value.
 Responses are plain dicts built in `responses.py`.
 """
@@ -25,9 +27,14 @@ class ChatMessage(_Strict):
     content: str | list[dict] | None = None
 
     def text(self) -> str:
-        """The message's text: a string, or the text parts of a content list."""
+        """The message's text: a string, or the text parts of a content list (other parts, an image
+        say, are a ValueError: the models served are text-only, and dropping the part would answer a
+        question that was not asked)."""
         if isinstance(self.content, list):
-            return "".join(p.get("text", "") for p in self.content if p.get("type") == "text")
+            other = [p.get("type") for p in self.content if p.get("type") != "text"]
+            if other:
+                raise ValueError(f"content parts of type {other} are not supported: this model reads text only")
+            return "".join(p.get("text", "") for p in self.content)
         return self.content or ""
 
 
@@ -50,9 +57,25 @@ class _Sampling(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # OpenAI fields lmjax does not honour: accepted at their no-op values only (`_unsupported`), since
+    # ignoring them would hand back, say, free text where JSON or a tool call was asked for.
+    response_format: dict | None = None
+    logit_bias: dict | None = None
+
+    def _unsupported(self) -> dict:
+        """{field: value} of the fields set to something lmjax does not do."""
+        bad = {}
+        if self.response_format not in (None, {"type": "text"}):
+            bad["response_format"] = self.response_format
+        if self.logit_bias:
+            bad["logit_bias"] = self.logit_bias
+        return bad
 
     def _params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """SamplingParams of this request; raises ValueError (-> HTTP 400) for out-of-range values."""
+        bad = self._unsupported()
+        if bad:
+            raise ValueError(f"not supported by lmjax: {', '.join(f'{k}={v!r}' for k, v in bad.items())}")
         if max_tokens is not None and max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
         return SamplingParams(n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
@@ -73,6 +96,20 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list | None = None
+    tool_choice: str | dict | None = None
+    functions: list | None = None
+    function_call: str | dict | None = None
+
+    def _unsupported(self) -> dict:
+        bad = super()._unsupported()
+        for name in ("tools", "functions"):
+            if getattr(self, name):
+                bad[name] = f"[{len(getattr(self, name))} tool(s)]"  # tool calling: no parser here
+        for name in ("tool_choice", "function_call"):
+            if getattr(self, name) not in (None, "none", "auto"):
+                bad[name] = getattr(self, name)
+        return bad
 
     def sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
@@ -89,6 +126,16 @@ class CompletionRequest(_Sampling):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def _unsupported(self) -> dict:
+        bad = super()._unsupported()
+        if self.best_of is not None and self.best_of != self.n:  # best_of = n is plain sampling
+            bad["best_of"] = self.best_of
+        if self.suffix:
+            bad["suffix"] = self.suffix
+        return bad
 
     def sampling_params(self) -> SamplingParams:
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:

@@ -206,6 +206,37 @@ def test_bad_requests_get_openai_errors_and_server_keeps_serving(server, model_i
     assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 2
 
 
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize("path, extra, named", [
+    ("/v1/chat/completions", {"tools": [TOOL]}, "tools"),
+    ("/v1/chat/completions", {"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"logit_bias": {"42": 5}}, "logit_bias"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": "x.png"}}]}]},
+     "image_url"),
+    ("/v1/completions", {"best_of": 3}, "best_of"),
+    ("/v1/completions", {"suffix": " and that is all."}, "suffix"),
+])
+def test_openai_fields_lmjax_does_not_honour_are_named_not_ignored(server, model_id, path, extra, named):
+    body = {"model": model_id, "max_tokens": 2, **({"messages": CHAT} if "chat" in path else {"prompt": "Hi"}), **extra}
+    resp = _post(server, path, body)
+    assert resp.status_code == 400 and named in resp.json()["error"]["message"], resp.text
+
+
+def test_those_fields_at_their_no_op_values_are_accepted(server, model_id):
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key=KEY)
+    with pytest.raises(openai.BadRequestError, match="tools"):
+        client.chat.completions.create(model=model_id, messages=CHAT, max_tokens=2, tools=[TOOL])
+    out = client.chat.completions.create(model=model_id, messages=CHAT, max_tokens=2, tools=[], tool_choice="none",
+                                         response_format={"type": "text"}, logit_bias={})
+    assert out.usage.completion_tokens == 2
+    out = client.completions.create(model=model_id, prompt="Hi", max_tokens=2, best_of=1, suffix="")
+    assert out.usage.completion_tokens == 2
+
+
 def test_openai_client_raises_typed_errors(server, model_id):
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{server}/v1", api_key="bad").models.list()
