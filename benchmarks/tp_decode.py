@@ -143,7 +143,7 @@ def bench(args, tp: int) -> dict:
     else:
         model, cfg = random_model(args.shape, dtype, tp)
     if args.quant:  # round to nearest on the device: the bytes a step reads are those of any w4 / w8 conversion
-        quantize_model(model, QuantSpec(args.quant))
+        quantize_model(model, QuantSpec(args.quant, lm_head=args.quant_lm_head))
     jax.block_until_ready(nnx.state(model))
     load_s = time.perf_counter() - t0
     blocks, M = context_blocks(args.context, args.block_size)
@@ -170,7 +170,8 @@ def bench(args, tp: int) -> dict:
     runner.caches = caches
     per_device = parallel.per_device_bytes(runner.state)
     ms = sorted(t * 1e3 for t in times)
-    return {"tp": tp, "shape": args.checkpoint or args.shape, "dtype": args.dtype, "quant": args.quant, "batch": 1,
+    return {"tp": tp, "shape": args.checkpoint or args.shape, "dtype": args.dtype, "quant": args.quant,
+            "quant_lm_head": args.quant_lm_head, "batch": 1,
             "context": args.context, "step_ms_median": round(statistics.median(ms), 3),
             "step_ms_p10": round(ms[len(ms) // 10], 3), "step_ms_p90": round(ms[(9 * len(ms)) // 10], 3),
             "multi_step_ms_per_step": round(multi_ms, 3), "steps_per_call": args.steps, "greedy_tokens": tokens,
@@ -187,6 +188,8 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
     parser.add_argument("--context", type=int, default=512, help="tokens in the sequence's KV cache")
     parser.add_argument("--quant", choices=("w4", "w8"), default=None, help="quantize the weights first (tp 1)")
+    parser.add_argument("--quant-lm-head", choices=("w4", "w8"), default=None,
+                        help="with --quant, quantize the lm_head too (lmjax convert --quant-lm-head)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--iters", type=int, default=100)

@@ -29,7 +29,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from lmjax import parallel
-from lmjax.layers.quant import QuantSpec, quantize_model
+from lmjax.layers.quant import QuantSpec, quantize_lm_head, quantize_model
 from lmjax.loader.model_loader import load_model
 from lmjax.loader.orbax_loader import CONFIG_KEY, FORMAT_VERSION, ORBAX_SUBDIR, param_key
 from lmjax.loader.resolve import resolve_model_path
@@ -46,7 +46,7 @@ _SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "sp
 
 def convert_checkpoint(src: str, out: str, dtype: str = "bfloat16", tp: int = 1, quant: str | None = None,
                        group_size: int = 128, overwrite: bool = False, w4_method: str = "awq",
-                       calib_text: str | None = None) -> str:
+                       calib_text: str | None = None, quant_lm_head: str | None = None) -> str:
     """Convert `src` (HF directory, .gguf file or model id) into the directory `out`; returns its path.
 
     dtype: storage (and default compute) dtype of the float parameters. tp: the tensor-parallel size
@@ -54,12 +54,15 @@ def convert_checkpoint(src: str, out: str, dtype: str = "bfloat16", tp: int = 1,
     (`group_size` input rows per int4 scale). w4_method: "awq" (activation-aware scales, round to
     nearest, least-squares group parameters) or "gptq", both calibrated on `calib_text` (a text file;
     default: lmjax.calibration_text), or "rtn" (round to nearest, no calibration). All write the same
-    layout."""
+    layout. quant_lm_head: None (the lm_head stays float, as vLLM and LMDeploy keep it), "w8" or "w4"
+    (rounded to nearest; a tied lm_head becomes its own weight beside the float embedding)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} is not supported; choose one of {DTYPES}")
     if tp < 1:
         raise ValueError(f"tp={tp} must be >= 1")
-    spec = QuantSpec(quant, group_size) if quant else None
+    if quant_lm_head and not quant:
+        raise ValueError(f"quant_lm_head={quant_lm_head!r} needs quant (w8 or w4) for the rest of the model")
+    spec = QuantSpec(quant, group_size, quant_lm_head) if quant else None
     if w4_method not in W4_METHODS:
         raise ValueError(f"w4_method={w4_method!r} is not supported; choose one of {W4_METHODS}")
     calibrated = w4_method if spec is not None and spec.method == "w4" and w4_method != "rtn" else None
@@ -116,6 +119,7 @@ def _read(path: str, dtype: str, tp: int, spec: QuantSpec | None, calibrated: st
 
         prompts = calibration_prompts(load_tokenizer(path), text)
         calibrate_w4(loaded.model, spec, prompts, method=calibrated, param_dtype=jnp.dtype(dtype))
+        quantize_lm_head(loaded.model, spec)
     else:
         quantize_model(loaded.model, spec)
     flat = {p: _as_dtype(v[...], dtype) for p, v in nnx.to_flat_state(nnx.state(loaded.model))}

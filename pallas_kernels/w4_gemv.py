@@ -64,7 +64,10 @@ def _choose_gemv_config(J, O, half_group, on_gpu, block_o=None, rows=None, num_s
         # fit in L2): one tile a split (14336x4096: 112 splits, 14.2 vs 17.6 us at 32 on the H200, 16.8
         # vs 18.8 on the H100), except the widest weights (merged gate/up, 4096x28672), where 8 splits'
         # float32 partials cost less than 32's (24.7 vs 25.6 us H200, 27.2 vs 31.3 H100).
-        block_o, rows, num_warps = (256 if O <= 1024 else 512), half_group, 4
+        # A block that divides O: a masked column tail predicates every load of the kernel, measured 2x
+        # slower on a vocab-wide lm_head (4096x128256, H100, 2026-11-25: 512-byte rows 230 us, 256 112 us).
+        block_o = 256 if O <= 1024 else next((b for b in (512, 256, 128) if O % b == 0), 512)
+        rows, num_warps = half_group, 4
         num_splits = 8 if O >= WIDE_O else -(-J // rows)
     elif on_gpu and block_o is None and rows is None and num_splits is None:
         # Measured (H200, 2026-11-23, `w4_matmul_bench.py --tokens 1 --sweep`, 8B shapes, g128): one

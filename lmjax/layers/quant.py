@@ -37,26 +37,33 @@ from lmjax.layers.linear import Linear
 from pallas_kernels.w4_matmul import kernel_supports, w4_matmul_kernel
 
 METHODS = ("w8", "w4")
-SKIPPED = ("lm_head",)  # left in float: small next to the body, and the logits are the most sensitive
+SKIPPED = ("lm_head",)  # float unless QuantSpec.lm_head says: the logits are the most sensitive
 
 
 @dataclasses.dataclass(frozen=True)
 class QuantSpec:
     method: str  # "w8" (int8 per output channel) or "w4" (uint4 + offset in groups along the input dim)
     group_size: int = 128  # w4 only
+    # The lm_head's own method (None: float, as vLLM's and LMDeploy's AWQ/GPTQ leave it). A tied lm_head
+    # becomes a separate quantized weight (the embedding stays float for the lookup).
+    lm_head: str | None = None
 
     def __post_init__(self):
-        if self.method not in METHODS:
-            raise ValueError(f"quant method {self.method!r} is not supported; choose one of {METHODS}")
-        if self.method == "w4" and self.group_size <= 0:
+        for name, method in (("quant method", self.method), ("lm_head quant method", self.lm_head or "w8")):
+            if method not in METHODS:
+                raise ValueError(f"{name} {method!r} is not supported; choose one of {METHODS}")
+        if "w4" in (self.method, self.lm_head) and self.group_size <= 0:
             raise ValueError(f"group_size={self.group_size} must be positive")
 
     def to_dict(self) -> dict:
-        return {"method": self.method, "group_size": self.group_size}
+        return {"method": self.method, "group_size": self.group_size, **({"lm_head": self.lm_head} if self.lm_head else {})}
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "QuantSpec | None":
-        return None if not d else cls(d["method"], int(d.get("group_size", 128)))
+        return None if not d else cls(d["method"], int(d.get("group_size", 128)), d.get("lm_head"))
+
+    def for_lm_head(self) -> "QuantSpec | None":
+        return QuantSpec(self.lm_head, self.group_size) if self.lm_head else None
 
 
 # ---------------------------------------------------------------- quantize / dequantize (pure jnp)
@@ -201,20 +208,40 @@ def linear_slots(model: nnx.Module):
 
 
 def quantize_model(model: nnx.Module, spec: QuantSpec | None, abstract: bool = False) -> nnx.Module:
-    """Swap every Linear (lm_head excepted) for a QuantLinear, in place; returns the model.
+    """Swap every Linear (the lm_head only with `spec.lm_head`) for a QuantLinear, in place; returns
+    the model.
 
     abstract=True builds empty QuantLinears (for `nnx.eval_shape`, before restoring their values);
     else each is quantized from the Linear's current weights."""
     if spec is None:
         return model
     for parent, key, linear in list(linear_slots(model)):
-        if abstract:
-            I, O = linear.kernel.shape
-            new = QuantLinear(I, O, spec, bias=linear.bias is not None, dtype=linear.kernel.dtype)
-        else:
-            new = QuantLinear.from_linear(linear, spec)
-        set_slot(parent, key, new)
+        set_slot(parent, key, _quantized(linear, spec, abstract))
+    return quantize_lm_head(model, spec, abstract)
+
+
+def quantize_lm_head(model: nnx.Module, spec: QuantSpec, abstract: bool = False) -> nnx.Module:
+    """The lm_head as a QuantLinear of `spec.lm_head` (nothing without it), in place. A model that ties
+    its lm_head to the embedding (`lm_head` None) gets its own, made from the embedding."""
+    head_spec = spec.for_lm_head()
+    if head_spec is None or isinstance(getattr(model, "lm_head", None), QuantLinear):
+        return model
+    head = model.lm_head
+    if head is None:
+        embedding_VD = model.embed_tokens.embedding
+        V, D = embedding_VD.shape
+        head = nnx.eval_shape(lambda: Linear(D, V, dtype=embedding_VD.dtype))
+        if not abstract:
+            head.kernel = nnx.Param(embedding_VD[...].T)
+    model.lm_head = nnx.data(_quantized(head, head_spec, abstract))
     return model
+
+
+def _quantized(linear: Linear, spec: QuantSpec, abstract: bool) -> QuantLinear:
+    if not abstract:
+        return QuantLinear.from_linear(linear, spec)
+    I, O = linear.kernel.shape
+    return QuantLinear(I, O, spec, bias=linear.bias is not None, dtype=linear.kernel.dtype)
 
 
 def set_slot(parent: nnx.Module, key, module: nnx.Module) -> None:

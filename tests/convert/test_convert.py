@@ -143,9 +143,10 @@ def test_cli_convert(tiny, tmp_path):
     from lmjax.cli import main
 
     out = tmp_path / "cli-out"
-    assert main(["convert", tiny, str(out), "--dtype", "float32", "--quant", "w8"]) == 0
+    assert main(["convert", tiny, str(out), "--dtype", "float32", "--quant", "w8", "--quant-lm-head", "w8"]) == 0
     info = json.load(open(out / "config.json"))["lmjax"]
-    assert info["quant"] == {"method": "w8", "group_size": 128, "algorithm": "rtn"} and (out / ORBAX_SUBDIR).is_dir()
+    assert info["quant"] == {"method": "w8", "group_size": 128, "lm_head": "w8", "algorithm": "rtn"}
+    assert (out / ORBAX_SUBDIR).is_dir()
 
 
 @pytest.mark.parametrize("method", ["awq", "gptq"])
@@ -176,6 +177,45 @@ def test_calibrated_w4_conversion_restores_what_was_calibrated(tiny, tmp_path, m
     rtn = load_model(convert_checkpoint(tiny, tmp_path / "rtn", dtype="float32", quant="w4", group_size=32,
                                         w4_method="rtn"), "float32").model
     assert not np.allclose(prompt_logits(rtn, PROMPTS)[0], prompt_logits(restored, PROMPTS)[0], atol=1e-6)
+
+@pytest.mark.parametrize("tie, head", [(False, "w8"), (True, "w4")])
+def test_quantized_lm_head_restores_and_stays_close(tiny, tmp_path, tie, head):
+    """--quant-lm-head: the restored model is the in-memory one exactly; a tied lm_head becomes its own
+    quantized weight while the embedding stays float; the logits move by its rounding only."""
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from lmjax.layers.quant import QuantLinear, QuantSpec, quantize_model
+    from lmjax.models.forward import prompt_logits
+
+    src = tiny
+    if tie:
+        src = str(tmp_path / "tied")
+        torch.manual_seed(1)
+        transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY, tie_word_embeddings=True)).save_pretrained(src)
+        _write_tokenizer(TINY["vocab_size"], src)
+    out = convert_checkpoint(src, tmp_path / "q", dtype="float32", quant="w4", group_size=32, w4_method="rtn",
+                             quant_lm_head=head)
+    info = json.load(open(os.path.join(out, "config.json")))["lmjax"]
+    assert info["quant"] == {"method": "w4", "group_size": 32, "lm_head": head, "algorithm": "rtn"}
+    restored = load_model(out, "float32").model
+    float_model = load_model(src, "float32").model
+    assert (float_model.lm_head is None) == tie and isinstance(restored.lm_head, QuantLinear)
+    assert restored.lm_head.kernel[...].dtype == (jnp.int8 if head == "w8" else jnp.uint8)
+    assert restored.embed_tokens.embedding[...].dtype == jnp.float32
+    spec = QuantSpec("w4", 32, head)
+    in_memory = quantize_model(nnx.clone(float_model), spec)
+    body_only = quantize_model(nnx.clone(float_model), QuantSpec("w4", 32))
+    got, want, body = (prompt_logits(m, PROMPTS) for m in (restored, in_memory, body_only))
+    for g, w, b in zip(got, want, body):
+        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
+        assert not np.allclose(g, b, atol=1e-7)  # the lm_head was quantized
+        scale = np.abs(b).max()
+        assert np.abs(g - b).max() < (0.01 if head == "w8" else 0.1) * scale  # by its rounding only
+    with pytest.raises(ValueError, match="quant_lm_head='w8' needs quant"):
+        convert_checkpoint(src, tmp_path / "bad", quant_lm_head="w8")
+
 
 # ---------------------------------------------------------------- SmolLM2 (GGUF source)
 @pytest.fixture(scope="module")

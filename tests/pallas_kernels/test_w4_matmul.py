@@ -173,6 +173,8 @@ def test_kernel_needs_power_of_two_groups_and_auto_falls_back():
     # the L2-cold sweep (session 16): one tile a split for the tall down weight, 8 for the merged gate/up
     (14336, 4096, True, dict(block_o=512, rows=64, num_splits=112, num_warps=4, unpack="bf16x2")),
     (4096, 28672, True, dict(block_o=512, rows=64, num_splits=8, num_warps=4, unpack="bf16x2")),
+    # a vocab-wide lm_head (--quant-lm-head w4): rows that divide O, no masked column tail
+    (4096, 128256, True, dict(block_o=256, rows=64, num_splits=8, num_warps=4, unpack="bf16x2")),
 ])
 def test_gemv_gpu_tiling_follows_the_sweeps(monkeypatch, I, O, x_bf16, want):
     from pallas_kernels import w4_gemv
