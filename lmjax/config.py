@@ -310,7 +310,9 @@ class ChatTemplateConfig:
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise ValueError(f"ChatTemplateConfig(model_name={self.model_name!r}) has no role markers "
                              "and the tokenizer has no chat template")
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        from lmjax.loader.tokenizer import render_chat  # config stays import-light for every layer
+
+        return render_chat(tokenizer, messages, tokenize=False, add_generation_prompt=True)
 
     def _from_markers(self, messages: list[dict[str, Any]]) -> str:
         s = lambda v: v or ""  # noqa: E731  (None markers render as nothing)
@@ -323,5 +325,5 @@ class ChatTemplateConfig:
         for m in messages:
             if m["role"] not in opens:
                 raise ValueError(f"unknown chat role {m['role']!r}; expected one of {list(opens)}")
-            prompt += f"{opens[m['role']]}{m['content']}{ends[m['role']]}"
+            prompt += f"{opens[m['role']]}{m.get('content') or ''}{ends[m['role']]}"  # None: an empty turn
         return prompt + s(self.assistant)

@@ -20,6 +20,7 @@ from lmjax.api.batch import encode_text, per_prompt, run_to_completion, submit_a
 from lmjax.api.outputs import RequestOutput, request_output
 from lmjax.config import EngineConfig, SamplingParams
 from lmjax.engine.engine import LLMEngine
+from lmjax.loader.tokenizer import render_chat
 
 # vLLM arguments with no lmjax meaning: allowed only at these values.
 _VLLM_ONLY_DEFAULTS = {"tokenizer_mode": "auto", "skip_tokenizer_init": False, "trust_remote_code": False,
@@ -120,10 +121,10 @@ class LLM:
         """Generate replies to one conversation (a list of {'role', 'content'}) or a list of them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.llm_engine.tokenizer
-        prompts = [{"prompt_token_ids": tok.apply_chat_template(c, chat_template=chat_template, tokenize=True,
-                                                                add_generation_prompt=add_generation_prompt,
-                                                                return_dict=True)["input_ids"],
-                    "prompt": tok.apply_chat_template(c, chat_template=chat_template, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt)}
+        prompts = [{"prompt_token_ids": render_chat(tok, c, chat_template=chat_template, tokenize=True,
+                                                    add_generation_prompt=add_generation_prompt,
+                                                    return_dict=True)["input_ids"],
+                    "prompt": render_chat(tok, c, chat_template=chat_template, tokenize=False,
+                                          add_generation_prompt=add_generation_prompt)}
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

@@ -85,3 +85,20 @@ def _load(path: str):
 def load_tokenizer(model_path: str, tokenizer_path: str | None = None):
     """A transformers tokenizer for `tokenizer_path` (if given) or `model_path`."""
     return _load(tokenizer_source(model_path, tokenizer_path))
+
+
+def render_chat(tokenizer, messages: list[dict], **kwargs):
+    """`tokenizer.apply_chat_template(messages, **kwargs)`, with messages checked first and a template
+    that fails on them turned into a ValueError naming the message: a jinja error such as "'dict object'
+    has no attribute 'content'" says nothing of which message or field was wrong."""
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ValueError(f"messages[{i}] must be a dict with a 'role' string, got {m!r}")
+    import jinja2  # transformers' template engine
+
+    try:
+        return tokenizer.apply_chat_template(messages, **kwargs)
+    except jinja2.TemplateError as e:  # undefined fields, and raise_exception() calls inside templates
+        hint = [i for i, m in enumerate(messages) if "content" not in m]
+        where = f" (messages {hint} have no 'content')" if hint else ""
+        raise ValueError(f"the chat template could not render these messages{where}: {e}") from e

@@ -87,6 +87,12 @@ def test_unsupported_engine_field_raises_not_ignored():
         lmjax.pipeline(MODEL, backend_config=PytorchEngineConfig(num_cpu_blocks=10))
 
 
+def test_unrenderable_messages_are_named(pipe):
+    with pytest.raises(ValueError, match=r"messages \[0\] have no 'content'"):
+        pipe([[{"role": "user"}]])
+    assert pipe([[{"role": "user", "content": "Hi"}]], gen_config=GenerationConfig(max_new_tokens=2))[0].text
+
+
 def test_prompt_over_session_len_fails_before_any_work(pipe):
     engine = pipe.engine
     with pytest.raises(ValueError, match="session_len=1024"):
@@ -110,6 +116,11 @@ def test_llm_rejects_bad_prompts_and_unknown_args(smollm2_pruned):
     for params in (SamplingParams(logprobs=21), SamplingParams(prompt_logprobs=10**6)):
         with pytest.raises(ValueError, match=r"logprobs=\d+ is more than max_logprobs=20"):
             llm.generate(["hi", "there"], params, use_tqdm=False)
+    # messages the chat template cannot render: a ValueError that says which, not a bare jinja error
+    with pytest.raises(ValueError, match=r"messages \[0\] have no 'content'"):
+        llm.chat([{"role": "user"}], use_tqdm=False)
+    with pytest.raises(ValueError, match=r"messages\[1\] must be a dict with a 'role' string"):
+        llm.chat([{"role": "user", "content": "hi"}, {"content": "no role"}], use_tqdm=False)
     llm.llm_engine.config.max_logprobs = -1  # the vocabulary: 49,152 tokens
     with pytest.raises(ValueError, match="logprobs=1000000 is more than max_logprobs=49152"):
         llm.generate(["hi"], SamplingParams(logprobs=10**6), use_tqdm=False)
