@@ -315,6 +315,8 @@ class ChatTemplateConfig:
         return render_chat(tokenizer, messages, tokenize=False, add_generation_prompt=True)
 
     def _from_markers(self, messages: list[dict[str, Any]]) -> str:
+        from lmjax.loader.tokenizer import text_content  # config stays import-light for every layer
+
         s = lambda v: v or ""  # noqa: E731  (None markers render as nothing)
         opens = {"system": s(self.system), "user": s(self.user), "assistant": s(self.assistant)}
         ends = {"system": s(self.eosys), "user": s(self.eoh),
@@ -322,8 +324,9 @@ class ChatTemplateConfig:
         prompt = ""
         if self.meta_instruction is not None and (not messages or messages[0]["role"] != "system"):
             prompt = f"{s(self.system)}{self.meta_instruction}{s(self.eosys)}"
-        for m in messages:
+        for i, m in enumerate(messages):
             if m["role"] not in opens:
                 raise ValueError(f"unknown chat role {m['role']!r}; expected one of {list(opens)}")
-            prompt += f"{opens[m['role']]}{m.get('content') or ''}{ends[m['role']]}"  # None: an empty turn
+            content = text_content(m.get("content"), f"messages[{i}]")
+            prompt += f"{opens[m['role']]}{content or ''}{ends[m['role']]}"  # None: an empty turn
         return prompt + s(self.assistant)

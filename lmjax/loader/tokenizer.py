@@ -87,13 +87,30 @@ def load_tokenizer(model_path: str, tokenizer_path: str | None = None):
     return _load(tokenizer_source(model_path, tokenizer_path))
 
 
+def text_content(content, where: str = "content") -> str | None:
+    """A message's content as the string chat templates expect: a string or None as it is, OpenAI's list
+    of content parts as its text parts joined by newlines (as vLLM does for string templates). Any other
+    part (an image, audio) is a ValueError: the models served read text only, and dropping the part would
+    answer a question that was not asked."""
+    if not isinstance(content, list):
+        return content
+    other = [p.get("type") if isinstance(p, dict) else type(p).__name__ for p in content
+             if not (isinstance(p, dict) and p.get("type") == "text")]
+    if other:
+        raise ValueError(f"{where}: content parts of type {other} are not supported: this model reads text only")
+    return "\n".join(p.get("text", "") for p in content)
+
+
 def render_chat(tokenizer, messages: list[dict], **kwargs):
-    """`tokenizer.apply_chat_template(messages, **kwargs)`, with messages checked first and a template
-    that fails on them turned into a ValueError naming the message: a jinja error such as "'dict object'
-    has no attribute 'content'" says nothing of which message or field was wrong."""
+    """`tokenizer.apply_chat_template(messages, **kwargs)`, with messages checked first (content parts
+    made text, `text_content`) and a template that fails on them turned into a ValueError naming the
+    message: a jinja error such as "'dict object' has no attribute 'content'" says nothing of which
+    message or field was wrong."""
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise ValueError(f"messages[{i}] must be a dict with a 'role' string, got {m!r}")
+    messages = [{**m, "content": text_content(m["content"], f"messages[{i}]")} if isinstance(m.get("content"), list)
+                else m for i, m in enumerate(messages)]
     import jinja2  # transformers' template engine
 
     try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field
 
 from lmjax.config import GenerationConfig, SamplingParams
+from lmjax.loader.tokenizer import text_content
 
 
 class _Strict(BaseModel):
@@ -27,15 +28,9 @@ class ChatMessage(_Strict):
     content: str | list[dict] | None = None
 
     def text(self) -> str:
-        """The message's text: a string, or the text parts of a content list (other parts, an image
-        say, are a ValueError: the models served are text-only, and dropping the part would answer a
-        question that was not asked)."""
-        if isinstance(self.content, list):
-            other = [p.get("type") for p in self.content if p.get("type") != "text"]
-            if other:
-                raise ValueError(f"content parts of type {other} are not supported: this model reads text only")
-            return "".join(p.get("text", "") for p in self.content)
-        return self.content or ""
+        """The message's text: a string, or the text parts of a content list joined by newlines (other
+        parts are a ValueError, `lmjax.loader.tokenizer.text_content`)."""
+        return text_content(self.content, f"a {self.role} message") or ""
 
 
 class _Sampling(_Strict):

@@ -121,6 +121,13 @@ def test_llm_rejects_bad_prompts_and_unknown_args(smollm2_pruned):
         llm.chat([{"role": "user"}], use_tqdm=False)
     with pytest.raises(ValueError, match=r"messages\[1\] must be a dict with a 'role' string"):
         llm.chat([{"role": "user", "content": "hi"}, {"content": "no role"}], use_tqdm=False)
+    # OpenAI's content parts: text parts become one string (newline-joined, as vLLM does), others are named
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]}]
+    greedy = SamplingParams(temperature=0, max_tokens=3)
+    assert llm.chat(parts, greedy, use_tqdm=False)[0].prompt_token_ids == \
+        llm.chat([{"role": "user", "content": "Hi\nthere"}], greedy, use_tqdm=False)[0].prompt_token_ids
+    with pytest.raises(ValueError, match=r"messages\[0\]: content parts of type \['image_url'\]"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x.png"}}]}], use_tqdm=False)
     llm.llm_engine.config.max_logprobs = -1  # the vocabulary: 49,152 tokens
     with pytest.raises(ValueError, match="logprobs=1000000 is more than max_logprobs=49152"):
         llm.generate(["hi"], SamplingParams(logprobs=10**6), use_tqdm=False)
