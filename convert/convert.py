@@ -29,7 +29,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from lmjax import parallel
-from lmjax.layers.quant import QuantSpec, quantize_lm_head, quantize_model
+from lmjax.layers.quant import QuantSpec, quantize_model
 from lmjax.loader.model_loader import load_model
 from lmjax.loader.orbax_loader import CONFIG_KEY, FORMAT_VERSION, ORBAX_SUBDIR, param_key
 from lmjax.loader.resolve import resolve_model_path
@@ -119,7 +119,6 @@ def _read(path: str, dtype: str, tp: int, spec: QuantSpec | None, calibrated: st
 
         prompts = calibration_prompts(load_tokenizer(path), text)
         calibrate_w4(loaded.model, spec, prompts, method=calibrated, param_dtype=jnp.dtype(dtype))
-        quantize_lm_head(loaded.model, spec)
     else:
         quantize_model(loaded.model, spec)
     flat = {p: _as_dtype(v[...], dtype) for p, v in nnx.to_flat_state(nnx.state(loaded.model))}

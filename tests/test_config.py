@@ -230,6 +230,11 @@ def test_chat_template_role_markers():
     sys_first = [{"role": "system", "content": "S"}, {"role": "user", "content": "q"}]
     assert cfg.messages2prompt(sys_first) == "<s>S</s>\n<u>q</u>\n<a>"
     assert ChatTemplateConfig(model_name="x", capability="completion").messages2prompt("raw") == "raw"
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+             {"role": "assistant", "content": None}]
+    assert cfg.messages2prompt(parts) == "<s>Be nice.</s>\n<u>a\nb</u>\n<a></a>\n<a>"
+    with pytest.raises(ValueError, match=r"messages\[0\]: content parts of type \['input_audio'\]"):
+        cfg.messages2prompt([{"role": "user", "content": [{"type": "input_audio"}]}])
 
 
 def test_chat_template_with_real_tokenizer(smollm2_tokenizer):

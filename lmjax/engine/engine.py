@@ -19,7 +19,7 @@ from lmjax.engine.cache_sizing import kv_cache_blocks
 from lmjax.engine.compile_cache import compile_stats, enable_compilation_cache
 from lmjax.engine.detokenizer import IncrementalDetokenizer
 from lmjax.engine.model_runner import ModelRunner, StepOutput, bucket
-from lmjax.engine.request import Completion, Request, new_request_id
+from lmjax.engine.request import Completion, Request, check_logprobs, check_prompt, new_request_id
 from lmjax.engine.scheduler import ScheduledBatch, Scheduler
 from lmjax.engine.sequence import Sequence, SequenceStatus
 from lmjax.engine.stop import StopStringMatcher
@@ -86,7 +86,7 @@ class LLMEngine:
                     request_id: str | None = None) -> Request:
         """Validate and queue a request; raises ValueError (naming the value) before any work."""
         self.validate_prompt(prompt_token_ids)
-        self._check_logprobs(params)
+        check_logprobs(params, self.model_config.vocab_size, self.config.max_logprobs)
         n = len(prompt_token_ids)
         max_tokens = min(params.max_tokens or self.session_len, self.session_len - n)
         if not self.scheduler.fits_in_cache(n + max_tokens):
@@ -104,24 +104,7 @@ class LLMEngine:
         return req
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
-        n, vocab = len(prompt_token_ids), self.model_config.vocab_size
-        if n == 0:
-            raise ValueError("prompt is empty: give at least one token")
-        if n >= self.session_len:
-            raise ValueError(f"prompt of {n} tokens does not fit session_len={self.session_len} "
-                             "(at least one token must be generated)")
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-
-    def _check_logprobs(self, params: SamplingParams) -> None:
-        vocab, cap = self.model_config.vocab_size, self.config.max_logprobs
-        cap = vocab if cap == -1 else min(cap, vocab)
-        for name in ("logprobs", "prompt_logprobs"):
-            k = getattr(params, name)
-            if k is not None and k > cap:
-                raise ValueError(f"{name}={k} is more than max_logprobs={cap} (EngineConfig(max_logprobs=...), "
-                                 f"LLM(max_logprobs=...); -1 allows up to the vocabulary, {vocab})")
+        check_prompt(prompt_token_ids, self.model_config.vocab_size, self.session_len)
 
     def _add_completion(self, req: Request, index: int, seed: int) -> None:
         p = req.params

@@ -92,3 +92,27 @@ class Request:
 
 def new_request_id() -> str:
     return str(next(_request_ids))
+
+
+def check_prompt(prompt_token_ids: list[int], vocab: int, session_len: int) -> None:
+    """A ValueError naming what is wrong with a prompt: empty, no room to generate, ids outside the vocab."""
+    n = len(prompt_token_ids)
+    if n == 0:
+        raise ValueError("prompt is empty: give at least one token")
+    if n >= session_len:
+        raise ValueError(f"prompt of {n} tokens does not fit session_len={session_len} "
+                         "(at least one token must be generated)")
+    bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+
+
+def check_logprobs(params: SamplingParams, vocab: int, max_logprobs: int) -> None:
+    """A ValueError for `logprobs` / `prompt_logprobs` above max_logprobs (-1: the vocabulary), which
+    would otherwise fail inside the jitted step for the whole batch."""
+    cap = vocab if max_logprobs == -1 else min(max_logprobs, vocab)
+    for name in ("logprobs", "prompt_logprobs"):
+        k = getattr(params, name)
+        if k is not None and k > cap:
+            raise ValueError(f"{name}={k} is more than max_logprobs={cap} (EngineConfig(max_logprobs=...), "
+                             f"LLM(max_logprobs=...); -1 allows up to the vocabulary, {vocab})")

@@ -49,14 +49,16 @@ class QuantSpec:
     lm_head: str | None = None
 
     def __post_init__(self):
-        for name, method in (("quant method", self.method), ("lm_head quant method", self.lm_head or "w8")):
-            if method not in METHODS:
-                raise ValueError(f"{name} {method!r} is not supported; choose one of {METHODS}")
+        if self.method not in METHODS:
+            raise ValueError(f"quant method {self.method!r} is not supported; choose one of {METHODS}")
+        if self.lm_head not in (None, *METHODS):
+            raise ValueError(f"lm_head quant method {self.lm_head!r} is not supported; choose None or one of {METHODS}")
         if "w4" in (self.method, self.lm_head) and self.group_size <= 0:
             raise ValueError(f"group_size={self.group_size} must be positive")
 
     def to_dict(self) -> dict:
-        return {"method": self.method, "group_size": self.group_size, **({"lm_head": self.lm_head} if self.lm_head else {})}
+        head = {"lm_head": self.lm_head} if self.lm_head else {}  # absent: older readers see the same dict
+        return {"method": self.method, "group_size": self.group_size, **head}
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "QuantSpec | None":

@@ -59,6 +59,14 @@ def prompt_logits(model, prompts: list[list[int]], block_size: int = 16, quant_p
     return np.split(np.asarray(logits_TV), np.cumsum(lengths)[:-1])
 
 
+def perplexity(model, ids: list[int], quant_policy: int = 0, kv_maps=None) -> float:
+    """exp(mean next-token NLL) of `ids` under `model` (`prompt_logits`' KV cache options)."""
+    logits_LV = prompt_logits(model, [ids], quant_policy=quant_policy, kv_maps=kv_maps)[0]
+    logp_LV = jax.nn.log_softmax(jnp.asarray(logits_LV[:-1]), axis=-1)
+    nll_L = -jnp.take_along_axis(logp_LV, jnp.asarray(ids[1:])[:, None], axis=1)
+    return float(jnp.exp(jnp.mean(nll_L)))
+
+
 @nnx.jit
 def _greedy_step(model, ids_T, positions_T, caches, meta, last_rows_B):
     hidden_TD, caches = model(ids_T, positions_T, caches, meta)

@@ -11,7 +11,7 @@ from lmjax.layers import attention
 from lmjax.layers.attention import contiguous_metadata
 from lmjax.layers.kv_quant import (QuantKV, dequantize_kv, kv_bytes_per_token, kv_rotation, make_quant_kv_caches,
                                    quantize_kv)
-from test_quant import perplexity  # noqa: F401  (same fixtures and measure as the weight tests)
+from lmjax.models.forward import perplexity  # the weight tests' measure too
 from test_quant import base_ppl, text_ids  # noqa: F401
 
 

@@ -13,6 +13,7 @@ import pytest
 from flax import nnx
 
 from lmjax.layers.linear import Linear
+from lmjax.models.forward import perplexity
 from lmjax.layers.quant import (QuantLinear, QuantSpec, dequantize_w4, quantize_model, quantize_w4, quantize_w8,
                                 set_slot, unpack_w4)
 from test_convert import TINY
@@ -70,17 +71,6 @@ def test_quantize_model_swaps_every_linear_but_lm_head(smollm2_lmjax):
 
 
 # ---------------------------------------------------------------- perplexity
-def perplexity(model, ids: list[int], quant_policy: int = 0, kv_maps=None) -> float:
-    """exp(mean next-token NLL) of `ids` (KV cache quantized by `quant_policy` when set, int4 with
-    `kv_maps`)."""
-    from lmjax.models.forward import prompt_logits
-
-    logits = prompt_logits(model, [ids], quant_policy=quant_policy, kv_maps=kv_maps)[0]
-    logp = jax.nn.log_softmax(jnp.asarray(logits[:-1]), axis=-1)
-    nll = -jnp.take_along_axis(logp, jnp.asarray(ids[1:])[:, None], axis=1)
-    return float(jnp.exp(jnp.mean(nll)))
-
-
 @pytest.fixture(scope="module")
 def text_ids(smollm2_tokenizer) -> list[int]:
     ids = smollm2_tokenizer.encode(open(TEXT).read())
@@ -181,6 +171,15 @@ def _awq_fold_model(model, prompts: list[list[int]], group_size: int, grid) -> n
         for parent, key, tap in taps:
             set_slot(parent, key, tap.linear)
     return model
+
+
+def test_calibrated_w4_quantizes_the_lm_head_when_asked(tiny_model):
+    from convert.calibrate import calibrate_w4
+
+    plain = calibrate_w4(nnx.clone(tiny_model), QuantSpec("w4", 32), _tiny_prompts(2, seed=0))
+    headed = calibrate_w4(nnx.clone(tiny_model), QuantSpec("w4", 32, lm_head="w8"), _tiny_prompts(2, seed=0))
+    assert type(plain.lm_head) is Linear
+    assert isinstance(headed.lm_head, QuantLinear) and headed.lm_head.kernel[...].dtype == jnp.int8
 
 
 def test_awq_scales_fold_into_the_float_model_exactly(tiny_model):

@@ -226,6 +226,14 @@ def test_openai_fields_lmjax_does_not_honour_are_named_not_ignored(server, model
     assert resp.status_code == 400 and named in resp.json()["error"]["message"], resp.text
 
 
+def test_text_content_parts_are_joined_by_newlines():
+    from lmjax.serve.protocol import ChatMessage
+
+    parts = [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]
+    assert ChatMessage(role="user", content=parts).text() == "Hi\nthere"  # as vLLM joins them
+    assert ChatMessage(role="assistant", content=None).text() == ""
+
+
 def test_those_fields_at_their_no_op_values_are_accepted(server, model_id):
     client = openai.OpenAI(base_url=f"{server}/v1", api_key=KEY)
     with pytest.raises(openai.BadRequestError, match="tools"):
