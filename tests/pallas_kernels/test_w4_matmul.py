@@ -211,3 +211,41 @@ def test_bf16x2_ptx_matches_its_emulation():
     emulated = wm.w4_matmul_kernel(*args, 128, interpret=True, config=cfg, path="gemv")
     # the same roundings; only the float32 row sums' order differs (then bf16 out)
     assert _rel_err(gpu, emulated) < 5e-4
+
+
+# RMSNorm in the gemv's prologue: bf16x2 with masked columns and one tile a split (the peeled tile
+# only); float32 with D = 576 (a padded row for the statistics) and several tiles a split (the loop
+# after the peeled tile, a masked split tail); two tokens.
+NORM_CASES = [  # T, I, O, group_size, dtype, config
+    (1, 1088, 200, 128, "bfloat16", {"unpack": "bf16x2", "block_o": 64, "num_splits": 3}),
+    (3, 576, 256, 64, "float32", {"block_o": 64, "rows": 16, "num_splits": 4}),
+    (2, 1024, 128, 128, "bfloat16", None),
+]
+
+
+@pytest.mark.parametrize("T,I,O,group_size,dtype,config", NORM_CASES)
+def test_gemv_norm_prologue_is_norm_then_gemv(T, I, O, group_size, dtype, config):
+    x_TI, *weights = _inputs(8, T, I, O, group_size, dtype)
+    x_TI = x_TI * 5 + 1  # off unit scale: the norm has something to do
+    w_I = jnp.asarray(1 + 0.2 * np.random.default_rng(9).standard_normal(I), dtype)
+    kernel = functools.partial(wm.w4_matmul_kernel, group_size=group_size, interpret=INTERPRET, config=config,
+                               path="gemv")
+    fused = jax.jit(lambda x, w, *a: kernel(x, *a, norm=(w, 1e-5)))(x_TI, w_I, *weights)
+    normed_TI = wm.norm_reference(x_TI, w_I, 1e-5)
+    separate = jax.jit(kernel)(normed_TI, *weights)
+    assert fused.shape == (T, O) and fused.dtype == jnp.dtype(dtype)
+    # the same products; only the statistics' float32 sum order may differ
+    assert _rel_err(fused, separate) < (1e-6 if dtype == "float32" else 5e-3)
+    assert _rel_err(fused, _dense_f32(normed_TI, *weights, group_size)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("norm,kw,match", [
+    ((jnp.ones(256, jnp.bfloat16), 1e-5), dict(path="dot"), r"norm= needs the gemv path \(T=1 took 'dot'\)"),
+    ((jnp.ones(128, jnp.bfloat16), 1e-5), {}, r"norm weight shape \(128,\) must be \(256,\)"),
+    ((jnp.ones(256, jnp.float32), 1e-5), {}, r"norm weight dtype float32 must equal x's bfloat16"),
+    ((jnp.ones(256, jnp.bfloat16), 1), {}, r"norm eps=1 must be a Python float"),
+])
+def test_norm_prologue_validation_names_the_bad_value(norm, kw, match):
+    args = _inputs(5, 1, 256, 64, 128, "bfloat16")
+    with pytest.raises(ValueError, match=match):
+        wm.w4_matmul_kernel(*args, 128, interpret=True, norm=norm, **kw)
