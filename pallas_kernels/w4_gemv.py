@@ -31,7 +31,6 @@ from pallas_kernels._pallas_util import (
     _div,
     _load_masked_if,
     _masked_store,
-    _next_pow2,
     _num_sms,
     _on_gpu,
     _triton_compiler_params,
@@ -113,53 +112,19 @@ def _unpack(p_CB, unpack):
     return to_f32(w_CB & 0xF), to_f32(w_CB >> 4)
 
 
-class _NormPrologue:
-    """RMSNorm of x inside the gemv (decode: the norm's own two XLA launches, its row reduction and the
-    scaling, cost ~3.5 us a norm on an H100, more than these loads). Every program reads the whole rows
-    (L2-resident, 8 KB at D = 4096) for their statistics, then normalizes its own chunks as they come:
-      normed = w * (f32(x) * rsqrt(mean(f32(x)^2) + eps)).astype(x's dtype)    (lmjax.layers.norm.RMSNorm)
-    with the product rounded once to x's dtype (w in x's dtype: exact in float32 before that rounding).
-    The row sum runs in another order than XLA's: the statistics may differ in the last float32 bits."""
-
-    def __init__(self, x_TI_ref, w_I_ref, eps: float, T: int):
-        self.x_TI_ref, self.w_I_ref, self.eps, self.T = x_TI_ref, w_I_ref, eps, T
-
-    def row_scales(self) -> list:
-        """rsqrt(mean(x^2) + eps) per token (float32 scalars)."""
-        dim = self.x_TI_ref.shape[1]
-        i_E = jnp.arange(_next_pow2(dim), dtype=jnp.int32)
-        ok_E = i_E < dim
-        padded = bool(dim != i_E.shape[0])
-        i_E = jnp.where(ok_E, i_E, 0) if padded else i_E
-        scales = []
-        for t in range(self.T):
-            x_E = _load_masked_if(self.x_TI_ref, (t, i_E), ok_E, padded, 0.0).astype(jnp.float32)
-            scales.append(jax.lax.rsqrt(jnp.sum(x_E * x_E) / dim + self.eps))
-        return scales
-
-    def apply(self, x_C, r, w_C):
-        normed_C = (x_C.astype(jnp.float32) * r).astype(x_C.dtype)
-        return (normed_C.astype(jnp.float32) * w_C.astype(jnp.float32)).astype(x_C.dtype)
-
-
 def _gemv_kernel(x_TI_ref,        # [T, I] x's dtype: even / odd columns read by stride-2 loads
                  packed_JO_ref,   # [J, O] uint8
                  scale_gO_ref,    # [g, O]
                  offset_gO_ref,   # [g, O]
-                 *refs,           # (norm_w_I_ref if norm_eps is not None), out_XTO_ref: [X, T, O] float32
-                                  # partials (x's dtype when X = 1)
-                 T, chunk, unroll, chunks_per_group, iters_per_split, block_o, mask_rows, mask_cols,
-                 unpack, prefetch, interpret, norm_eps=None):
+                 out_XTO_ref,     # [X, T, O] float32 partials (x's dtype when X = 1)
+                 *, T, chunk, unroll, chunks_per_group, iters_per_split, block_o, mask_rows, mask_cols,
+                 unpack, prefetch, interpret):
     """One (output block, split): `iters_per_split` tiles of unroll x [chunk, block_o] bytes; each
     chunk is reduced over its rows, scaled by its group's scale and accumulated per token.
     prefetch: tile i + 1's loads are issued before tile i's arithmetic (carried in registers through
     the loop), so a program's bytes stream while it computes instead of in turns with it. Off by
     default: no gain measured (H200, 2026-11-24: the best prefetching config of each 8B shape 6-7%
-    slower than one tile a split without it).
-    norm_eps: x is RMSNorm's input (`_NormPrologue`); its rows' statistics are taken after the first
-    tile's loads are issued, so their latency overlaps the weights'."""
-    norm_w_I_ref, out_XTO_ref = refs if norm_eps is not None else (None, *refs)
-    norm = None if norm_eps is None else _NormPrologue(x_TI_ref, norm_w_I_ref, norm_eps, T)
+    slower than one tile a split without it)."""
     ob, split = pl.program_id(0), pl.program_id(1)
     J, O = packed_JO_ref.shape
     groups = scale_gO_ref.shape[0]
@@ -183,13 +148,10 @@ def _gemv_kernel(x_TI_ref,        # [T, I] x's dtype: even / odd columns read by
         scale_B = load(scale_gO_ref, (g, o_B), col_ok_B, mask_cols, 0.0).astype(jnp.float32)
         offset_B = load(offset_gO_ref, (g, o_B), col_ok_B, mask_cols, 0.0).astype(jnp.float32)
         x = [tuple(load(x_TI_ref, (t, 2 * j_C + k), row_ok_C, mask_rows, 0.0) for k in (0, 1)) for t in range(T)]
-        w = None if norm is None else tuple(load(norm_w_I_ref, (2 * j_C + k,), row_ok_C, mask_rows, 0.0) for k in (0, 1))
-        return p_CB, scale_B, offset_B, x, w
+        return p_CB, scale_B, offset_B, x
 
-    def add_chunk(acc_T, tile, r_T):
-        p_CB, scale_B, offset_B, x, w = tile
-        if norm is not None:  # RMSNorm of this chunk's x, from its rows' statistics r_T
-            x = [tuple(norm.apply(xk_C, r, wk_C) for xk_C, wk_C in zip(xt, w)) for xt, r in zip(x, r_T)]
+    def add_chunk(acc_T, tile):
+        p_CB, scale_B, offset_B, x = tile
         if unpack == "bf16x2":  # the codes enter centered: q * s + z = (q - 8) * s + (z + 8 * s)
             offset_B = offset_B + CENTER * scale_B
             products = functools.partial(bf16x2_products, p_CB, interpret=interpret)
@@ -212,19 +174,13 @@ def _gemv_kernel(x_TI_ref,        # [T, I] x's dtype: even / odd columns read by
         c0 = (split * iters_per_split + i) * unroll
         return [load_chunk(c0 + u) for u in range(unroll)]  # every load issued before any use
 
-    def add_tile(acc_T, tiles, r_T=None):
+    def add_tile(acc_T, tiles):
         for tile in tiles:
-            acc_T = add_chunk(acc_T, tile, r_T)
+            acc_T = add_chunk(acc_T, tile)
         return acc_T
 
     acc_T = tuple(jnp.zeros((block_o,), jnp.float32) for _ in range(T))
-    if norm is not None:  # the first tile peeled: its loads go out before the statistics' row loads
-        first = load_tile(0)
-        r_T = norm.row_scales()
-        acc_T = add_tile(acc_T, first, r_T)
-        if iters_per_split > 1:
-            acc_T = jax.lax.fori_loop(1, iters_per_split, lambda i, acc_T: add_tile(acc_T, load_tile(i), r_T), acc_T)
-    elif prefetch:
+    if prefetch:
         def body(i, carry):
             acc_T, tiles = carry
             next_tiles = load_tile(i + 1)  # in flight while this tile's arithmetic runs
@@ -244,9 +200,7 @@ def _gemv_kernel(x_TI_ref,        # [T, I] x's dtype: even / odd columns read by
             out_XTO_ref[split, t, o_B] = acc_B.astype(out_XTO_ref.dtype)
 
 
-def _gemv_impl(x_TI, packed_JO, scale_gO, offset_gO, *, group_size, interpret, config, norm=None):
-    """norm: None, or (w_I, eps) to multiply RMSNorm(x) (lmjax.layers.norm.RMSNorm, weight w_I in x's
-    dtype) instead of x."""
+def _gemv_impl(x_TI, packed_JO, scale_gO, offset_gO, *, group_size, interpret, config):
     T, _ = x_TI.shape
     J, O = packed_JO.shape
     cfg = _choose_gemv_config(J, O, group_size // 2, on_gpu=not interpret and _on_gpu(),
@@ -259,8 +213,7 @@ def _gemv_impl(x_TI, packed_JO, scale_gO, offset_gO, *, group_size, interpret, c
         block_o=cfg["block_o"],
         # rows past J exist only for a short last tile or a split tail: mask (and clamp) only then
         mask_rows=J % cfg["rows"] != 0 or cfg["iters"] % cfg["iters_per_split"] != 0,
-        mask_cols=O % cfg["block_o"] != 0, unpack=cfg["unpack"], prefetch=cfg["prefetch"], interpret=interpret,
-        norm_eps=None if norm is None else float(norm[1]))
+        mask_cols=O % cfg["block_o"] != 0, unpack=cfg["unpack"], prefetch=cfg["prefetch"], interpret=interpret)
     splits = cfg["num_splits"]
     out_XTO = pl.pallas_call(
         kernel,
@@ -270,5 +223,5 @@ def _gemv_impl(x_TI, packed_JO, scale_gO, offset_gO, *, group_size, interpret, c
         compiler_params=_triton_compiler_params(cfg["num_warps"], cfg["num_stages"]),
         interpret=interpret,
         name="w4_gemv",
-    )(x_TI, packed_JO, scale_gO, offset_gO, *(() if norm is None else (norm[0],)))
+    )(x_TI, packed_JO, scale_gO, offset_gO)
     return out_XTO[0] if splits == 1 else out_XTO.sum(0).astype(x_TI.dtype)

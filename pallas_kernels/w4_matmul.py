@@ -73,7 +73,7 @@ from pallas_kernels.w4_gemv import (
 )
 
 __all__ = [  # this module's ops and, re-exported, the gemv path's names and the helpers it imported
-    "w4_matmul", "w4_matmul_kernel", "w4_matmul_reference", "norm_reference", "validate_w4_matmul", "kernel_supports",
+    "w4_matmul", "w4_matmul_kernel", "w4_matmul_reference", "validate_w4_matmul", "kernel_supports",
     "choose_path", "packed_bytes", "IMPLS", "FLOAT_DTYPES", "PATHS", "TUNABLES", "GEMV_TUNABLES", "UNPACKS",
     "MIN_ROWS", "DOT_UNPACKS", "GEMV_MAX_T", "MAGIC_BITS", "MAGIC", "_choose_gemv_config", "_unpack", "_gemv_kernel",
     "_gemv_impl", "_div", "_masked_load", "_masked_store", "_num_sms", "_on_gpu", "_triton_compiler_params",
@@ -268,16 +268,11 @@ def _dot_impl(x_TI, packed_JO, scale_gO, offset_gO, *, group_size, interpret, co
     return partial_XTO.sum(0).astype(x_TI.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("group_size", "interpret", "config", "path", "norm_eps"))
-def _kernel_jit(x_TI, packed_JO, scale_gO, offset_gO, norm_w_I=None, *, group_size, interpret, config, path,
-                norm_eps=None):
-    config = None if config is None else dict(config)
-    if path == "gemv":
-        norm = None if norm_eps is None else (norm_w_I, norm_eps)
-        return _gemv_impl(x_TI, packed_JO, scale_gO, offset_gO, group_size=group_size, interpret=interpret,
-                          config=config, norm=norm)
-    return _dot_impl(x_TI, packed_JO, scale_gO, offset_gO, group_size=group_size, interpret=interpret,
-                     config=config)
+@functools.partial(jax.jit, static_argnames=("group_size", "interpret", "config", "path"))
+def _kernel_jit(x_TI, packed_JO, scale_gO, offset_gO, *, group_size, interpret, config, path):
+    impl = _gemv_impl if path == "gemv" else _dot_impl
+    return impl(x_TI, packed_JO, scale_gO, offset_gO, group_size=group_size, interpret=interpret,
+                config=None if config is None else dict(config))
 
 
 def kernel_supports(group_size: int) -> bool:
@@ -286,35 +281,15 @@ def kernel_supports(group_size: int) -> bool:
 
 
 def w4_matmul_kernel(x_TI, packed_JO, scale_gO, offset_gO, group_size: int, *, interpret: bool = False,
-                     config: dict | None = None, path: str = "auto", norm: tuple | None = None):
+                     config: dict | None = None, path: str = "auto"):
     """Pallas (Triton) kernel. path "auto": gemv for T = 1, dot otherwise; "gemv" / "dot" force
-    one. `config` (keys in GEMV_TUNABLES or TUNABLES, the path's) overrides the tiling heuristic.
-    norm: (w_I, eps) multiplies RMSNorm(x) by the weights instead of x (the gemv path only; see
-    `norm_reference`): one launch where the norm alone takes two of XLA's."""
+    one. `config` (keys in GEMV_TUNABLES or TUNABLES, the path's) overrides the tiling heuristic."""
     validate_w4_matmul(x_TI, packed_JO, scale_gO, offset_gO, group_size, config=config, path=path)
     require(kernel_supports(group_size), f"group_size={group_size} must be a power of two >= {2 * MIN_ROWS} "
             "for the kernel (use impl='reference')")
-    path = choose_path(x_TI.shape[0], path)
-    norm_w_I, norm_eps = (None, None) if norm is None else norm
-    if norm is not None:
-        _validate_norm(x_TI, norm_w_I, norm_eps, path)
     frozen = None if config is None else tuple(sorted(config.items()))
-    return _kernel_jit(x_TI, packed_JO, scale_gO, offset_gO, norm_w_I, group_size=group_size, interpret=interpret,
-                       config=frozen, path=path, norm_eps=norm_eps)
-
-
-def _validate_norm(x_TI, w_I, eps, path: str) -> None:
-    require(path == "gemv", f"norm= needs the gemv path (T={x_TI.shape[0]} took {path!r})")
-    require(tuple(w_I.shape) == (x_TI.shape[1],), f"norm weight shape {tuple(w_I.shape)} must be ({x_TI.shape[1]},)")
-    require(w_I.dtype == x_TI.dtype, f"norm weight dtype {w_I.dtype} must equal x's {x_TI.dtype}")
-    require(isinstance(eps, float) and eps >= 0.0, f"norm eps={eps!r} must be a Python float >= 0")
-
-
-def norm_reference(x_TI, w_I, eps: float):
-    """RMSNorm as `w4_matmul_kernel(norm=(w_I, eps))` applies it (lmjax.layers.norm.RMSNorm's ops)."""
-    x32_TI = x_TI.astype(jnp.float32)
-    variance_T1 = jnp.mean(x32_TI * x32_TI, axis=-1, keepdims=True)
-    return w_I * (x32_TI * jax.lax.rsqrt(variance_T1 + eps)).astype(x_TI.dtype)
+    return _kernel_jit(x_TI, packed_JO, scale_gO, offset_gO, group_size=group_size, interpret=interpret,
+                       config=frozen, path=choose_path(x_TI.shape[0], path))
 
 
 # --------------------------------------------------------------------------

@@ -15,9 +15,3 @@ class Linear(nnx.Module):
         if self.bias is not None:
             y_TO = y_TO + self.bias[...]
         return y_TO
-
-
-def silu_and_mul(gate_up_TO: jax.Array) -> jax.Array:
-    """silu(gate) * up of a merged gate/up projection's output ([gate | up] columns) -> [T, O/2] (vLLM's SiluAndMul)."""
-    gate_TP, up_TP = jnp.split(gate_up_TO, 2, axis=-1)
-    return jax.nn.silu(gate_TP) * up_TP

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lmjax.env import env_choice
-from lmjax.layers.linear import Linear, silu_and_mul
+from lmjax.layers.linear import Linear
 from lmjax.layers.norm import RMSNorm
 from pallas_kernels.gemv_om import MAX_T, gemv_om
 from pallas_kernels.gemv_om_qkv import gemv_om_qkv
@@ -76,7 +76,10 @@ class OutMajorLinear(nnx.Module):
                            eps=norm.eps, swiglu=swiglu)
         h_TI, s_TI = norm.add_and_norm(x_TI, residual_TI)
         y_TO = self(h_TI)
-        return (silu_and_mul(y_TO) if swiglu else y_TO), s_TI
+        if swiglu:
+            gate_TP, up_TP = jnp.split(y_TO, 2, axis=-1)
+            y_TO = jax.nn.silu(gate_TP) * up_TP
+        return y_TO, s_TI
 
     def project_qkv_rope(self, x_TI, residual_TI, norm: RMSNorm, *, num_kv_heads: int, head_dim: int, positions_T,
                          inv_freq_TF, attention_scaling: float, cache, slot_mapping_T):

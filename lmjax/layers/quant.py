@@ -33,9 +33,8 @@ import numpy as np
 from flax import nnx
 
 from lmjax.env import env_choice
-from lmjax.layers.linear import Linear, silu_and_mul
-from lmjax.layers.norm import RMSNorm
-from pallas_kernels.w4_matmul import choose_path, kernel_supports, w4_matmul_kernel
+from lmjax.layers.linear import Linear
+from pallas_kernels.w4_matmul import kernel_supports, w4_matmul_kernel
 
 METHODS = ("w8", "w4")
 SKIPPED = ("lm_head",)  # float unless QuantSpec.lm_head says: the logits are the most sensitive
@@ -126,7 +125,6 @@ def dequantize_w4(packed_JO: jax.Array, scale_gO: jax.Array, offset_gO: jax.Arra
 # ---------------------------------------------------------------- the layer
 W4_IMPLS = ("auto", "kernel", "reference")
 W4_KERNEL_MAX_TOKENS = 64  # decode and small batches; past that the dequant + matmul is compute bound
-W4_NORMS = ("fused", "separate")  # LMJAX_W4_NORM: the norm before a w4 projection in its gemv, or XLA's own
 
 
 def _use_w4_kernel(x_TI: jax.Array, group_size: int) -> bool:
@@ -187,40 +185,16 @@ class QuantLinear(nnx.Module):
             y_TO = (x_TI @ self.kernel[...].astype(dtype)) * self.scale[...].astype(dtype)
         elif _use_w4_kernel(x_TI, self.spec.group_size):
             lead, I = x_TI.shape[:-1], x_TI.shape[-1]
-            y_TO = self._w4_kernel(x_TI.reshape(-1, I)).reshape(*lead, -1)
+            y_TO = w4_matmul_kernel(x_TI.reshape(-1, I), self.kernel[...], self.scale[...].astype(dtype),
+                                    self.offset[...].astype(dtype), self.spec.group_size,
+                                    interpret=jax.default_backend() != "gpu")  # forced off GPU: tests
+            y_TO = y_TO.reshape(*lead, -1)
         else:
             w_IO = dequantize_w4(self.kernel[...], self.scale[...], self.offset[...], self.spec.group_size, dtype)
             y_TO = x_TI @ w_IO
-        return self._add_bias(y_TO)
-
-    def project_normed(self, x_TI: jax.Array, residual_TI: jax.Array | None, norm: RMSNorm, *,
-                       swiglu: bool = False) -> tuple[jax.Array, jax.Array]:
-        """(y, s) as `OutMajorLinear.project_normed`: s = x + residual (x when residual is None), y = this
-        layer over norm(s), `silu_and_mul`'d when `swiglu`. Where the w4 gemv kernel runs (one row on
-        a GPU) it takes the norm in its prologue: a decode step's two XLA launches a norm are gone
-        (LMJAX_W4_NORM=separate keeps them, to compare); the residual add stays in XLA, where it rides
-        in the previous projection's split-sum fusion. Elsewhere the plain ops, bit for bit."""
-        if not self._takes_norm(x_TI, norm):
-            h_TI, s_TI = norm.add_and_norm(x_TI, residual_TI)
-            y_TO = self(h_TI)
-        else:
-            s_TI = x_TI if residual_TI is None else x_TI + residual_TI
-            y_TO = self._add_bias(self._w4_kernel(s_TI, norm=(norm.weight[...], float(norm.eps))))
-        return (silu_and_mul(y_TO) if swiglu else y_TO), s_TI
-
-    def _takes_norm(self, x_TI: jax.Array, norm: RMSNorm) -> bool:
-        return (self.spec.method == "w4" and x_TI.ndim == 2 and choose_path(x_TI.shape[0]) == "gemv"
-                and norm.weight.dtype == x_TI.dtype and _use_w4_kernel(x_TI, self.spec.group_size)
-                and env_choice("LMJAX_W4_NORM", W4_NORMS, "fused") == "fused")
-
-    def _w4_kernel(self, x_TI: jax.Array, norm: tuple | None = None) -> jax.Array:
-        dtype = x_TI.dtype
-        return w4_matmul_kernel(x_TI, self.kernel[...], self.scale[...].astype(dtype), self.offset[...].astype(dtype),
-                                self.spec.group_size, interpret=jax.default_backend() != "gpu",  # forced off GPU: tests
-                                norm=norm)
-
-    def _add_bias(self, y_TO: jax.Array) -> jax.Array:
-        return y_TO if self.bias is None else y_TO + self.bias[...]
+        if self.bias is not None:
+            y_TO = y_TO + self.bias[...]
+        return y_TO
 
 
 # ---------------------------------------------------------------- model transform

@@ -28,7 +28,7 @@ from lmjax.layers.attention import (
     rope_and_write_kv,
     rope_and_write_kv_qkv,
 )
-from lmjax.layers.linear import Linear, silu_and_mul
+from lmjax.layers.linear import Linear
 from lmjax.layers.merge import merge_linears
 from lmjax.layers.norm import RMSNorm
 from lmjax.layers.out_major import OutMajorLinear
@@ -89,12 +89,11 @@ class Attention(nnx.Module):
         return self._attend(q_TNH, cache, positions_T, meta, T)
 
     def attend_normed(self, x_TD, residual_TD, norm: RMSNorm, positions_T, cache: KVCache, meta: AttentionMetadata):
-        """(out_TD, new residual, cache) of attention over norm(x + residual), the norm taken by the merged
-        q/k/v layer (`DecoderLayer.norms_in_projections`): out-major layers take the add and norm in
-        their GEMV's launch, and RoPE with the KV write too where `qkv_gemv_takes_rope` allows."""
+        """Out-major layers (`DecoderLayer.to_out_major`): (out_TD, new residual, cache) of attention over
+        norm(x + residual), the add and norm in the q/k/v GEMV's launch, and RoPE with the KV write too
+        where `qkv_gemv_takes_rope` allows."""
         cfg, T = self.cfg, x_TD.shape[0]
-        if not (isinstance(self.qkv_proj, OutMajorLinear)
-                and qkv_gemv_takes_rope(cache, cfg.rope, cfg.num_kv_heads, cfg.head_dim, T)):
+        if not qkv_gemv_takes_rope(cache, cfg.rope, cfg.num_kv_heads, cfg.head_dim, T):
             qkv_TX, residual_TD = self.qkv_proj.project_normed(x_TD, residual_TD, norm)
             out_TD, cache = self.attend_qkv(qkv_TX, positions_T, cache, meta)
             return out_TD, residual_TD, cache
@@ -135,7 +134,8 @@ class MLP(nnx.Module):
 
     def __call__(self, x_TD):
         if self.gate_up_proj is not None:
-            return self.down_proj(silu_and_mul(self.gate_up_proj(x_TD)))
+            gate_TI, up_TI = jnp.split(self.gate_up_proj(x_TD), 2, axis=-1)
+            return self.down_proj(jax.nn.silu(gate_TI) * up_TI)
         return self.down_proj(jax.nn.silu(self.gate_proj(x_TD)) * self.up_proj(x_TD))
 
 
@@ -145,12 +145,6 @@ class DecoderLayer(nnx.Module):
         self.self_attn = Attention(cfg, layer, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.mlp = MLP(cfg, dtype)
-
-    @property
-    def norms_in_projections(self) -> bool:
-        """Whether the merged q/k/v and gate/up layers take the norms before them (`project_normed`):
-        out-major float layers (`to_out_major`) and quantized ones (lmjax.layers.quant.QuantLinear)."""
-        return all(hasattr(proj, "project_normed") for proj in (self.self_attn.qkv_proj, self.mlp.gate_up_proj))
 
     @property
     def out_major(self) -> bool:
@@ -173,15 +167,15 @@ class DecoderLayer(nnx.Module):
         """(mlp_out_TD, residual_TD, cache): the layer's output is mlp_out + residual, left unsummed so
         that the next norm adds it (`RMSNorm.add_and_norm`, one fused launch when asked for).
         residual_TD None: x_TD is the whole hidden state (the first layer, or a layer run on its own)."""
-        if self.norms_in_projections:
-            return self._call_normed(x_TD, residual_TD, positions_T, cache, meta)
+        if self.out_major:
+            return self._call_out_major(x_TD, residual_TD, positions_T, cache, meta)
         h_TD, residual_TD = self.input_layernorm.add_and_norm(x_TD, residual_TD)
         attn_TD, cache = self.self_attn(h_TD, positions_T, cache, meta)
         h_TD, residual_TD = self.post_attention_layernorm.add_and_norm(attn_TD, residual_TD)
         return self.mlp(h_TD), residual_TD, cache
 
-    def _call_normed(self, x_TD, residual_TD, positions_T, cache: KVCache, meta: AttentionMetadata):
-        """The same layer, each norm handed to the projection after it (`norms_in_projections`)."""
+    def _call_out_major(self, x_TD, residual_TD, positions_T, cache: KVCache, meta: AttentionMetadata):
+        """The same layer over out-major weights: each norm rides in the projection after it."""
         attn, mlp = self.self_attn, self.mlp
         attn_TD, residual_TD, cache = attn.attend_normed(x_TD, residual_TD, self.input_layernorm, positions_T, cache,
                                                          meta)

@@ -9,9 +9,26 @@ import pytest
 from flax import nnx
 
 from lmjax.layers import norm as norm_module
-from lmjax.models.forward import greedy_generate, prompt_logits
+from lmjax.layers.attention import contiguous_metadata
+from lmjax.models.config import model_config_from_hf
+from lmjax.models.forward import greedy_generate, make_kv_caches, prompt_logits
+from lmjax.models.llama import LlamaForCausalLM
 from pallas_kernels import add_rms_norm as kernel_module
-from tiny_models import BLOCK, HF, random_llama, step_inputs
+
+HF = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+          num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5)
+BLOCK = 8
+
+
+def _random_llama(dtype, seed=0):
+    """A tiny Llama with random weights (norm weights near 1), built in memory: no checkpoint needed."""
+    cfg = model_config_from_hf(HF, "LlamaForCausalLM")
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: LlamaForCausalLM(cfg, dtype=dtype)))
+    leaves, treedef = jax.tree.flatten(state)
+    rng = np.random.default_rng(seed)  # numpy: one jax op per weight shape would compile each
+    leaves = [jnp.asarray((1.0 if p.ndim == 1 else 0.0) + 0.1 * rng.standard_normal(p.shape), p.dtype)
+              for p in leaves]
+    return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
 
 
 def _plain_hidden(model, ids_T, positions_T, caches, meta):
@@ -24,6 +41,15 @@ def _plain_hidden(model, ids_T, positions_T, caches, meta):
     return model.norm(x_TD)
 
 
+def _step_inputs(model, lengths, dtype):
+    rng = np.random.default_rng(1)
+    num_blocks = 1 + sum(-(-n // BLOCK) for n in lengths)
+    ids_T = jnp.asarray(rng.integers(0, HF["vocab_size"], sum(lengths)), jnp.int32)
+    positions_T = jnp.asarray(np.concatenate([np.arange(n) for n in lengths]), jnp.int32)
+    caches = make_kv_caches(model.config, num_blocks, BLOCK, dtype)
+    return ids_T, positions_T, caches, contiguous_metadata(lengths, BLOCK, num_blocks)
+
+
 def _fresh_jit(fn):
     return nnx.jit(lambda model, *args: fn(model, *args))
 
@@ -31,8 +57,8 @@ def _fresh_jit(fn):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_default_path_is_the_plain_decoder_bit_for_bit(monkeypatch, dtype):
     monkeypatch.delenv("LMJAX_NORM_IMPL", raising=False)
-    model = random_llama(dtype)
-    args = step_inputs(model, [5, 19], dtype)
+    model = _random_llama(dtype)
+    args = _step_inputs(model, [5, 19], dtype)
     got = _fresh_jit(lambda m, *a: m(*a)[0])(model, *args)
     want = _fresh_jit(_plain_hidden)(model, *args)
     assert got.dtype == dtype
@@ -42,8 +68,8 @@ def test_default_path_is_the_plain_decoder_bit_for_bit(monkeypatch, dtype):
 def test_a_layer_runs_on_its_own_with_no_residual():
     """`layer(x, None, ...)` on the whole hidden state (what convert.calibrate and the notebooks do):
     mlp output + residual is the plain layer's output, bit for bit."""
-    model = random_llama(jnp.float32)
-    ids_T, positions_T, caches, meta = step_inputs(model, [11], jnp.float32)
+    model = _random_llama(jnp.float32)
+    ids_T, positions_T, caches, meta = _step_inputs(model, [11], jnp.float32)
     x_TD = model.embed_tokens(ids_T)
 
     @nnx.jit
@@ -77,7 +103,7 @@ def test_fused_kernel_gives_the_same_logits_and_tokens(monkeypatch):
     kernel = kernel_module._add_rms_norm_pallas
     monkeypatch.setattr(kernel_module, "_add_rms_norm_pallas",
                         lambda *a, **kw: calls.append(a[1] is not None) or kernel(*a, **kw))
-    model = random_llama(jnp.float32)
+    model = _random_llama(jnp.float32)
     logits, tokens = _logits_and_greedy(model, monkeypatch, "kernel")
     per_trace = [False] + [True] * (2 * HF["num_hidden_layers"])  # layer 0's input norm has no residual
     assert calls == per_trace * 3  # prompt_logits, the greedy prefill and its decode step
