@@ -154,7 +154,9 @@ def _serve(args) -> int:
 
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = _async_engine(args, args.log_level)
-    aliases = (args.model,) if args.model else ()
+    from lmjax.loader.resolve import DEFAULT_MODEL
+
+    aliases = (args.model or DEFAULT_MODEL,)  # the name the user started it with answers too
     run_server(engine, args.server_name, args.server_port, args.api_keys, args.model_name, args.log_level, aliases)
     return 0
 

@@ -299,22 +299,27 @@ class ChatTemplateConfig:
     def has_markers(self) -> bool:
         return any(getattr(self, k) is not None for k in ("system", "user", "assistant", "eoh", "eoa"))
 
-    def messages2prompt(self, messages: str | list[dict[str, Any]], tokenizer=None) -> str:
-        """Prompt text for `messages` (a string is one user turn)."""
+    def messages2prompt(self, messages: str | list[dict[str, Any]], tokenizer=None, *,
+                        add_generation_prompt: bool = True, continue_final_message: bool = False) -> str:
+        """Prompt text for `messages` (a string is one user turn). add_generation_prompt: end with the
+        assistant's opening; continue_final_message: leave the last (assistant) message open for the
+        model to go on with (vLLM's / transformers' switches)."""
         if self.capability == "completion" and isinstance(messages, str):
             return messages
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
         if self.has_markers:
-            return self._from_markers(messages)
+            return self._from_markers(messages, add_generation_prompt, continue_final_message)
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise ValueError(f"ChatTemplateConfig(model_name={self.model_name!r}) has no role markers "
                              "and the tokenizer has no chat template")
         from lmjax.loader.tokenizer import render_chat  # config stays import-light for every layer
 
-        return render_chat(tokenizer, messages, tokenize=False, add_generation_prompt=True)
+        return render_chat(tokenizer, messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                           continue_final_message=continue_final_message)
 
-    def _from_markers(self, messages: list[dict[str, Any]]) -> str:
+    def _from_markers(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                      continue_final_message: bool = False) -> str:
         from lmjax.loader.tokenizer import text_content  # config stays import-light for every layer
 
         s = lambda v: v or ""  # noqa: E731  (None markers render as nothing)
@@ -328,5 +333,6 @@ class ChatTemplateConfig:
             if m["role"] not in opens:
                 raise ValueError(f"unknown chat role {m['role']!r}; expected one of {list(opens)}")
             content = text_content(m.get("content"), f"messages[{i}]")
-            prompt += f"{opens[m['role']]}{content or ''}{ends[m['role']]}"  # None: an empty turn
-        return prompt + s(self.assistant)
+            open_last = continue_final_message and i == len(messages) - 1
+            prompt += f"{opens[m['role']]}{content or ''}{'' if open_last else ends[m['role']]}"  # None: empty
+        return prompt + (s(self.assistant) if add_generation_prompt and not continue_final_message else "")

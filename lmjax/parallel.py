@@ -125,9 +125,19 @@ def kv_cache_heads(num_kv_heads: int, tp: int) -> int:
 
 
 # ---------------------------------------------------------------- parameter shardings
+# A quantized layer's (lmjax.layers.quant) per-channel scale [O] and per-group scale / offset [groups, O]
+# take its kernel's axes, the last ones first: the output axis shards like the kernel's columns, the
+# groups like its input rows (row-parallel o / down), so no device holds another's scales.
+QUANT_LEAVES = ("scale", "offset")
+
+
 def logical_axes(path: tuple | str) -> tuple[str | None, ...] | None:
-    """Logical axis names of the parameter at `path` (None: replicated, e.g. norms)."""
+    """Logical axis names of the parameter at `path` (None: replicated, e.g. norms). A quantized layer's
+    scale / offset get its kernel's (`QUANT_LEAVES`; `param_spec` keeps as many as the array has dims)."""
     name = path if isinstance(path, str) else ".".join(map(str, path))
+    base, _, leaf = name.rpartition(".")
+    if leaf in QUANT_LEAVES:
+        name = f"{base}.kernel"
     for pattern, axes in PARAM_AXES:
         if re.fullmatch(pattern, name):
             return axes
@@ -160,6 +170,8 @@ def param_spec(path: tuple | str, shape: Sequence[int], mesh: Mesh, cfg=None,
     """PartitionSpec of one parameter. With `cfg`, k/v projections are replicated when the KV heads do
     not split evenly over tp (the cache then repeats heads; see `kv_cache_heads`)."""
     axes = logical_axes(path)
+    if axes is not None and len(axes) > len(shape):  # a w8 scale [O] of a kernel [I, O]
+        axes = axes[len(axes) - len(shape):]
     if axes is not None and cfg is not None and "kv_heads" in axes and cfg.num_kv_heads % tp_size(mesh):
         axes = tuple(None if a == "kv_heads" else a for a in axes)
     return logical_to_spec(axes, shape, mesh, rules)

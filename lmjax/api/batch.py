@@ -20,9 +20,11 @@ def encode_text(tokenizer, text: str) -> list[int]:
     return tokenizer(text)["input_ids"]
 
 
-def encode_chat(tokenizer, messages: str | Messages, template: ChatTemplateConfig | None) -> tuple[str, list[int]]:
-    """A chat turn through the template; the template text already holds any BOS it wants."""
-    text = (template or ChatTemplateConfig()).messages2prompt(messages, tokenizer)
+def encode_chat(tokenizer, messages: str | Messages, template: ChatTemplateConfig | None,
+                **switches) -> tuple[str, list[int]]:
+    """A chat turn through the template; the template text already holds any BOS it wants. switches:
+    add_generation_prompt / continue_final_message (`ChatTemplateConfig.messages2prompt`)."""
+    text = (template or ChatTemplateConfig()).messages2prompt(messages, tokenizer, **switches)
     return text, tokenizer(text, add_special_tokens=False)["input_ids"]
 
 

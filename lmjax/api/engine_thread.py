@@ -44,6 +44,7 @@ class GenOut:
     logprobs: list[dict[int, float]] | None = None
     index: int = 0
     cached_token_len: int = 0
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # with SamplingParams.prompt_logprobs
 
 
 @dataclasses.dataclass(eq=False)
@@ -183,7 +184,7 @@ class EngineThread:
             end = len(c.token_ids)
             logprobs = None if c.logprobs is None else c.logprobs[end - len(ids):end]
             live.sink(GenOut(text, live.history, len(req.prompt_token_ids) - live.history, end, c.finish_reason,
-                             ids, logprobs, c.index, req.num_cached_tokens))
+                             ids, logprobs, c.index, req.num_cached_tokens, req.prompt_logprobs))
             if c.finished:
                 live.done.add(c.index)
                 self.finished[c.finish_reason] += 1

@@ -138,7 +138,7 @@ class BlockManager:
         if seq.num_computed_tokens or seq.block_table:
             raise ValueError(f"match_prefix needs a fresh sequence; seq {seq.seq_id} has cached tokens")
         seq.num_prefix_cached_tokens = 0
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or _wants_prompt_logprobs(seq):
             return 0
         max_blocks = (seq.num_tokens - 1) // self.block_size
         self._extend_hashes(seq, max_blocks)
@@ -180,3 +180,8 @@ class BlockManager:
             # A twin computed concurrently keeps the first registration; this block still
             # carries the hash so the walk-back above stops at it.
             self.hash_to_block.setdefault(h, block)
+
+
+def _wants_prompt_logprobs(seq: Sequence) -> bool:
+    """A request for prompt logprobs computes its whole prompt: a cached block has no logits to give."""
+    return getattr(getattr(seq, "params", None), "prompt_logprobs", None) is not None

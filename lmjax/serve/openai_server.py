@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lmjax.api.async_engine import AsyncEngine
+from lmjax.api.batch import encode_chat
 from lmjax.serve import responses as R
 from lmjax.serve.metrics import render_metrics
 from lmjax.serve.protocol import ChatCompletionRequest, CompletionRequest, InteractiveRequest
@@ -38,12 +39,14 @@ class APIError(Exception):
         self.status, self.message, self.type, self.code = status, message, type_, code
 
 
-def _validation_message(exc: RequestValidationError) -> str:
-    parts = []
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """(message naming every bad field, the first bad field for the error's `param`)."""
+    parts, fields = [], []
     for e in exc.errors():
         where = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
         parts.append(f"{where}: {e.get('msg')}" if where else str(e.get("msg")))
-    return "; ".join(parts) or "invalid request"
+        fields.append(where)
+    return "; ".join(parts) or "invalid request", next((f for f in fields if f), None)
 
 
 def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_name: str | None = None,
@@ -52,8 +55,12 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
     name = model_name or engine.model_name
     names = {name, *model_aliases}
     keys = {f"Bearer {k}" for k in api_keys or ()}
-    session_ids = itertools.count(1 << 48)  # ids of OpenAI requests, clear of /v1/chat/interactive's
+    counter = itertools.count(1 << 48)  # ids of OpenAI requests, clear of /v1/chat/interactive's
     decode = lambda tid: engine.tokenizer.decode([tid])  # noqa: E731
+
+    def new_session_id() -> int:
+        """A session id no interactive session holds (a client may pick any id there)."""
+        return next(sid for sid in counter if sid not in engine.id2step)
 
     @app.exception_handler(APIError)
     async def _api_error(_, exc: APIError):
@@ -61,7 +68,8 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_, exc: RequestValidationError):
-        return JSONResponse(R.error_body(_validation_message(exc)), status_code=400)
+        message, param = _validation_message(exc)
+        return JSONResponse(R.error_body(message, param=param), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_, exc: StarletteHTTPException):
@@ -78,12 +86,19 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
             raise APIError(404, f"the model {model!r} does not exist; this server serves {name!r}",
                            "invalid_request_error", "model_not_found")
 
+    def check_room(ids: list[int], max_tokens: int | None) -> None:
+        """A max_tokens the context cannot hold is a 400, as in vLLM and OpenAI (not cut short silently)."""
+        if max_tokens is not None and len(ids) + max_tokens > engine.session_len:
+            raise ValueError(f"max_tokens={max_tokens} is too large: this model's maximum context length is "
+                             f"{engine.session_len} tokens and the request has {len(ids)} input tokens")
+
     async def start(prompts: list[tuple[str | None, list[int]]], params):
         """Validate, submit every prompt and wait for the first output: (first, rest) of (prompt, GenOut)s."""
         try:
             for _, ids in prompts:
                 engine.engine.validate_prompt(ids)
-            gens = [engine.generate(None, next(session_ids), params, input_ids=ids) for _, ids in prompts]
+                check_room(ids, params.max_tokens)
+            gens = [engine.generate(None, new_session_id(), params, input_ids=ids) for _, ids in prompts]
             return await first_and_rest(merge(gens))
         except (ValueError, TypeError) as e:
             raise APIError(400, str(e)) from None
@@ -96,35 +111,44 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
     async def metrics():
         return PlainTextResponse(render_metrics(engine), media_type="text/plain; version=0.0.4")
 
+    def model_card() -> dict:
+        return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "lmjax", "root": name,
+                "max_model_len": engine.session_len}
+
     @app.get("/v1/models", dependencies=[Depends(authorize)])
     async def models():
-        card = {"id": name, "object": "model", "created": int(time.time()), "owned_by": "lmjax", "root": name,
-                "max_model_len": engine.session_len}
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}", dependencies=[Depends(authorize)])
+    async def model(model: str):  # openai-python's client.models.retrieve
+        check_model(model)
+        return model_card()
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
         check_model(req.model)
         try:
             params = req.sampling_params()
-            prompt = engine.encode(req.message_dicts())
+            prompt = encode_chat(engine.tokenizer, req.message_dicts(), engine.chat_template,
+                                 add_generation_prompt=req.add_generation_prompt,
+                                 continue_final_message=req.continue_final_message)
         except (ValueError, TypeError) as e:
             raise APIError(400, str(e)) from None
-        rid, k, choices = R.new_id("chatcmpl"), req.top_logprobs or 0, R.Choices(req.n)
+        head, k, choices = R.Head("chatcmpl", name), req.top_logprobs or 0, R.Choices(req.n)
         first, rest = await start([prompt], params)
         if not req.stream:
             if not await until_disconnect(raw, _consume(first, rest, choices)):
                 return Response(status_code=499)  # the client is gone: nobody reads this
-            return R.chat_body(rid, name, choices, k, decode)
+            return R.chat_body(head, choices, k, decode)
 
         async def events():
             async for p, out in _chain(first, rest):
                 new = choices.index(p, out) not in choices.outs
                 i = choices.add(p, out)
                 delta = {"role": "assistant", "content": out.response} if new else {"content": out.response}
-                yield R.sse(R.chat_chunk(rid, name, i, delta, out.finish_reason, R.chat_logprobs(out, k, decode)))
+                yield R.sse(R.chat_chunk(head, i, delta, out.finish_reason, R.chat_logprobs(out, k, decode)))
             if req.include_usage:
-                yield R.sse(R.usage_chunk(rid, name, "chat.completion.chunk", choices))
+                yield R.sse(R.usage_chunk(head, "chat.completion.chunk", choices))
             yield R.sse("[DONE]")
         return StreamingResponse(_guarded(events()), media_type="text/event-stream")
 
@@ -137,30 +161,30 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
                        for p in req.prompts()]
         except (ValueError, TypeError) as e:
             raise APIError(400, str(e)) from None
-        echo = [t if t is not None else engine.tokenizer.decode(ids) for t, ids in prompts] if req.echo else None
-        rid, k, choices = R.new_id("cmpl"), req.logprobs or 0, R.Choices(req.n)
+        echo = [R.Echo(t if t is not None else engine.tokenizer.decode(ids), ids) for t, ids in prompts] \
+            if req.echo else None
+        head, k, choices = R.Head("cmpl", name), req.logprobs or 0, R.Choices(req.n)
         first, rest = await start(prompts, params)
         if not req.stream:
             if not await until_disconnect(raw, _consume(first, rest, choices)):
                 return Response(status_code=499)  # the client is gone: nobody reads this
-            return R.completion_body(rid, name, choices, k, decode, echo)
+            return R.completion_body(head, choices, k, decode, echo)
 
         async def events():
             async for p, out in _chain(first, rest):
                 before = choices.outs.get(choices.index(p, out))
-                offset = len(before.response) + (len(echo[p]) if echo else 0) if before else 0
-                i = choices.add(p, out)
-                text = (echo[p] if echo and before is None else "") + out.response
-                yield R.sse(R.completion_chunk(rid, name, i, text, out.finish_reason,
-                                               R.completion_logprobs(out, k, decode, offset)))
+                echoed = echo[p] if echo and before is None else None  # the prompt goes out with the first piece
+                offset = (len(echo[p].text) if echo else 0) + (len(before.response) if before else 0)
+                i = choices.add(p, out)  # (folds `out` into `before` in place)
+                yield R.sse(R.completion_chunk(head, i, out, k, decode, echoed, offset))
             if req.include_usage:
-                yield R.sse(R.usage_chunk(rid, name, "text_completion", choices))
+                yield R.sse(R.usage_chunk(head, "text_completion", choices))
             yield R.sse("[DONE]")
         return StreamingResponse(_guarded(events()), media_type="text/event-stream")
 
     @app.post("/v1/chat/interactive", dependencies=[Depends(authorize)])
     async def chat_interactive(req: InteractiveRequest, raw: Request):
-        sid = req.session_id if req.session_id != -1 else next(session_ids)
+        sid = req.session_id if req.session_id != -1 else new_session_id()
         history = engine.id2step.get(sid, 0)
         if req.cancel or (not req.interactive_mode and history and req.prompt == ""):
             await (engine.stop_session(sid) if req.cancel else engine.end_session(sid))

@@ -1,15 +1,17 @@
 """Request bodies of the HTTP API (pydantic, strict: `"5"` is not an int and `true` is not a number) and
 their mapping onto the engine's SamplingParams. Field names and defaults follow OpenAI's API (with vLLM's
-extensions `top_k`, `repetition_penalty`, `ignore_eos`, `min_tokens`, `skip_special_tokens`) and, for
+extensions `top_k`, `repetition_penalty`, `ignore_eos`, `min_tokens`, `skip_special_tokens`,
+`include_stop_str_in_output`, `bad_words`, `add_generation_prompt`, `continue_final_message`) and, for
 `/v1/chat/interactive`, LMDeploy's `GenerateRequest`. Unknown fields are ignored, as OpenAI does; OpenAI
 fields lmjax does not honour (tools, response_format, logit_bias, best_of > n, suffix, non-text content
-parts) are a 400 that names them unless left at their no-op values.
+parts, and vLLM's prompt_logprobs and chat echo) are a 400 that names them unless left at their no-op
+values. An explicit `null` is the field's default (`_Nullable`).
 Out-of-range values are caught by SamplingParams / GenerationConfig, whose ValueError names the value.
 Responses are plain dicts built in `responses.py`.
 """
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from lmjax.config import GenerationConfig, SamplingParams
 from lmjax.loader.tokenizer import text_content
@@ -17,6 +19,23 @@ from lmjax.loader.tokenizer import text_content
 
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
+
+
+INT64 = dict(ge=-2**63, le=2**63 - 1)  # seeds: what vLLM accepts (a wider int would wrap onto another seed)
+NULL_IS_NONE = frozenset({"max_tokens"})
+
+
+class _Nullable(_Strict):
+    """OpenAI's optional fields are nullable: an explicit `null` means the default (openai-python sends
+    `"temperature": null` for an option passed as None). `_NULL_IS_NONE` keeps null as None where None
+    means something of its own (max_tokens: no limit but the context, as in vLLM)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data):
+        if not isinstance(data, dict):
+            return data
+        return {k: v for k, v in data.items() if v is not None or k in NULL_IS_NONE}
 
 
 class StreamOptions(_Strict):
@@ -33,14 +52,14 @@ class ChatMessage(_Strict):
         return text_content(self.content, f"a {self.role} message") or ""
 
 
-class _Sampling(_Strict):
+class _Sampling(_Nullable):
     model: str
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
-    seed: int | None = None
+    seed: int | None = Field(None, **INT64)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     presence_penalty: float = 0.0
@@ -49,6 +68,8 @@ class _Sampling(_Strict):
     ignore_eos: bool = False
     min_tokens: int = 0
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    bad_words: list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -56,6 +77,7 @@ class _Sampling(_Strict):
     # ignoring them would hand back, say, free text where JSON or a tool call was asked for.
     response_format: dict | None = None
     logit_bias: dict | None = None
+    prompt_logprobs: int | None = None  # vLLM's extension (completions' echo + logprobs gives them instead)
 
     def _unsupported(self) -> dict:
         """{field: value} of the fields set to something lmjax does not do."""
@@ -64,21 +86,26 @@ class _Sampling(_Strict):
             bad["response_format"] = self.response_format
         if self.logit_bias:
             bad["logit_bias"] = self.logit_bias
+        if self.prompt_logprobs is not None:
+            bad["prompt_logprobs"] = self.prompt_logprobs
         return bad
 
-    def _params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
         """SamplingParams of this request; raises ValueError (-> HTTP 400) for out-of-range values."""
         bad = self._unsupported()
         if bad:
             raise ValueError(f"not supported by lmjax: {', '.join(f'{k}={v!r}' for k, v in bad.items())}")
         if max_tokens is not None and max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+        if self.stream_options is not None and not self.stream:  # as vLLM: a likely client mistake
+            raise ValueError("stream_options can only be given with stream=true")
         return SamplingParams(n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                               min_p=self.min_p, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                               repetition_penalty=self.repetition_penalty, ignore_eos=self.ignore_eos,
                               max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs,
-                              skip_special_tokens=self.skip_special_tokens)
+                              prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
+                              include_stop_str_in_output=self.include_stop_str_in_output, bad_words=self.bad_words)
 
     @property
     def include_usage(self) -> bool:
@@ -95,6 +122,11 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: str | dict | None = None
     functions: list | None = None
     function_call: str | dict | None = None
+    # vLLM's chat template switches: continue_final_message renders the last (assistant) message open,
+    # for the model to go on with it ("prefill")
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    echo: bool = False  # vLLM's chat echo: not done here (a 400 rather than silently ignored)
 
     def _unsupported(self) -> dict:
         bad = super()._unsupported()
@@ -104,11 +136,19 @@ class ChatCompletionRequest(_Sampling):
         for name in ("tool_choice", "function_call"):
             if getattr(self, name) not in (None, "none", "auto"):
                 bad[name] = getattr(self, name)
+        if self.echo:
+            bad["echo"] = True
         return bad
 
     def sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
             raise ValueError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}")
+        if self.top_logprobs and not self.logprobs:  # as OpenAI and vLLM
+            raise ValueError(f"top_logprobs={self.top_logprobs} needs logprobs=true")
+        if self.continue_final_message and (self.add_generation_prompt or self.messages[-1].role != "assistant"):
+            raise ValueError("continue_final_message=true needs add_generation_prompt=false and an assistant "
+                             f"message last (got add_generation_prompt={self.add_generation_prompt}, "
+                             f"last role {self.messages[-1].role!r})")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return self._params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
 
@@ -133,9 +173,12 @@ class CompletionRequest(_Sampling):
         return bad
 
     def sampling_params(self) -> SamplingParams:
+        """With echo and logprobs the prompt's tokens get log-probabilities too (OpenAI's legacy
+        completions; lm-evaluation-harness scores continuations this way)."""
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
-        return self._params(self.max_tokens, self.logprobs)
+        prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
+        return self._params(self.max_tokens, self.logprobs, prompt_logprobs)
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: a string or a list of token ids."""
@@ -147,7 +190,7 @@ class CompletionRequest(_Sampling):
         return list(p)
 
 
-class InteractiveRequest(_Strict):
+class InteractiveRequest(_Nullable):
     """LMDeploy's `/v1/chat/interactive` body. With `interactive_mode` the session keeps its history
     (and KV cache) for the next request with the same `session_id`; without it the session ends."""
 
@@ -164,7 +207,7 @@ class InteractiveRequest(_Strict):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     cancel: bool = False
-    seed: int | None = None
+    seed: int | None = Field(None, **INT64)
 
     def gen_config(self) -> GenerationConfig:
         if self.request_output_len is not None and self.request_output_len < 1:

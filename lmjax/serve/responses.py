@@ -5,6 +5,7 @@ choices and usage; the `*_chunk` functions build the streaming (SSE) pieces.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
@@ -12,8 +13,28 @@ import uuid
 from lmjax.api.engine_thread import GenOut, merge_outputs
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+@dataclasses.dataclass(frozen=True)
+class Head:
+    """What every body and chunk of one response repeats: its id, model and creation time (one
+    `created` for the whole stream, as OpenAI and vLLM send it)."""
+    prefix: dataclasses.InitVar[str]
+    model: str
+    id: str = ""
+    created: int = 0
+
+    def __post_init__(self, prefix: str):
+        object.__setattr__(self, "id", f"{prefix}-{uuid.uuid4().hex[:24]}")
+        object.__setattr__(self, "created", int(time.time()))
+
+    def fields(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+
+@dataclasses.dataclass(frozen=True)
+class Echo:
+    """A completions prompt sent back with `echo`: its text and token ids."""
+    text: str
+    ids: list[int]
 
 
 def error_body(message: str, type_: str = "invalid_request_error", code: str | int | None = None,
@@ -42,17 +63,25 @@ def chat_logprobs(out: GenOut, k: int, decode) -> dict | None:
     return {"content": content}
 
 
-def completion_logprobs(out: GenOut, k: int, decode, offset: int = 0) -> dict | None:
-    """Legacy completions `logprobs`: tokens, token_logprobs, top_logprobs, text_offset."""
+def completion_logprobs(out: GenOut, k: int, decode, offset: int = 0, echo: Echo | None = None) -> dict | None:
+    """Legacy completions `logprobs`: tokens, token_logprobs, top_logprobs, text_offset. With `echo` the
+    prompt's tokens come first (from the request's prompt logprobs; the first token has none: null), their
+    offsets from 0 in the echoed text, as OpenAI's legacy completions and vLLM give them."""
     if out.logprobs is None:
         return None
-    tokens = [decode(t) for t in out.token_ids]
-    offsets, pos = [], offset
-    for tok in tokens:
+    ids, entries = list(out.token_ids), list(out.logprobs)
+    prompt = echo is not None and out.prompt_logprobs is not None
+    if prompt:
+        ids, entries = echo.ids + ids, list(out.prompt_logprobs) + entries
+    tokens = [decode(t) for t in ids]
+    offsets, pos = [], 0 if prompt else offset
+    for i, tok in enumerate(tokens):
+        pos = offset if prompt and i == len(echo.ids) else pos  # the echoed text may decode apart
         offsets.append(pos)
         pos += len(tok)
-    return {"tokens": tokens, "token_logprobs": [e[t] for t, e in zip(out.token_ids, out.logprobs)],
-            "top_logprobs": [{decode(t): lp for t, lp in _top(e, k)} for e in out.logprobs], "text_offset": offsets}
+    return {"tokens": tokens, "token_logprobs": [None if e is None else e[t] for t, e in zip(ids, entries)],
+            "top_logprobs": [None if e is None else {decode(t): lp for t, lp in _top(e, k)} for e in entries],
+            "text_offset": offsets}
 
 
 class Choices:
@@ -80,34 +109,36 @@ class Choices:
                 "prompt_tokens_details": {"cached_tokens": sum(c for _, c in self.prompt_tokens.values())}}
 
 
-def chat_body(request_id: str, model: str, choices: Choices, k: int, decode) -> dict:
-    return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
+def chat_body(head: Head, choices: Choices, k: int, decode) -> dict:
+    return {**head.fields("chat.completion"),
             "choices": [{"index": i, "message": {"role": "assistant", "content": o.response},
                          "logprobs": chat_logprobs(o, k, decode), "finish_reason": o.finish_reason}
                         for i, o in sorted(choices.outs.items())],
             "usage": choices.usage()}
 
 
-def completion_body(request_id: str, model: str, choices: Choices, k: int, decode, echo: list[str] | None) -> dict:
+def completion_body(head: Head, choices: Choices, k: int, decode, echo: list[Echo] | None) -> dict:
     items = []
     for i, o in sorted(choices.outs.items()):
-        prefix = echo[i // choices.n] if echo else ""
+        e = echo[i // choices.n] if echo else None
+        prefix = e.text if e else ""
         items.append({"index": i, "text": prefix + o.response, "finish_reason": o.finish_reason,
-                      "logprobs": completion_logprobs(o, k, decode, len(prefix))})
-    return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": items, "usage": choices.usage()}
+                      "logprobs": completion_logprobs(o, k, decode, len(prefix), e)})
+    return {**head.fields("text_completion"), "choices": items, "usage": choices.usage()}
 
 
-def chat_chunk(request_id: str, model: str, index: int, delta: dict, finish_reason=None, logprobs=None) -> dict:
-    return {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
+def chat_chunk(head: Head, index: int, delta: dict, finish_reason=None, logprobs=None) -> dict:
+    return {**head.fields("chat.completion.chunk"),
             "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
 
 
-def completion_chunk(request_id: str, model: str, index: int, text: str, finish_reason=None, logprobs=None) -> dict:
-    return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
+def completion_chunk(head: Head, index: int, out: GenOut, k: int, decode, echo: Echo | None, offset: int) -> dict:
+    """One streamed piece of choice `index`; `echo` (the first piece only) puts the prompt before it."""
+    text = (echo.text if echo else "") + out.response
+    return {**head.fields("text_completion"),
+            "choices": [{"index": index, "text": text, "finish_reason": out.finish_reason,
+                         "logprobs": completion_logprobs(out, k, decode, offset, echo)}]}
 
 
-def usage_chunk(request_id: str, model: str, obj: str, choices: Choices) -> dict:
-    return {"id": request_id, "object": obj, "created": int(time.time()), "model": model, "choices": [],
-            "usage": choices.usage()}
+def usage_chunk(head: Head, obj: str, choices: Choices) -> dict:
+    return {**head.fields(obj), "choices": [], "usage": choices.usage()}

@@ -131,6 +131,9 @@ def test_tp4_restore_places_each_shard_on_its_device(tiny, tmp_path, quant):
     params = run["params"]
     assert all(p["sharding_ok"] and p["devices_ok"] and p["shard_shapes_ok"] for p in params), params
     assert sum(p["sharded"] for p in params) >= 5 * TINY["num_hidden_layers"]  # q, k, v, o, gate, up, down...
+    if quant:  # and each layer's scales and offsets with them (w4: [groups, O]), none replicated
+        quant_params = [p for p in params if p["path"].rsplit(".", 1)[-1] in ("scale", "offset")]
+        assert quant_params and all(p["sharded"] for p in quant_params), quant_params
     # No sharded tensor ever went to a device whole: every host->device copy was one shard (or a
     # replicated tensor, which each device holds whole anyway).
     legit = {tuple(p["shape"] if not p["sharded"] else p["shard_shape"]) for p in params}

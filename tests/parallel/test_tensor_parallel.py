@@ -194,6 +194,14 @@ def test_rules_are_public_and_kept_apart_from_the_model():
     assert parallel.param_spec(("lm_head", "kernel"), (64, 256), mesh) == P(None, "tp")
     assert parallel.param_spec(("norm", "weight"), (64,), mesh) == P()
     assert parallel.param_spec(("embed_tokens", "embedding"), (257, 64), mesh) == P()  # uneven: replicated
+    # a quantized layer's scales follow its kernel: w8 [O], w4 [groups, O] (groups along o/down's input)
+    q_scale = ("layers", 0, "self_attn", "q_proj", "scale")
+    assert parallel.param_spec(q_scale, (128,), mesh) == P("tp")
+    assert parallel.param_spec(q_scale, (4, 128), mesh) == P(None, "tp")
+    assert parallel.param_spec(("layers", 0, "mlp", "down_proj", "offset"), (8, 64), mesh) == P("tp")
+    assert parallel.param_spec(("layers", 0, "mlp", "down_proj", "scale"), (64,), mesh) == P()
+    assert parallel.param_spec(("lm_head", "scale"), (2, 256), mesh) == P(None, "tp")
+    assert parallel.param_spec(("layers", 0, "mlp", "down_proj", "offset"), (6, 64), mesh) == P()  # 6 groups
     cfg = ModelConfig("LlamaForCausalLM", 256, 64, 128, 2, num_heads=8, num_kv_heads=2, head_dim=16,
                       rms_norm_eps=1e-5, rope=None, max_position_embeddings=256)
     k_path = ("layers", 0, "self_attn", "k_proj", "kernel")

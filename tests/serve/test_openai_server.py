@@ -193,6 +193,11 @@ def _post(server, path, body, key=KEY, raw=None):
     ("/v1/completions", {"prompt": "hi"}, None, None, 401),
     ("/v1/completions", {"prompt": "hi"}, None, "sk-wrong", 401),
     ("/v1/models", None, None, "sk-wrong", 401),
+    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": SESSION_LEN}, None, KEY, 400),  # over the context
+    ("/v1/completions", {"prompt": "hi", "seed": 2**64}, None, KEY, 400),  # would wrap onto seed 0
+    ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, None, KEY, 400),  # without logprobs
+    ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, None, KEY, 400),  # no stream
+    ("/v1/chat/completions", {"messages": CHAT, "continue_final_message": True}, None, KEY, 400),  # user last
 ])
 def test_bad_requests_get_openai_errors_and_server_keeps_serving(server, model_id, path, body, raw, key, status):
     if body is not None and "model" not in body and path != "/v1/chat/interactive":
@@ -219,6 +224,8 @@ TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"
      "image_url"),
     ("/v1/completions", {"best_of": 3}, "best_of"),
     ("/v1/completions", {"suffix": " and that is all."}, "suffix"),
+    ("/v1/completions", {"prompt_logprobs": 1}, "prompt_logprobs"),
+    ("/v1/chat/completions", {"echo": True}, "echo"),
 ])
 def test_openai_fields_lmjax_does_not_honour_are_named_not_ignored(server, model_id, path, extra, named):
     body = {"model": model_id, "max_tokens": 2, **({"messages": CHAT} if "chat" in path else {"prompt": "Hi"}), **extra}
@@ -300,3 +307,72 @@ def test_api_client_endpoints(server, model_id):
     assert whole["choices"][0]["text"] == streamed
     with pytest.raises(APIClientError, match="401"):
         APIClient(server).available_models
+
+
+def test_echo_with_logprobs_scores_the_prompt(server, model_id, llm):
+    """lm-evaluation-harness's loglikelihood request: the prompt's tokens get log-probabilities (the first
+    none), equal to the engine's prompt logprobs, and offsets into the echoed text; streamed alike."""
+    from lmjax import SamplingParams
+
+    ids = llm.get_tokenizer()(PROMPTS[0])["input_ids"]
+    body = {"model": model_id, "prompt": ids, "max_tokens": 1, "temperature": 0, "logprobs": 1, "echo": True}
+    got = _post(server, "/v1/completions", body).json()["choices"][0]
+    lp = got["logprobs"]
+    assert len(lp["tokens"]) == len(ids) + 1 and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    ref = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1),
+                       use_tqdm=False)[0]
+    want = [e[t].logprob for t, e in zip(ids[1:], ref.prompt_logprobs[1:])]
+    assert lp["token_logprobs"][1:len(ids)] == pytest.approx(want, abs=1e-4)
+    assert got["text"] == llm.get_tokenizer().decode(ids) + ref.outputs[0].text
+    assert lp["text_offset"][0] == 0 and lp["text_offset"][len(ids)] == len(llm.get_tokenizer().decode(ids))
+    with httpx.stream("POST", f"{server}/v1/completions", json={**body, "max_tokens": 3, "stream": True},
+                      headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as resp:
+        import json
+
+        chunks = [json.loads(line[5:]) for line in resp.iter_lines() if line.startswith("data: {")]
+    offsets = [o for c in chunks for o in c["choices"][0]["logprobs"]["text_offset"]]
+    text = "".join(c["choices"][0]["text"] for c in chunks)
+    tokens = [t for c in chunks for t in c["choices"][0]["logprobs"]["tokens"]]
+    assert len(tokens) == len(ids) + 3 and offsets[len(ids)] == len(llm.get_tokenizer().decode(ids))
+    assert offsets == sorted(offsets) and offsets[-1] < len(text)
+    assert len({c["created"] for c in chunks}) == 1  # one time stamp for the whole stream
+
+
+def test_null_fields_mean_their_defaults(server, model_id):
+    """openai-python sends an option passed as None as JSON null: OpenAI's optional fields are nullable."""
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key=KEY)
+    out = client.chat.completions.create(model=model_id, messages=CHAT, max_tokens=3, temperature=None, top_p=None,
+                                         n=None, presence_penalty=None, frequency_penalty=None, stream=None,
+                                         logprobs=None, seed=None, stop=None)
+    assert out.usage.completion_tokens == 3 and len(out.choices) == 1
+    out = client.completions.create(model=model_id, prompt="Hi", max_tokens=3, temperature=None, echo=None, n=None)
+    assert out.usage.completion_tokens == 3
+    resp = _post(server, "/v1/completions", {"model": model_id, "prompt": "Hi", "temperature": "hot"})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "temperature"
+
+
+def test_vllm_extensions_are_honoured(server, model_id, llm):
+    from lmjax import SamplingParams
+
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key=KEY)
+    full = llm.generate(PROMPTS[0], _greedy(), use_tqdm=False)[0].outputs[0].text
+    stop = full.split()[1]
+    got = client.completions.create(model=model_id, prompt=PROMPTS[0], max_tokens=12, temperature=0, stop=[stop],
+                                    extra_body={"include_stop_str_in_output": True})
+    assert got.choices[0].text == full[:full.index(stop) + len(stop)]
+    got = client.completions.create(model=model_id, prompt=PROMPTS[0], max_tokens=12, temperature=0,
+                                    extra_body={"bad_words": [stop]})
+    assert stop not in got.choices[0].text
+    # assistant prefill: the last message left open, the model goes on with it
+    prefill = CHAT + [{"role": "assistant", "content": "The tallest mountain is"}]
+    tok = llm.get_tokenizer()
+    ids = tok.apply_chat_template(prefill, tokenize=True, continue_final_message=True, return_dict=True)["input_ids"]
+    want = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+    got = client.chat.completions.create(model=model_id, messages=prefill, max_tokens=6, temperature=0,
+                                         extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    assert got.usage.prompt_tokens == len(ids) and got.choices[0].message.content == want[0].outputs[0].text
+    plain = client.chat.completions.create(model=model_id, messages=CHAT, max_tokens=1)
+    bare = client.chat.completions.create(model=model_id, messages=CHAT, max_tokens=1,
+                                          extra_body={"add_generation_prompt": False})
+    assert bare.usage.prompt_tokens < plain.usage.prompt_tokens
+    assert client.models.retrieve(model_id).id == model_id
