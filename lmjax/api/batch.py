@@ -39,9 +39,10 @@ def per_prompt(value, count: int, name: str) -> list:
 
 def submit_all(engine: LLMEngine, prompts: Sequence[tuple[str | None, list[int]]],
                params: Sequence[SamplingParams]) -> list[Request]:
-    """Queue every request, but only after all of them passed validation: a bad one costs no work."""
-    for _, ids in prompts:
-        engine.validate_prompt(ids)
+    """Queue every request, but only after all of them passed validation: a bad one costs no work and
+    leaves no other request queued."""
+    for (_, ids), p in zip(prompts, params):
+        engine.validate_request(ids, p)
     return [engine.add_request(ids, p, prompt=text) for (text, ids), p in zip(prompts, params)]
 
 

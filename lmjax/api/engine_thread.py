@@ -65,12 +65,18 @@ class EngineThread:
         self._running: dict = {}  # session id -> request id of its running turn
         self._live: dict[str, _Live] = {}
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._closed = False
         self._thread = threading.Thread(target=self._loop, name="lmjax-engine", daemon=True)
         self._thread.start()
 
     # ------------------------------------------------------------------ any thread
+    def _check_open(self) -> None:
+        if self._closed or not self._thread.is_alive():  # nobody would read the command: fail, not hang
+            raise RuntimeError("the engine is closed")
+
     def call(self, fn: Callable[[], object]) -> concurrent.futures.Future:
         """Run `fn()` on the engine thread; its result or exception lands in the returned Future."""
+        self._check_open()
         future: concurrent.futures.Future = concurrent.futures.Future()
 
         def command():
@@ -84,14 +90,14 @@ class EngineThread:
     def submit(self, session_id, ids: list[int], params: SamplingParams, text: str | None, sequence_start: bool,
                sequence_end: bool, sink: Sink) -> str:
         """Queue one request; errors (a prompt over session_len, a busy session) arrive in the sink."""
+        self._check_open()
         request_id = f"{session_id}-{next(_ids)}"
 
         def command():
             try:
                 self._add(request_id, session_id, ids, params, text, sequence_start, sequence_end, sink)
             except Exception as e:  # noqa: BLE001  (ValueError for a bad prompt; the caller raises it)
-                sink(e)
-                sink(None)
+                _quietly(sink, e) and _quietly(sink, None)
         self._commands.put(command)
         return request_id
 
@@ -99,14 +105,15 @@ class EngineThread:
         self._commands.put(lambda: self._abort(request_id))
 
     def close(self) -> None:
+        self._closed = True
         self._commands.put(None)
         self._thread.join(timeout=10)
 
     # ------------------------------------------------------------------ engine thread only
     def add_many(self, batch: list[tuple]) -> None:
-        """(session id, ids, params, text, sink) each: every prompt validated before any is queued."""
-        for _, ids, _, _, _ in batch:
-            self.engine.validate_prompt(ids)
+        """(session id, ids, params, text, sink) each: every request validated before any is queued."""
+        for _, ids, params, _, _ in batch:
+            self.engine.validate_request(ids, params)
         for session_id, ids, params, text, sink in batch:
             self._add(f"{session_id}-{next(_ids)}", session_id, ids, params, text, True, True, sink)
 
@@ -157,7 +164,10 @@ class EngineThread:
                     logger.exception("engine command failed")
                 block = False
             if self.engine.has_unfinished():
-                self._step()
+                try:
+                    self._step()
+                except Exception:  # noqa: BLE001  (a delivery bug must not stop the engine thread either)
+                    logger.exception("engine step delivery failed")
 
     def _step(self) -> None:
         try:
@@ -165,8 +175,8 @@ class EngineThread:
         except Exception as e:  # noqa: BLE001  (a device failure: fail every request, keep serving)
             logger.exception("engine step failed")
             for live in list(self._live.values()):
-                live.sink(RuntimeError(f"engine step failed: {e}"))
-                self._abort(live.req.request_id)
+                if self._emit(live, RuntimeError(f"engine step failed: {e}")):
+                    self._abort(live.req.request_id)
             return
         for req in changed:
             live = self._live.get(req.request_id)
@@ -183,8 +193,10 @@ class EngineThread:
                 continue
             end = len(c.token_ids)
             logprobs = None if c.logprobs is None else c.logprobs[end - len(ids):end]
-            live.sink(GenOut(text, live.history, len(req.prompt_token_ids) - live.history, end, c.finish_reason,
-                             ids, logprobs, c.index, req.num_cached_tokens, req.prompt_logprobs))
+            if not self._emit(live, GenOut(text, live.history, len(req.prompt_token_ids) - live.history, end,
+                                           c.finish_reason, ids, logprobs, c.index, req.num_cached_tokens,
+                                           req.prompt_logprobs)):
+                return
             if c.finished:
                 live.done.add(c.index)
                 self.finished[c.finish_reason] += 1
@@ -194,7 +206,30 @@ class EngineThread:
             kept = self.engine.sessions.get(live.session_id) if live.keep else None
             if kept is not None:
                 self.id2step[live.session_id] = kept.num_tokens
-            live.sink(None)
+            self._emit(live, None)
+
+    def _emit(self, live: _Live, item) -> bool:
+        """Hand `item` to the request's consumer; False when it is gone (an asyncio loop closed under an
+        abandoned generator, say): then the request is dropped, its blocks freed, and the engine thread
+        goes on serving the others."""
+        if _quietly(live.sink, item):
+            return True
+        logger.info("request %s: its consumer is gone; aborting it", live.req.request_id)
+        self._live.pop(live.req.request_id, None)
+        if self._running.get(live.session_id) == live.req.request_id:
+            del self._running[live.session_id]
+        self.engine.abort(live.req.request_id)
+        return False
+
+
+def _quietly(sink: Sink, item) -> bool:
+    """sink(item); False (logged at debug level) if it raised."""
+    try:
+        sink(item)
+        return True
+    except Exception as e:  # noqa: BLE001  (a consumer's failure is its own; the engine thread goes on)
+        logger.debug("sink failed: %r", e)
+        return False
 
 
 _ids = iter(range(1, 1 << 62))

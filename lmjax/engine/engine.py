@@ -85,13 +85,8 @@ class LLMEngine:
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
                     request_id: str | None = None) -> Request:
         """Validate and queue a request; raises ValueError (naming the value) before any work."""
-        self.validate_prompt(prompt_token_ids)
-        check_logprobs(params, self.model_config.vocab_size, self.config.max_logprobs)
+        max_tokens = self.validate_request(prompt_token_ids, params)
         n = len(prompt_token_ids)
-        max_tokens = min(params.max_tokens or self.session_len, self.session_len - n)
-        if not self.scheduler.fits_in_cache(n + max_tokens):
-            raise ValueError(f"prompt of {n} tokens + max_tokens={max_tokens} needs more KV cache than the "
-                             f"{self.blocks.num_usable_blocks} blocks of {self.config.block_size} tokens there are")
         req = Request(request_id or new_request_id(), prompt, list(prompt_token_ids), params, max_tokens)
         if params.bad_words:
             req.bad_words_ids = tokenize_bad_words(self.tokenizer, params.bad_words)
@@ -105,6 +100,18 @@ class LLMEngine:
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
         check_prompt(prompt_token_ids, self.model_config.vocab_size, self.session_len)
+
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Every check `add_request` makes, nothing queued (a batch checks all its requests first, so a bad
+        one leaves no other behind); returns the request's token budget (max_tokens capped by the context)."""
+        self.validate_prompt(prompt_token_ids)
+        check_logprobs(params, self.model_config.vocab_size, self.config.max_logprobs)
+        n = len(prompt_token_ids)
+        max_tokens = min(params.max_tokens or self.session_len, self.session_len - n)
+        if not self.scheduler.fits_in_cache(n + max_tokens):
+            raise ValueError(f"prompt of {n} tokens + max_tokens={max_tokens} needs more KV cache than the "
+                             f"{self.blocks.num_usable_blocks} blocks of {self.config.block_size} tokens there are")
+        return max_tokens
 
     def _add_completion(self, req: Request, index: int, seed: int) -> None:
         p = req.params

@@ -128,6 +128,11 @@ def test_llm_rejects_bad_prompts_and_unknown_args(smollm2_pruned):
         llm.chat([{"role": "user", "content": "Hi\nthere"}], greedy, use_tqdm=False)[0].prompt_token_ids
     with pytest.raises(ValueError, match=r"messages\[0\]: content parts of type \['image_url'\]"):
         llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x.png"}}]}], use_tqdm=False)
+    # a bad request anywhere in a batch: an error before any of them is queued
+    with pytest.raises(ValueError, match="logprobs=1000"):
+        llm.generate(["hi", "there"], [SamplingParams(max_tokens=2), SamplingParams(max_tokens=2, logprobs=1000)],
+                     use_tqdm=False)
+    assert not llm.llm_engine.requests and not llm.llm_engine.has_unfinished()
     llm.llm_engine.config.max_logprobs = -1  # the vocabulary: 49,152 tokens
     with pytest.raises(ValueError, match="logprobs=1000000 is more than max_logprobs=49152"):
         llm.generate(["hi"], SamplingParams(logprobs=10**6), use_tqdm=False)

@@ -109,6 +109,13 @@ def test_prefix_caching_same_tokens_and_hits(smollm2_pruned, pruned):
     assert [o.outputs[0].token_ids for o in first + rest] == [o.outputs[0].token_ids for o in reference]
     assert cached.llm_engine.stats()["prefix_cache_hits"] > 0
     assert all(o.num_cached_tokens >= 16 * 4 for o in rest)
+    # prompt logprobs need every prompt position's logits: such a request computes its whole prompt
+    scored = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    again = cached.generate(prompts[:1], scored, use_tqdm=False)[0]
+    want = pruned.generate(prompts[:1], scored, use_tqdm=False)[0]
+    assert again.num_cached_tokens == 0 and again.prompt_logprobs[0] is None
+    assert [e[t].logprob for t, e in zip(prompts[0][1:], again.prompt_logprobs[1:])] == \
+        pytest.approx([e[t].logprob for t, e in zip(prompts[0][1:], want.prompt_logprobs[1:])], abs=1e-4)
 
 
 def test_seeded_sampling_independent_of_batch(pruned, prompts):

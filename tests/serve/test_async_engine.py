@@ -127,3 +127,40 @@ def test_terminal_chat_keeps_the_session(engine):
     text = out.getvalue()
     assert text.count(">>> ") == 4 and "(new session)" in text
     assert engine.stats()["num_sessions"] == 0
+
+
+def test_a_caller_whose_event_loop_closed_does_not_stop_the_engine(engine):
+    """asyncio.run per request (how scripts and agent wrappers drive it): a generator abandoned after its
+    first piece leaves a closed loop behind; its request is dropped, its blocks freed, and the engine thread
+    serves the next caller."""
+    idle = _free(engine)
+
+    async def first_piece():
+        async for out in engine.generate("Tell me a long story.", 40, GenerationConfig(max_new_tokens=300,
+                                                                                       ignore_eos=True)):
+            return out.response
+    asyncio.run(first_piece())
+    text, ids, _ = asyncio.run(asyncio.wait_for(_run(engine, "Hi", 41, GREEDY), timeout=120))
+    assert len(ids) == GREEDY.max_new_tokens and engine._thread._thread.is_alive()
+    assert _free(engine) == idle
+
+
+def test_bad_request_in_a_batch_leaves_nothing_queued(engine):
+    bad = GenerationConfig(max_new_tokens=2, logprobs=10**6)
+    with pytest.raises(ValueError, match="logprobs"):
+        engine.batch_infer(["Hi", "Yo"], gen_config=[GenerationConfig(max_new_tokens=2), bad])
+    assert not engine.engine.has_unfinished() and not engine.engine.requests
+
+
+def test_a_closed_engine_says_so(smollm2_pruned):
+    from lmjax.api.async_engine import AsyncEngine
+
+    e = AsyncEngine(smollm2_pruned, backend_config=TurbomindEngineConfig(session_len=256, dtype="float32"))
+    e.close()
+    with pytest.raises(RuntimeError, match="engine is closed"):
+        e.batch_infer("Hi", gen_config=GREEDY)
+
+    async def main():
+        return [o async for o in e.generate("Hi", 1, GREEDY)]
+    with pytest.raises(RuntimeError, match="engine is closed"):
+        asyncio.run(main())
