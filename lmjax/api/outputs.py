@@ -65,7 +65,8 @@ def request_output(r: Request, tokenizer=None) -> RequestOutput:
 
 @dataclasses.dataclass
 class Response:
-    """LMDeploy's pipeline result (one per prompt; `index` tells which of n completions it is)."""
+    """LMDeploy's pipeline result: `index` is the prompt's position in the batch (with n > 1, completion i
+    of prompt p has index p * n + i, as the OpenAI server numbers its choices)."""
 
     text: str
     generate_token_len: int
@@ -81,6 +82,7 @@ class Response:
                 f"input_token_len={self.input_token_len}, finish_reason={self.finish_reason!r})")
 
 
-def response(r: Request, c: Completion, session_id: int | None = None) -> Response:
+def response(r: Request, c: Completion, session_id: int | None = None, index: int | None = None) -> Response:
+    """index: the Response's `index` (LMDeploy: the prompt's position in the batch); default the completion's."""
     return Response(c.text, len(c.token_ids), len(r.prompt_token_ids), c.finish_reason, list(c.token_ids),
-                    c.logprobs, c.index, session_id)
+                    c.logprobs, c.index if index is None else index, session_id)

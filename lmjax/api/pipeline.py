@@ -1,5 +1,6 @@
 """LMDeploy's API: `pipe = pipeline(model_path, backend_config=..., chat_template_config=...)`, then
-`pipe(prompts, gen_config=GenerationConfig(...))`, `pipe.stream_infer(...)` and `pipe.chat(...)`.
+`pipe(prompts, gen_config=GenerationConfig(...))` (also `infer` / `batch_infer`), `pipe.stream_infer(...)`,
+`pipe.chat(...)`, `pipe.get_ppl(input_ids)`, and `with pipeline(...) as pipe:` / `pipe.close()`.
 
 Prompts are a str, a list of str, one OpenAI-style message list, or a list of them. With
 `do_preprocess=True` (the default) each goes through the chat template, as in LMDeploy.
@@ -13,7 +14,7 @@ from collections.abc import Iterator
 
 from lmjax.api.batch import encode_chat, encode_text, per_prompt, run_to_completion, stream_steps, submit_all
 from lmjax.api.outputs import Response, response
-from lmjax.config import ChatTemplateConfig, EngineConfig, GenerationConfig
+from lmjax.config import ChatTemplateConfig, EngineConfig, GenerationConfig, SamplingParams
 from lmjax.engine.engine import LLMEngine
 from lmjax.lmdeploy_config import PytorchEngineConfig, TurbomindEngineConfig
 
@@ -95,10 +96,11 @@ class Pipeline:
         _check_legacy(legacy)
         single, requests = self._submit(prompts, gen_config, do_preprocess, legacy)
         run_to_completion(self.engine, requests, use_tqdm)
-        out = [response(r, c) for r in requests for c in r.completions]
+        out = [response(r, c, index=_index(p, r, c)) for p, r in enumerate(requests) for c in r.completions]
         return out[0] if single and len(out) == 1 else out
 
     batch_infer = __call__
+    infer = __call__  # LMDeploy >= 0.7's name (batch_infer its older one)
 
     def stream_infer(self, prompts, gen_config=None, do_preprocess: bool = True, **legacy) -> Iterator[Response]:
         """Yield Responses carrying the new text of one prompt (`index`) as it is generated."""
@@ -109,26 +111,70 @@ class Pipeline:
             for c in r.completions:
                 text, ids = c.take_delta()
                 if text or ids or c.finished:
-                    yield Response(text, len(c.token_ids), len(r.prompt_token_ids), c.finish_reason, ids,
-                                   None, position[r.request_id])
+                    end = len(c.token_ids)
+                    logprobs = None if c.logprobs is None else c.logprobs[end - len(ids):end]
+                    yield Response(text, end, len(r.prompt_token_ids), c.finish_reason, ids, logprobs,
+                                   _index(position[r.request_id], r, c))
 
     def chat(self, prompt: str, session: Session | None = None, gen_config=None, stream_response: bool = False,
-             **legacy) -> Session:
-        """One turn of a multi-turn chat; pass the returned session back for the next turn."""
-        session = session or Session(next(self._session_ids))
+             **legacy) -> Session | Iterator[Response]:
+        """One turn of a multi-turn chat; pass the session back for the next turn. Returns the session, or
+        with `stream_response` (as LMDeploy) an iterator of the reply's pieces, which records the turn in
+        `session` (give one, or take `pipe.session()`) once it is read to the end."""
+        session = session or self.session()
         session.messages.append({"role": "user", "content": prompt})
-        resp = self(list(session.messages), gen_config=gen_config, **legacy) if not stream_response else \
-            _join_stream(self.stream_infer([list(session.messages)], gen_config, **legacy))
-        session.response = resp
-        session.messages.append({"role": "assistant", "content": resp.text})
+        if stream_response:
+            return self._chat_stream(session, gen_config, legacy)
+        self._record(session, self(list(session.messages), gen_config=gen_config, **legacy))
         return session
 
+    def _chat_stream(self, session: Session, gen_config, legacy) -> Iterator[Response]:
+        pieces = []
+        for piece in self.stream_infer([list(session.messages)], gen_config, **legacy):
+            pieces.append(piece)
+            yield piece
+        self._record(session, Response("".join(p.text for p in pieces), pieces[-1].generate_token_len,
+                                       pieces[-1].input_token_len, pieces[-1].finish_reason,
+                                       [t for p in pieces for t in p.token_ids]))
 
-def _join_stream(stream) -> Response:
-    pieces = list(stream)
-    last = pieces[-1]
-    return Response("".join(p.text for p in pieces), last.generate_token_len, last.input_token_len,
-                    last.finish_reason, [t for p in pieces for t in p.token_ids])
+    @staticmethod
+    def _record(session: Session, resp: Response) -> None:
+        session.response = resp
+        session.messages.append({"role": "assistant", "content": resp.text})
+
+    def session(self) -> Session:
+        """A new chat session for `chat`."""
+        return Session(next(self._session_ids))
+
+    def get_ppl(self, input_ids: list[int] | list[list[int]]) -> list[float]:
+        """LMDeploy's get_ppl: per sequence of token ids, the mean cross-entropy (nats) of each token
+        given the ones before it (exp of it is the perplexity), from the engine's prompt logprobs."""
+        batch = [input_ids] if input_ids and isinstance(input_ids[0], int) else list(input_ids)
+        for i, ids in enumerate(batch):
+            if len(ids) < 2:
+                raise ValueError(f"get_ppl needs at least 2 tokens a sequence; input_ids[{i}] has {len(ids)}")
+        scored = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
+        requests = submit_all(self.engine, [(None, list(ids)) for ids in batch], [scored] * len(batch))
+        run_to_completion(self.engine, requests)
+        return [-sum(e[t] for t, e in zip(r.prompt_token_ids[1:], r.prompt_logprobs[1:])) / (len(r.prompt_token_ids) - 1)
+                for r in requests]
+
+    def close(self) -> None:
+        """Abort whatever is still running (LMDeploy frees its engine here; lmjax's goes with the object)."""
+        for request_id in list(self.engine.requests):
+            self.engine.abort(request_id)
+
+    def __enter__(self) -> "Pipeline":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _index(position: int, r, c) -> int:
+    """A Response's index: the prompt's position in the batch; completion i of n > 1: position * n + i."""
+    n = len(r.completions)
+    return position if n == 1 else position * n + c.index
 
 
 def _check_legacy(legacy: dict) -> None:

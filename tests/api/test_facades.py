@@ -1,7 +1,9 @@
 """The two facades: seed 002's pipeline examples run as written (lmdeploy -> lmjax) on SmolLM2, both
 facades agree, and bad input fails before any work with an error naming the value. Tests of plumbing
 alone run on the pruned SmolLM2 (conftest.write_smollm2_pruned)."""
+import numpy as np
 import pytest
+from flax import nnx
 
 import lmjax
 from lmjax import (GenerationConfig, LLM, PytorchEngineConfig, SamplingParams, TurbomindEngineConfig,
@@ -52,6 +54,37 @@ def test_single_prompt_gives_single_response_and_chat_session(pipe):
     session = pipe.chat("My name is Bob.", gen_config=GenerationConfig(max_new_tokens=8))
     session = pipe.chat("What is my name?", session=session, gen_config=GenerationConfig(max_new_tokens=8))
     assert len(session.history) == 2 and session.response.input_token_len > 20
+
+
+def test_lmdeploy_pipeline_methods(pipe):
+    """Response.index is the prompt's position (LMDeploy); stream pieces carry index and logprobs; chat with
+    stream_response yields the reply's pieces and records the turn; infer, get_ppl, close / with."""
+    g = GenerationConfig(max_new_tokens=4, logprobs=2)
+    whole = pipe.infer(["Hi", "Shanghai is"], gen_config=g)
+    assert [r.index for r in whole] == [0, 1]
+    pieces = list(pipe.stream_infer(["Hi", "Shanghai is"], gen_config=g))
+    for i, r in enumerate(whole):
+        mine = [p for p in pieces if p.index == i]
+        assert [t for p in mine for t in p.token_ids] == r.token_ids
+        assert [lp for p in mine for lp in p.logprobs] == r.logprobs
+    two = pipe(["Hi"], gen_config=GenerationConfig(max_new_tokens=3, n=2, top_k=50, temperature=1.0, random_seed=3))
+    assert [r.index for r in two] == [0, 1]  # completion i of n: position * n + i
+    session = pipe.session()
+    stream = pipe.chat("My name is Bob.", session=session, gen_config=GenerationConfig(max_new_tokens=6),
+                       stream_response=True)
+    text = "".join(p.text for p in stream)
+    assert session.messages[-1] == {"role": "assistant", "content": text} and session.response.text == text
+    ids = pipe.tokenizer("The capital of France is Paris.")["input_ids"]
+    from lmjax.models.forward import perplexity
+
+    ppl = pipe.get_ppl([ids, ids[:4]])
+    assert len(ppl) == 2 and ppl[0] > 0
+    runner = pipe.engine.runner
+    assert np.exp(ppl[0]) == pytest.approx(perplexity(nnx.merge(runner.graphdef, runner.state), ids), rel=1e-3)
+    with pytest.raises(ValueError, match=r"input_ids\[0\] has 1"):
+        pipe.get_ppl([[5]])
+    with pipeline(MODEL, backend_config=TurbomindEngineConfig(session_len=256)) as short:
+        assert short("Hi", gen_config=GenerationConfig(max_new_tokens=2)).generate_token_len <= 2
 
 
 def test_legacy_call_arguments_override(pipe):
