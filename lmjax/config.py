@@ -56,6 +56,26 @@ def _as_list(value, name: str, item_type: type) -> list | None:
     return items
 
 
+def _check_numbers(obj, names: tuple[str, ...]) -> None:
+    """Each named field a real number (a str such as "0.5" would fail later with an error naming nothing)."""
+    for name in names:
+        value = getattr(obj, name)
+        _check(isinstance(value, (int, float)) and not isinstance(value, bool),
+               f"{name} must be a number, got {value!r}")
+
+
+def _check_defaults_only(obj, defaults: dict) -> None:
+    """Fields kept for code written against vLLM or LMDeploy that lmjax does not implement: their
+    default values pass, anything else is a NotImplementedError naming it (never silently ignored)."""
+    for name, default in defaults.items():
+        value = getattr(obj, name)
+        if value != default:
+            raise NotImplementedError(f"{type(obj).__name__}({name}={value!r}) is not supported by lmjax")
+
+
+SAMPLING_NUMBERS = ("temperature", "top_p", "min_p", "repetition_penalty")
+
+
 def _check_sampling(temperature, top_p, top_k, min_p, repetition_penalty, n, logprobs) -> None:
     """Checks shared by GenerationConfig and SamplingParams."""
     _check(temperature >= 0, f"temperature must be >= 0, got {temperature}")
@@ -100,8 +120,20 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (vLLM)
+    # vLLM fields lmjax does not implement: accepted at their defaults only (_VLLM_DEFAULTS)
+    best_of: int | None = None
+    detokenize: bool = True
+    logits_processors: list | None = None
+    allowed_token_ids: list[int] | None = None
 
     def __post_init__(self):
+        _check_numbers(self, SAMPLING_NUMBERS + ("presence_penalty", "frequency_penalty"))
+        _check_defaults_only(self, {"detokenize": True, "logits_processors": None, "allowed_token_ids": None,
+                                    "best_of": self.best_of if self.best_of in (None, self.n) else None})
+        _check(self.truncate_prompt_tokens is None or (isinstance(self.truncate_prompt_tokens, int)
+                                                       and self.truncate_prompt_tokens >= 1),
+               f"truncate_prompt_tokens must be None or an int >= 1, got {self.truncate_prompt_tokens!r}")
         _check_sampling(self.temperature, self.top_p, self.top_k, self.min_p,
                         self.repetition_penalty, self.n, self.logprobs)
         for name in ("presence_penalty", "frequency_penalty"):
@@ -113,8 +145,8 @@ class SamplingParams:
                f"min_tokens must be an int >= 0, got {self.min_tokens!r}")
         _check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
                f"min_tokens={self.min_tokens} must not exceed max_tokens={self.max_tokens}")
-        _check(self.prompt_logprobs is None or self.prompt_logprobs >= 0,
-               f"prompt_logprobs must be None or >= 0, got {self.prompt_logprobs}")
+        _check(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and self.prompt_logprobs >= 0),
+               f"prompt_logprobs must be None or an int >= 0, got {self.prompt_logprobs!r}")
         _check(self.seed is None or isinstance(self.seed, int), f"seed must be an int, got {self.seed!r}")
         self.stop = _as_list(self.stop, "stop", str)
         _check(not self.stop or all(self.stop), f"stop strings must be non-empty, got {self.stop!r}")
@@ -171,17 +203,27 @@ class GenerationConfig:
     spaces_between_special_tokens: bool = True
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
+    # LMDeploy fields lmjax does not implement: accepted at None only
+    response_format: dict | None = None
+    logits_processors: list | None = None
+    output_logits: str | None = None
+    output_last_hidden_state: str | None = None
 
     def __post_init__(self):
+        _check_numbers(self, SAMPLING_NUMBERS)
+        _check_defaults_only(self, {"response_format": None, "logits_processors": None, "output_logits": None,
+                                    "output_last_hidden_state": None})
         _check_sampling(self.temperature, self.top_p, self.top_k, self.min_p,
                         self.repetition_penalty, self.n, self.logprobs)
-        _check(self.max_new_tokens is None or self.max_new_tokens >= 1,
-               f"max_new_tokens must be None or >= 1, got {self.max_new_tokens}")
+        _check(self.max_new_tokens is None or (isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1),
+               f"max_new_tokens must be None or an int >= 1, got {self.max_new_tokens!r}")
         _check(self.do_sample in (None, True, False), f"do_sample must be None, True or False, got {self.do_sample!r}")
         if self.do_sample and isinstance(self.top_k, _DefaultTopK):
             self.top_k = SAMPLING_TOP_K
-        _check(self.min_new_tokens is None or self.min_new_tokens >= 0,
-               f"min_new_tokens must be None or >= 0, got {self.min_new_tokens}")
+        _check(self.min_new_tokens is None or (isinstance(self.min_new_tokens, int) and self.min_new_tokens >= 0),
+               f"min_new_tokens must be None or an int >= 0, got {self.min_new_tokens!r}")
+        _check(None in (self.min_new_tokens, self.max_new_tokens) or self.min_new_tokens <= self.max_new_tokens,
+               f"min_new_tokens={self.min_new_tokens} must not exceed max_new_tokens={self.max_new_tokens}")
         self.stop_words = _as_list(self.stop_words, "stop_words", str)
         self.bad_words = _as_list(self.bad_words, "bad_words", str)
         self.stop_token_ids = _as_list(self.stop_token_ids, "stop_token_ids", int)
@@ -315,8 +357,8 @@ class ChatTemplateConfig:
                              "and the tokenizer has no chat template")
         from lmjax.loader.tokenizer import render_chat  # config stays import-light for every layer
 
-        return render_chat(tokenizer, messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                           continue_final_message=continue_final_message)
+        extra = {"continue_final_message": True} if continue_final_message else {}  # older templates: not asked
+        return render_chat(tokenizer, messages, tokenize=False, add_generation_prompt=add_generation_prompt, **extra)
 
     def _from_markers(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                       continue_final_message: bool = False) -> str:

@@ -35,11 +35,40 @@ def test_sampling_params_vllm_defaults():
     (dict(min_tokens=5, max_tokens=4), "min_tokens=5 must not exceed max_tokens=4"),
     (dict(stop=[""]), "stop strings must be non-empty"),
     (dict(stop_token_ids=["a"]), "stop_token_ids must hold int values"),
+    (dict(temperature="0.5"), "temperature must be a number, got '0.5'"),
+    (dict(prompt_logprobs="a"), "prompt_logprobs must be None or an int >= 0, got 'a'"),
+    (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens must be None or an int >= 1, got 0"),
 ])
 def test_sampling_params_validation_names_value(kwargs, message):
     with pytest.raises(ValueError) as e:
         SamplingParams(**kwargs)
     assert message in str(e.value)
+
+
+@pytest.mark.parametrize("make, named", [
+    (lambda: SamplingParams(detokenize=False), "detokenize=False"),
+    (lambda: SamplingParams(best_of=3), "best_of=3"),
+    (lambda: SamplingParams(allowed_token_ids=[1, 2]), "allowed_token_ids"),
+    (lambda: SamplingParams(logits_processors=[print]), "logits_processors"),
+    (lambda: GenerationConfig(response_format={"type": "json_object"}), "response_format"),
+    (lambda: GenerationConfig(output_logits="all"), "output_logits"),
+])
+def test_fields_kept_for_compatibility_pass_at_defaults_only(make, named):
+    """vLLM's / LMDeploy's fields lmjax does not implement: code that passes their defaults runs as is."""
+    assert SamplingParams(best_of=2, n=2, detokenize=True, logits_processors=None, allowed_token_ids=None).n == 2
+    assert GenerationConfig(response_format=None, logits_processors=None, output_logits=None).n == 1
+    with pytest.raises(NotImplementedError, match=named):
+        make()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(max_new_tokens=5.5), "max_new_tokens must be None or an int >= 1, got 5.5"),
+    (dict(max_new_tokens=5, min_new_tokens=10), "min_new_tokens=10 must not exceed max_new_tokens=5"),
+    (dict(top_p="0.9"), "top_p must be a number, got '0.9'"),
+])
+def test_generation_config_validation_names_value(kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        GenerationConfig(**kwargs)
 
 
 def test_unknown_field_lists_names_and_suggests():

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import itertools
 import logging
 import os
@@ -169,39 +170,53 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ synchronous batch
     def batch_infer(self, prompts, gen_config=None, do_preprocess: bool = True, **legacy) -> Response | list[Response]:
-        """Run a batch to completion from synchronous code (any thread; not inside the engine thread)."""
+        """Run a batch to completion from synchronous code (any thread; not inside the engine thread).
+        A Response's `index` is its prompt's position (completion i of n > 1: position * n + i)."""
+        single, encoded, params = self._batch(prompts, gen_config, do_preprocess, legacy)
+        sinks = [queue.SimpleQueue() for _ in encoded]
+        self._add_many(encoded, params, [s.put for s in sinks])
+        out = [r for p, (s, sp) in enumerate(zip(sinks, params)) for r in _drain(s, p, sp.n)]
+        return out[0] if single and len(out) == 1 else out
+
+    __call__ = batch_infer
+
+    def stream_infer(self, prompts, gen_config=None, do_preprocess: bool = True, **legacy) -> Iterator[Response]:
+        """Synchronous streaming of a prompt or a batch (as `batch_infer` takes them): Responses carrying
+        the new text of one completion, `index` as in `batch_infer`."""
+        _, encoded, params = self._batch(prompts, gen_config, do_preprocess, legacy)
+        items: queue.SimpleQueue = queue.SimpleQueue()
+        rids = self._add_many(encoded, params, [functools.partial(_tagged, items.put, p) for p in range(len(encoded))])
+        left, done = len(encoded), False
+        try:
+            while left:
+                p, item = items.get()
+                if item is None:
+                    left -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield _response(item, index=_index(p, params[p].n, item.index))
+            done = True
+        finally:
+            if not done:
+                for rid in rids:
+                    self._thread.abort(rid)
+
+    def _batch(self, prompts, gen_config, do_preprocess: bool, legacy: dict):
+        """(single prompt?, [(text, ids)], [SamplingParams]) of a prompt or a batch of them."""
         single = isinstance(prompts, str) or (bool(prompts) and isinstance(prompts[0], dict))
         batch = [prompts] if single else list(prompts)
         configs = gen_config if isinstance(gen_config, (list, tuple)) else [gen_config] * len(batch)
         if len(configs) != len(batch):
             raise ValueError(f"gen_config has {len(configs)} entries for {len(batch)} prompts")
         encoded = [self.encode(p, True, do_preprocess) for p in batch]
-        params = [self.sampling_params(g, **legacy) for g in configs]
-        sinks = [queue.SimpleQueue() for _ in batch]
-        self._thread.call(lambda: self._thread.add_many(
-            [(next(self._session_ids), ids, p, text, s.put) for (text, ids), p, s in zip(encoded, params, sinks)]
+        return single, encoded, [self.sampling_params(g, **legacy) for g in configs]
+
+    def _add_many(self, encoded, params, sinks) -> list[str]:
+        """Queue a batch (every request checked before any is queued); its request ids."""
+        return self._thread.call(lambda: self._thread.add_many(
+            [(next(self._session_ids), ids, p, text, s) for (text, ids), p, s in zip(encoded, params, sinks)]
         )).result()
-        out = [r for s in sinks for r in _drain(s)]
-        return out[0] if single and len(out) == 1 else out
-
-    __call__ = batch_infer
-
-    def stream_infer(self, prompts, gen_config=None, do_preprocess: bool = True, **legacy) -> Iterator[Response]:
-        """Synchronous streaming of one prompt's completions: Responses carrying the new text."""
-        text, ids = self.encode(prompts, True, do_preprocess)
-        sink: queue.SimpleQueue = queue.SimpleQueue()
-        rid = self._thread.submit(next(self._session_ids), ids, self.sampling_params(gen_config, **legacy), text,
-                                  True, True, sink.put)
-        done = False
-        try:
-            while (item := sink.get()) is not None:
-                if isinstance(item, BaseException):
-                    raise item
-                yield _response(item)
-            done = True
-        finally:
-            if not done:
-                self._thread.abort(rid)
 
     def stats(self) -> dict:
         """The engine's counters (read without locking: a snapshot, good for metrics)."""
@@ -251,18 +266,27 @@ class _Done(concurrent.futures.Future):
         return asyncio.wrap_future(self).__await__()
 
 
-def _response(out: GenOut, session_id: int | None = None) -> Response:
+def _response(out: GenOut, session_id: int | None = None, index: int | None = None) -> Response:
     return Response(out.response, out.generate_token_len, out.input_token_len, out.finish_reason,
-                    list(out.token_ids), out.logprobs, out.index, session_id)
+                    list(out.token_ids), out.logprobs, out.index if index is None else index, session_id)
 
 
-def _drain(sink: queue.SimpleQueue) -> list[Response]:
+def _index(position: int, n: int, completion: int) -> int:
+    """A batch Response's index: the prompt's position; completion i of n > 1: position * n + i."""
+    return position if n == 1 else position * n + completion
+
+
+def _tagged(put, position: int, item) -> None:
+    put((position, item))
+
+
+def _drain(sink: queue.SimpleQueue, position: int, n: int) -> list[Response]:
     whole: dict[int, GenOut] = {}
     while (item := sink.get()) is not None:
         if isinstance(item, BaseException):
             raise item
         whole[item.index] = merge_outputs(whole.get(item.index), item)
-    return [_response(whole[i]) for i in sorted(whole)]
+    return [_response(whole[i], index=_index(position, n, i)) for i in sorted(whole)]
 
 
 def _default_name(path: str) -> str:

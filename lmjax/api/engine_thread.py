@@ -110,12 +110,15 @@ class EngineThread:
         self._thread.join(timeout=10)
 
     # ------------------------------------------------------------------ engine thread only
-    def add_many(self, batch: list[tuple]) -> None:
-        """(session id, ids, params, text, sink) each: every request validated before any is queued."""
+    def add_many(self, batch: list[tuple]) -> list[str]:
+        """(session id, ids, params, text, sink) each: every request validated before any is queued.
+        Returns their request ids."""
         for _, ids, params, _, _ in batch:
             self.engine.validate_request(ids, params)
-        for session_id, ids, params, text, sink in batch:
-            self._add(f"{session_id}-{next(_ids)}", session_id, ids, params, text, True, True, sink)
+        rids = [f"{session_id}-{next(_ids)}" for session_id, *_ in batch]
+        for rid, (session_id, ids, params, text, sink) in zip(rids, batch):
+            self._add(rid, session_id, ids, params, text, True, True, sink)
+        return rids
 
     def stop_session(self, session_id) -> None:
         request_id = self._running.get(session_id)

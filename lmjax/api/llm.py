@@ -30,6 +30,11 @@ _VLLM_ONLY_DEFAULTS = {"tokenizer_mode": "auto", "skip_tokenizer_init": False, "
                        "disable_async_output_proc": False}
 
 
+def _no_lora(lora_request) -> None:
+    if lora_request is not None:
+        raise NotImplementedError(f"lora_request={lora_request!r} is not supported by lmjax (no LoRA adapters)")
+
+
 def batch_defaults(device=None) -> tuple[int, int]:
     """vLLM's LLM-class defaults for (max_num_seqs, max_num_batched_tokens): larger on big GPUs, where a
     wider decode batch turns bandwidth-bound steps into better-utilised matmuls (vLLM's arg_utils
@@ -100,9 +105,15 @@ class LLM:
         raise TypeError(f"a prompt must be a str, a list of token ids or a dict with 'prompt' or "
                         f"'prompt_token_ids', got {type(prompt).__name__}")
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` uses when given no SamplingParams (vLLM's defaults)."""
+        return SamplingParams()
+
     def generate(self, prompts=None, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 prompt_token_ids: list[int] | list[list[int]] | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
+                 prompt_token_ids: list[int] | list[list[int]] | None = None, use_tqdm: bool = True,
+                 lora_request=None) -> list[RequestOutput]:
         """Completions for `prompts` (str, token-id list, or dict, one or a list), in input order."""
+        _no_lora(lora_request)
         if prompts is None and prompt_token_ids is None:
             raise ValueError("generate() needs prompts or prompt_token_ids")
         if prompts is None:
@@ -117,14 +128,21 @@ class LLM:
         return [request_output(r, self.llm_engine.tokenizer) for r in requests]
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True, chat_template: str | None = None,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """Generate replies to one conversation (a list of {'role', 'content'}) or a list of them."""
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: dict | None = None, tools: list | None = None,
+             lora_request=None) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {'role', 'content'}) or a list of them.
+        continue_final_message: the last (assistant) message is left open for the model to go on with;
+        chat_template_kwargs: extra variables for the template (vLLM's). Each conversation is rendered
+        once and its text tokenized as the template's own tokenize=True would (no special tokens added)."""
+        _no_lora(lora_request)
+        if tools:
+            raise NotImplementedError("LLM.chat(tools=...) is not supported by lmjax (no tool-call parser)")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.llm_engine.tokenizer
-        prompts = [{"prompt_token_ids": render_chat(tok, c, chat_template=chat_template, tokenize=True,
-                                                    add_generation_prompt=add_generation_prompt,
-                                                    return_dict=True)["input_ids"],
-                    "prompt": render_chat(tok, c, chat_template=chat_template, tokenize=False,
-                                          add_generation_prompt=add_generation_prompt)}
-                   for c in conversations]
+        texts = [render_chat(tok, c, chat_template=chat_template, tokenize=False,
+                             add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                             **(chat_template_kwargs or {}))
+                 for c in conversations]
+        prompts = [{"prompt_token_ids": tok(t, add_special_tokens=False)["input_ids"], "prompt": t} for t in texts]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

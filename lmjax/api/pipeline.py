@@ -64,13 +64,19 @@ class Pipeline:
         self.tokenizer = self.engine.tokenizer
         self._session_ids = iter(range(1, 1 << 62))
 
-    def _gen_config(self, gen_config, legacy: dict) -> GenerationConfig:
+    def _gen_config(self, gen_config, legacy: dict) -> GenerationConfig | SamplingParams:
         gen_config = gen_config or GenerationConfig()
+        if not isinstance(gen_config, (GenerationConfig, SamplingParams)):
+            raise TypeError(f"gen_config must be a GenerationConfig (or SamplingParams), got {type(gen_config).__name__}")
         overrides = {_LEGACY_ARGS[k]: v for k, v in legacy.items() if v is not None}
+        if overrides and isinstance(gen_config, SamplingParams):
+            raise TypeError(f"legacy arguments {sorted(legacy)} go with a GenerationConfig, not SamplingParams")
         return dataclasses.replace(gen_config, **overrides) if overrides else gen_config
 
-    def _params(self, gen_config: GenerationConfig):
-        params = gen_config.to_sampling_params()
+    def _params(self, gen_config: GenerationConfig | SamplingParams):
+        """The engine's SamplingParams (a SamplingParams is taken as it is, as AsyncEngine takes it)."""
+        params = dataclasses.replace(gen_config) if isinstance(gen_config, SamplingParams) else \
+            gen_config.to_sampling_params()
         extra = self.chat_template.stop_words or []
         if extra:
             params.stop = list(params.stop or []) + [w for w in extra if w not in (params.stop or [])]

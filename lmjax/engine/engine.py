@@ -85,6 +85,8 @@ class LLMEngine:
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
                     request_id: str | None = None) -> Request:
         """Validate and queue a request; raises ValueError (naming the value) before any work."""
+        if params.truncate_prompt_tokens and len(prompt_token_ids) > params.truncate_prompt_tokens:
+            prompt_token_ids, prompt = _truncated(prompt_token_ids, params), None  # the text no longer matches
         max_tokens = self.validate_request(prompt_token_ids, params)
         n = len(prompt_token_ids)
         req = Request(request_id or new_request_id(), prompt, list(prompt_token_ids), params, max_tokens)
@@ -104,6 +106,7 @@ class LLMEngine:
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Every check `add_request` makes, nothing queued (a batch checks all its requests first, so a bad
         one leaves no other behind); returns the request's token budget (max_tokens capped by the context)."""
+        prompt_token_ids = _truncated(prompt_token_ids, params)
         self.validate_prompt(prompt_token_ids)
         check_logprobs(params, self.model_config.vocab_size, self.config.max_logprobs)
         n = len(prompt_token_ids)
@@ -363,18 +366,20 @@ class LLMEngine:
             entry = dict(zip(out.top_ids[i, :k].tolist(), out.top_logprobs[i, :k].tolist()))
             entry[token] = float(out.logprobs[i])
             comp.logprobs.append(entry)
-        if comp.stops.stops:  # stop strings: the text decides, decode it now
-            result = comp.stops.feed(comp.detokenizer.step([token]))
+        p = req.params
+        stop_token = token in (p.stop_token_ids or ()) or (token in self.eos_token_ids and not p.ignore_eos)
+        if stop_token and not p.include_stop_str_in_output:
+            comp.hidden_tail = 1  # as vLLM: the text leaves out the token that stopped it (token_ids keep it)
+        elif comp.stops.stops:  # stop strings: the text decides, decode it now (none before min_tokens, as vLLM)
+            result = comp.stops.feed(comp.detokenizer.step([token]), armed=len(comp.token_ids) >= p.min_tokens)
             comp.add_text(result.text)
             if result.stopped:
                 comp.stop_reason = result.stop_str
                 return self._finish(req, comp, "stop", flush=False)
         else:
             comp.defer_text()
-        if token in (req.params.stop_token_ids or ()):
-            comp.stop_reason = token
-            return self._finish(req, comp, "stop")
-        if token in self.eos_token_ids and not req.params.ignore_eos:
+        if stop_token:
+            comp.stop_reason = token if token in (p.stop_token_ids or ()) else None
             return self._finish(req, comp, "stop")
         if len(comp.token_ids) >= req.max_tokens:
             self._finish(req, comp, "length")
@@ -397,6 +402,12 @@ class LLMEngine:
         self._by_seq.pop(comp.seq.seq_id, None)
         if req.finished:
             self.requests.pop(req.request_id, None)
+
+
+def _truncated(prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
+    """The prompt's last `truncate_prompt_tokens` tokens (vLLM's left truncation), else all of them."""
+    k = params.truncate_prompt_tokens
+    return list(prompt_token_ids)[-k:] if k else prompt_token_ids
 
 
 def _tokenizer_eos(tokenizer) -> set[int]:

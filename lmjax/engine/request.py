@@ -34,6 +34,7 @@ class Completion:
     _emitted_tokens: int = 0
     _text: str = ""
     _lag: int = 0  # newest output tokens not detokenized yet (see `text`)
+    hidden_tail: int = 0  # 1 when the last token stopped the request and its text is left out (vLLM)
 
     @property
     def token_ids(self) -> list[int]:
@@ -51,7 +52,8 @@ class Completion:
     def catch_up_text(self) -> None:
         """Detokenize the deferred tokens (before a flush, or when the text is read)."""
         if self._lag:
-            ids, self._lag = self.token_ids[len(self.token_ids) - self._lag:], 0
+            end = len(self.token_ids) - self.hidden_tail
+            ids, self._lag = self.token_ids[end - self._lag:end], 0
             self._text += self.stops.feed(self.detokenizer.step(ids)).text
 
     def add_text(self, piece: str) -> None:

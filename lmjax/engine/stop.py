@@ -56,14 +56,20 @@ class StopStringMatcher:
         self.emitted = 0     # len(text) already returned to the caller
         self.stopped = False
         self.stop_str: str | None = None
+        self.floor = 0       # stop strings are looked for from here on (text before min_tokens is not searched)
 
-    def feed(self, new_text: str) -> StopResult:
+    def feed(self, new_text: str, armed: bool = True) -> StopResult:
+        """armed=False (fewer output tokens than min_tokens, as vLLM counts them): the text passes
+        unsearched and is never searched later."""
         if self.stopped:
             return StopResult("", True, self.stop_str)
         self.text += new_text
+        if not armed:
+            self.floor = len(self.text)
+            return StopResult(self._release(len(self.text)), False)
         # A stop string may begin in text already emitted only when nothing is held back
         # (include_stop_str_in_output); looking back max_len - 1 characters covers that case.
-        hit = find_stop(self.text, max(0, self.emitted - self._max_len + 1), self.stops)
+        hit = find_stop(self.text, max(self.floor, self.emitted - self._max_len + 1), self.stops)
         if hit is not None:
             return self._stop(*hit)
         # With the stop string included in the output, nothing needs holding back.

@@ -83,6 +83,10 @@ def test_lmdeploy_pipeline_methods(pipe):
     assert np.exp(ppl[0]) == pytest.approx(perplexity(nnx.merge(runner.graphdef, runner.state), ids), rel=1e-3)
     with pytest.raises(ValueError, match=r"input_ids\[0\] has 1"):
         pipe.get_ppl([[5]])
+    same = pipe("Shanghai is", gen_config=SamplingParams(temperature=0, max_tokens=4))  # as AsyncEngine takes it
+    assert same.token_ids == pipe("Shanghai is", gen_config=GenerationConfig(max_new_tokens=4)).token_ids
+    with pytest.raises(TypeError, match="gen_config must be a GenerationConfig"):
+        pipe("Hi", gen_config={"max_new_tokens": 4})
     with pipeline(MODEL, backend_config=TurbomindEngineConfig(session_len=256)) as short:
         assert short("Hi", gen_config=GenerationConfig(max_new_tokens=2)).generate_token_len <= 2
 
@@ -166,6 +170,23 @@ def test_llm_rejects_bad_prompts_and_unknown_args(smollm2_pruned):
         llm.generate(["hi", "there"], [SamplingParams(max_tokens=2), SamplingParams(max_tokens=2, logprobs=1000)],
                      use_tqdm=False)
     assert not llm.llm_engine.requests and not llm.llm_engine.has_unfinished()
+    # vLLM arguments code passes at their defaults; the ones lmjax has
+    assert llm.get_default_sampling_params() == SamplingParams()
+    assert len(llm.generate("hi", greedy, use_tqdm=False, lora_request=None)) == 1
+    with pytest.raises(NotImplementedError, match="lora_request"):
+        llm.generate("hi", greedy, use_tqdm=False, lora_request=object())
+    ids = llm.get_tokenizer()("one two three four five six")["input_ids"]
+    cut = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=3, truncate_prompt_tokens=3),
+                       use_tqdm=False)[0]
+    assert cut.prompt_token_ids == ids[-3:]
+    assert cut.outputs[0].token_ids == llm.generate({"prompt_token_ids": ids[-3:]}, greedy, use_tqdm=False)[0] \
+        .outputs[0].token_ids
+    prefill = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "The colour is"}]
+    out = llm.chat(prefill, greedy, use_tqdm=False, add_generation_prompt=False, continue_final_message=True)[0]
+    assert out.prompt.endswith("The colour is") and out.prompt_token_ids == llm.get_tokenizer().apply_chat_template(
+        prefill, tokenize=True, continue_final_message=True, return_dict=True)["input_ids"]
+    with pytest.raises(NotImplementedError, match="tools"):
+        llm.chat(parts, greedy, use_tqdm=False, tools=[{"type": "function"}])
     llm.llm_engine.config.max_logprobs = -1  # the vocabulary: 49,152 tokens
     with pytest.raises(ValueError, match="logprobs=1000000 is more than max_logprobs=49152"):
         llm.generate(["hi"], SamplingParams(logprobs=10**6), use_tqdm=False)

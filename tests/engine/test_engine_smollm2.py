@@ -138,6 +138,30 @@ def test_n_completions_are_seeded_and_distinct(pruned, prompts):
     assert len({tuple(c.token_ids) for c in first}) > 1
 
 
+def test_stop_token_text_is_left_out_and_min_tokens_holds_stop_strings(pruned, prompts):
+    """As vLLM: the text leaves out the token that stopped the request (token_ids keep it) unless
+    include_stop_str_in_output; stop strings are not looked for before min_tokens tokens."""
+    tok = pruned.get_tokenizer()
+    full = pruned.generate([prompts[1]], GREEDY, use_tqdm=False)[0].outputs[0]
+    stop_id = full.token_ids[5]
+    pieces = [tok.decode(full.token_ids[:i]) for i in range(len(full.token_ids) + 1)]
+    cut = pruned.generate([prompts[1]], SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_id]),
+                          use_tqdm=False)[0].outputs[0]
+    end = cut.token_ids.index(stop_id) + 1
+    assert cut.token_ids == full.token_ids[:end] and cut.stop_reason == stop_id
+    assert cut.text == pieces[end - 1]
+    kept = pruned.generate([prompts[1]], SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_id],
+                                                        include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+    assert kept.text == pieces[end]
+    stop = tok.decode(full.token_ids[1:3]).strip()  # text of the 2nd and 3rd tokens
+    early = pruned.generate([prompts[1]], SamplingParams(temperature=0, max_tokens=24, stop=[stop]),
+                            use_tqdm=False)[0].outputs[0]
+    late = pruned.generate([prompts[1]], SamplingParams(temperature=0, max_tokens=24, stop=[stop], min_tokens=6),
+                           use_tqdm=False)[0].outputs[0]
+    assert len(early.token_ids) <= 3 and early.finish_reason == "stop"
+    assert len(late.token_ids) >= 6 and late.text.startswith(full.text[:full.text.index(stop) + len(stop)])
+
+
 def test_stop_string_split_across_tokens(pruned, prompts):
     tok = pruned.get_tokenizer()
     full = pruned.generate([prompts[1]], GREEDY, use_tqdm=False)[0].outputs[0]

@@ -164,3 +164,13 @@ def test_a_closed_engine_says_so(smollm2_pruned):
         return [o async for o in e.generate("Hi", 1, GREEDY)]
     with pytest.raises(RuntimeError, match="engine is closed"):
         asyncio.run(main())
+
+
+def test_batches_stream_and_index_by_prompt(engine):
+    """LMDeploy's batch_infer / stream_infer take a batch; a Response's index is its prompt's position."""
+    whole = engine.batch_infer(["Hi", "Shanghai is"], gen_config=GREEDY)
+    assert [r.index for r in whole] == [0, 1]
+    pieces = list(engine.stream_infer(["Hi", "Shanghai is"], gen_config=GREEDY))
+    for r in whole:
+        assert [t for p in pieces if p.index == r.index for t in p.token_ids] == r.token_ids
+    assert [t for p in engine.stream_infer("Hi", gen_config=GREEDY) for t in p.token_ids] == whole[0].token_ids
