@@ -39,27 +39,33 @@ class RequestOutput:
     num_cached_tokens: int = 0
 
 
-def _logprob_dicts(entries, tokenizer):
+def _logprob_dicts(entries, tokenizer, chosen_ids, chosen_ranks):
+    """vLLM's {token id: Logprob} per position: the top-k ranked by place (they are the k most likely);
+    the chosen token (sampled, or the prompt's own) ranked in the whole vocabulary, as the step counted."""
     if entries is None:
         return None
     out = []
-    for entry in entries:
+    for entry, tid_chosen, rank_chosen in zip(entries, chosen_ids, chosen_ranks or [0] * len(entries)):
         if entry is None:
             out.append(None)
             continue
-        ranked = sorted(entry.items(), key=lambda kv: -kv[1])
-        out.append({tid: Logprob(lp, rank + 1, tokenizer.decode([tid]) if tokenizer else None)
-                    for rank, (tid, lp) in enumerate(ranked)})
+        ranked = {tid: place + 1 for place, (tid, _) in enumerate(sorted(entry.items(), key=lambda kv: -kv[1]))}
+        if rank_chosen:
+            ranked[tid_chosen] = rank_chosen
+        out.append({tid: Logprob(lp, ranked[tid], tokenizer.decode([tid]) if tokenizer else None)
+                    for tid, lp in sorted(entry.items(), key=lambda kv: -kv[1])})
     return out
 
 
 def completion_output(c: Completion, tokenizer=None) -> CompletionOutput:
     return CompletionOutput(c.index, c.text, list(c.token_ids), c.cumulative_logprob,
-                            _logprob_dicts(c.logprobs, tokenizer), c.finish_reason, c.stop_reason)
+                            _logprob_dicts(c.logprobs, tokenizer, c.token_ids, c.ranks), c.finish_reason,
+                            c.stop_reason)
 
 
 def request_output(r: Request, tokenizer=None) -> RequestOutput:
-    return RequestOutput(r.request_id, r.prompt, r.prompt_token_ids, _logprob_dicts(r.prompt_logprobs, tokenizer),
+    prompt_logprobs = _logprob_dicts(r.prompt_logprobs, tokenizer, r.prompt_token_ids, r.prompt_ranks)
+    return RequestOutput(r.request_id, r.prompt, r.prompt_token_ids, prompt_logprobs,
                          [completion_output(c, tokenizer) for c in r.completions], r.finished, r.num_cached_tokens)
 
 

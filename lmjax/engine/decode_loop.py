@@ -60,6 +60,7 @@ def decode_steps(model, logits_fn, caches, inp: DecodeInputs, smeta: SamplingMet
         return caches, res.token_ids_B, out
 
     out = SamplerOutput(jnp.zeros((num_steps, B), jnp.int32), jnp.zeros((num_steps, B), jnp.float32),
-                        jnp.zeros((num_steps, B, L), jnp.int32), jnp.zeros((num_steps, B, L), jnp.float32))
+                        jnp.zeros((num_steps, B, L), jnp.int32), jnp.zeros((num_steps, B, L), jnp.float32),
+                        jnp.zeros((num_steps, B), jnp.int32))
     caches, _, out = jax.lax.fori_loop(0, num_steps, body, (caches, inp.ids_B, out))
     return out, caches

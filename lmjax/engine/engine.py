@@ -93,7 +93,7 @@ class LLMEngine:
         if params.bad_words:
             req.bad_words_ids = tokenize_bad_words(self.tokenizer, params.bad_words)
         if params.prompt_logprobs is not None:
-            req.prompt_logprobs = [None] * n
+            req.prompt_logprobs, req.prompt_ranks = [None] * n, [0] * n
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
         for i in range(params.n):
             self._add_completion(req, i, (base_seed + i * 0x9E3779B1) & 0xFFFFFFFF)
@@ -343,7 +343,7 @@ class LLMEngine:
         return (bucket(max(wanted), 1) if max(wanted) else 0) if wanted else -1
 
     def _record_prompt_logprobs(self, batch: ScheduledBatch, out: StepOutput) -> None:
-        chosen_T, top_ids_TK, top_lp_TK = out.prompt
+        chosen_T, top_ids_TK, top_lp_TK, rank_T = out.prompt
         row = 0
         for it in batch.items:
             req = self._by_seq[it.seq.seq_id][0]
@@ -354,6 +354,7 @@ class LLMEngine:
                     entry = dict(zip(top_ids_TK[row + j, :k].tolist(), top_lp_TK[row + j, :k].tolist()))
                     entry[req.prompt_token_ids[pos]] = float(chosen_T[row + j])
                     req.prompt_logprobs[pos] = entry
+                    req.prompt_ranks[pos] = int(rank_T[row + j])
             row += it.num_new_tokens
 
     # ------------------------------------------------------------------ results out
@@ -366,6 +367,7 @@ class LLMEngine:
             entry = dict(zip(out.top_ids[i, :k].tolist(), out.top_logprobs[i, :k].tolist()))
             entry[token] = float(out.logprobs[i])
             comp.logprobs.append(entry)
+            comp.ranks.append(int(out.ranks[i]) if out.ranks is not None else 0)
         p = req.params
         stop_token = token in (p.stop_token_ids or ()) or (token in self.eos_token_ids and not p.ignore_eos)
         if stop_token and not p.include_stop_str_in_output:

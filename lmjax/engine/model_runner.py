@@ -33,7 +33,14 @@ from lmjax.env import env_choice, env_int
 from lmjax.layers.attention import AttentionMetadata, cost_follows_context, kv_write_impl
 from lmjax.layers.out_major import OutMajorLinear, out_major_wanted
 from lmjax.layers.quant import QuantLinear
-from lmjax.layers.sampler import SamplerOutput, SamplingFlags, SamplingRow, build_sampling_metadata, sample
+from lmjax.layers.sampler import (
+    SamplerOutput,
+    SamplingFlags,
+    SamplingRow,
+    build_sampling_metadata,
+    sample,
+    token_rank,
+)
 from lmjax.models.forward import make_kv_caches
 
 logger = logging.getLogger("lmjax.engine")
@@ -123,14 +130,15 @@ class StepOutput:
     logprobs: np.ndarray
     top_ids: np.ndarray
     top_logprobs: np.ndarray
-    prompt: tuple[np.ndarray, np.ndarray, np.ndarray] | None  # next-token logprob, top ids, top logprobs per row
+    prompt: tuple[np.ndarray, ...] | None  # next-token logprob, top ids, top logprobs, rank per row
+    ranks: np.ndarray | None = None  # the sampled token's rank (with logprobs asked for)
 
 
 def _prompt_logprobs(logits_TV, next_ids_T, k: int):
     logprobs_TV = jax.nn.log_softmax(logits_TV, axis=-1)
     chosen_T = jnp.take_along_axis(logprobs_TV, jnp.maximum(next_ids_T, 0)[:, None], axis=-1)[:, 0]
     top_lp_TK, top_ids_TK = jax.lax.top_k(logprobs_TV, k) if k else (logprobs_TV[:, :0], logprobs_TV[:, :0])
-    return chosen_T, top_ids_TK.astype(jnp.int32), top_lp_TK
+    return chosen_T, top_ids_TK.astype(jnp.int32), top_lp_TK, token_rank(logprobs_TV, chosen_T)
 
 
 def _last_token_ids(items, B: int) -> np.ndarray:
@@ -210,9 +218,9 @@ class ModelRunner:
 
     def collect(self, pending: PendingDecode) -> list[StepOutput]:
         """Wait for a dispatched decode call; one StepOutput per step."""
-        tokens, logprobs, top_ids, top_lp = jax.device_get(pending.out)
+        tokens, logprobs, top_ids, top_lp, ranks = jax.device_get(pending.out)
         n = pending.num_items
-        return [StepOutput(tokens[k, :n], logprobs[k, :n], top_ids[k, :n], top_lp[k, :n], None)
+        return [StepOutput(tokens[k, :n], logprobs[k, :n], top_ids[k, :n], top_lp[k, :n], None, ranks[k, :n])
                 for k in range(pending.num_steps)]
 
     def execute_decode(self, batch: ScheduledBatch, rows: list[SamplingRow], num_steps: int) -> list[StepOutput]:
@@ -298,8 +306,8 @@ class ModelRunner:
         out, prompt = self._run(inputs, smeta, flags, num_prompt_logprobs)
         n = len(batch.items)
         host = jax.device_get((out, prompt))
-        (tokens, logprobs, top_ids, top_lp), prompt = host
-        return StepOutput(tokens[:n], logprobs[:n], top_ids[:n], top_lp[:n], prompt)
+        (tokens, logprobs, top_ids, top_lp, ranks), prompt = host
+        return StepOutput(tokens[:n], logprobs[:n], top_ids[:n], top_lp[:n], prompt, ranks[:n])
 
     def _run(self, inputs: StepInputs, smeta, flags: SamplingFlags, num_prompt_logprobs: int):
         if self.mesh is not None:

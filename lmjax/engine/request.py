@@ -27,6 +27,7 @@ class Completion:
     detokenizer: IncrementalDetokenizer
     stops: StopStringMatcher
     logprobs: list[dict[int, float]] | None = None  # per token: {token id: logprob}, sampled id included
+    ranks: list[int] = dataclasses.field(default_factory=list)  # per token with logprobs: the sampled id's rank
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop string or token id that ended it
@@ -84,6 +85,7 @@ class Request:
     completions: list[Completion] = dataclasses.field(default_factory=list)
     bad_words_ids: list[list[int]] = dataclasses.field(default_factory=list)
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_ranks: list[int] | None = None  # each prompt token's rank under the logits before it
     num_cached_tokens: int = 0
     error: str | None = None
 

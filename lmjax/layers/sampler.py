@@ -54,6 +54,7 @@ class SamplingFlags(NamedTuple):
     use_top_k_top_p: bool
     num_logprobs: int
     max_top_k: int = 0
+    ranks: bool = False  # some row asked for logprobs: the sampled token's rank in the vocabulary too
 
 
 class SamplerOutput(NamedTuple):
@@ -61,6 +62,7 @@ class SamplerOutput(NamedTuple):
     logprobs_B: jax.Array         # float32, chosen token under log_softmax(raw logits)
     top_ids_BK: jax.Array         # int32
     top_logprobs_BK: jax.Array    # float32
+    rank_B: jax.Array             # int32, the chosen token's rank (1 = most likely; 0 when not asked)
 
 
 # ---------------------------------------------------------------- device side
@@ -130,19 +132,25 @@ def _gumbel_BV(seeds_B: jax.Array, steps_B: jax.Array, V: int) -> jax.Array:
     return jax.vmap(row)(seeds_B, steps_B)
 
 
-def _logprob_outputs(raw_BV: jax.Array, token_ids_B: jax.Array, num_logprobs: int) -> SamplerOutput:
+def token_rank(logprobs_BV: jax.Array, chosen_B: jax.Array) -> jax.Array:
+    """1 + how many tokens are more likely than the chosen one (vLLM's Logprob.rank), int32 [B]."""
+    return 1 + jnp.sum(logprobs_BV > chosen_B[:, None], axis=-1, dtype=jnp.int32)
+
+
+def _logprob_outputs(raw_BV: jax.Array, token_ids_B: jax.Array, num_logprobs: int, ranks: bool) -> SamplerOutput:
     logprobs_BV = jax.nn.log_softmax(raw_BV, axis=-1)
     chosen_B = jnp.take_along_axis(logprobs_BV, token_ids_B[:, None], axis=-1)[:, 0]
+    B = raw_BV.shape[0]
     if num_logprobs:
         top_logprobs_BK, top_ids_BK = jax.lax.top_k(logprobs_BV, num_logprobs)
     else:
-        B = raw_BV.shape[0]
         top_logprobs_BK, top_ids_BK = jnp.zeros((B, 0), jnp.float32), jnp.zeros((B, 0), jnp.int32)
-    return SamplerOutput(token_ids_B, chosen_B, top_ids_BK.astype(jnp.int32), top_logprobs_BK)
+    rank_B = token_rank(logprobs_BV, chosen_B) if ranks else jnp.zeros((B,), jnp.int32)
+    return SamplerOutput(token_ids_B, chosen_B, top_ids_BK.astype(jnp.int32), top_logprobs_BK, rank_B)
 
 
 def sample(logits_BV: jax.Array, meta: SamplingMetadata, *, all_greedy: bool, use_penalties: bool,
-           use_top_k_top_p: bool, num_logprobs: int, max_top_k: int = 0) -> SamplerOutput:
+           use_top_k_top_p: bool, num_logprobs: int, max_top_k: int = 0, ranks: bool = False) -> SamplerOutput:
     """One token per row. Call inside jit with the flags static (see SamplingFlags)."""
     if logits_BV.shape[0] != meta.temperature_B.shape[0]:
         raise ValueError(f"logits_BV has {logits_BV.shape[0]} rows but the metadata has "
@@ -159,7 +167,7 @@ def sample(logits_BV: jax.Array, meta: SamplingMetadata, *, all_greedy: bool, us
         noisy_BV = logits_BV + _gumbel_BV(meta.seeds_B, meta.steps_B, logits_BV.shape[-1])
         sampled_B = jnp.argmax(noisy_BV, axis=-1).astype(jnp.int32)
         token_ids_B = jnp.where(meta.temperature_B > 0, sampled_B, token_ids_B)
-    return _logprob_outputs(raw_BV, token_ids_B, num_logprobs)
+    return _logprob_outputs(raw_BV, token_ids_B, num_logprobs, ranks)
 
 
 # ---------------------------------------------------------------- host side
@@ -197,7 +205,8 @@ def sampling_flags(rows: Sequence[SamplingRow], max_top_k_limit: int = 1024) -> 
         use_penalties=any(r.params.uses_penalties for r in rows),
         use_top_k_top_p=any(p.top_k > 0 or p.top_p < 1.0 for p in sampling),
         num_logprobs=_bucket(most_logprobs) if most_logprobs else 0,
-        max_top_k=_bucket(max(top_ks)) if bounded else 0)
+        max_top_k=_bucket(max(top_ks)) if bounded else 0,
+        ranks=any(r.params.logprobs is not None for r in rows))
 
 
 def build_sampling_metadata(rows: Sequence[SamplingRow], pad_to: int

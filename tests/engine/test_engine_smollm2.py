@@ -192,6 +192,13 @@ def test_logprobs_match_reference_log_softmax(llm, prompts, smollm2_hf_model):
     for pos in range(1, len(ids)):
         assert abs(out.prompt_logprobs[pos][ids[pos]].logprob - ref[pos - 1][ids[pos]]) < 1e-3
 
+    def true_rank(row, tid):  # vLLM's rank: 1 + tokens more likely, give or take near-ties
+        return 1 + np.sum(row > row[tid] + 1e-3), 1 + np.sum(row > row[tid] - 1e-3)
+    ranks = [(out.prompt_logprobs[pos][ids[pos]].rank, *true_rank(ref[pos - 1], ids[pos])) for pos in range(1, len(ids))]
+    ranks += [(e[t].rank, *true_rank(ref[len(ids) - 1 + i], t)) for i, (t, e) in enumerate(zip(gen, out.outputs[0].logprobs))]
+    assert all(lo <= rank <= hi for rank, lo, hi in ranks), ranks
+    assert max(rank for rank, _, _ in ranks) > 3  # prompt tokens outside the top-k: counted, not k + 1
+
 
 def test_stream_never_emits_broken_utf8(smollm2_gguf):
     from lmjax import GenerationConfig, pipeline

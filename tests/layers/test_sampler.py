@@ -10,12 +10,11 @@ from transformers import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, Te
                           TopKLogitsWarper, TopPLogitsWarper)
 
 from lmjax.config import SamplingParams
-from lmjax.layers.sampler import (SamplingRow, apply_min_p, apply_penalties, apply_temperature,
+from lmjax.layers.sampler import (SamplingFlags, SamplingRow, apply_min_p, apply_penalties, apply_temperature,
                                   apply_top_k_top_p, build_sampling_metadata, row_banned_ids, sample,
                                   tokenize_bad_words)
 
-sample_jit = jax.jit(sample, static_argnames=("all_greedy", "use_penalties", "use_top_k_top_p",
-                                              "num_logprobs", "max_top_k"))
+sample_jit = jax.jit(sample, static_argnames=SamplingFlags._fields)
 
 
 def run(logits_BV, rows, pad_to=None):
@@ -199,13 +198,13 @@ def test_builder_padding_buckets_and_flags():
             SamplingRow(SamplingParams(top_p=0.9, presence_penalty=0.1, logprobs=5), 2 ** 40 + 7,
                         prompt_ids=[3] * 9, output_ids=[4] * 2, banned_ids=[1, 2, 3])]
     meta, flags = build_sampling_metadata(rows, pad_to=4)
-    assert flags == (False, True, True, 8, 0)
+    assert flags == (False, True, True, 8, 0, True)  # logprobs asked: ranks counted too
     assert meta.prompt_tokens_BL.shape == (4, 16) and meta.banned_BX.shape == (4, 4)
     assert (meta.prompt_tokens_BL[0] == -1).all()  # greedy row without penalties ships no tokens
     assert meta.seeds_B.tolist() == [1, 7, 0, 0] and meta.steps_B.tolist() == [3, 2, 0, 0]
     assert meta.temperature_B.tolist() == [0, 1, 0, 0]
     greedy_meta, greedy_flags = build_sampling_metadata(rows[:1], 2)
-    assert greedy_flags == (True, False, False, 0, 0) and greedy_meta.prompt_tokens_BL.shape == (2, 1)
+    assert greedy_flags == (True, False, False, 0, 0, False) and greedy_meta.prompt_tokens_BL.shape == (2, 1)
     with pytest.raises(ValueError, match="pad_to=1"):
         build_sampling_metadata(rows, 1)
 
