@@ -20,14 +20,27 @@ from lmjax.api.batch import encode_text, per_prompt, run_to_completion, submit_a
 from lmjax.api.outputs import RequestOutput, request_output
 from lmjax.config import EngineConfig, SamplingParams
 from lmjax.engine.engine import LLMEngine
+from lmjax.loader.awq import require_awq
+from lmjax.loader.resolve import resolve_model_path
 from lmjax.loader.tokenizer import render_chat
 
 # vLLM arguments with no lmjax meaning: allowed only at these values.
 _VLLM_ONLY_DEFAULTS = {"tokenizer_mode": "auto", "skip_tokenizer_init": False, "trust_remote_code": False,
-                       "quantization": None, "revision": None, "tokenizer_revision": None, "swap_space": 4,
+                       "revision": None, "tokenizer_revision": None, "swap_space": 4,
                        "cpu_offload_gb": 0, "max_context_len_to_capture": None,
                        "max_seq_len_to_capture": 8192, "disable_custom_all_reduce": False,
                        "disable_async_output_proc": False}
+
+
+def _check_quantization(model, quantization: str | None) -> None:
+    """vLLM's quantization=: None reads the format from the checkpoint (as lmjax always does); "awq"
+    must name an AWQ checkpoint; other methods are not lmjax's (`lmjax convert --quant w8|w4` makes its own)."""
+    if quantization is None:
+        return
+    if quantization != "awq":
+        raise NotImplementedError(f"LLM(quantization={quantization!r}) is not supported by lmjax: AWQ checkpoints "
+                                  "load with 'awq' or None; `lmjax convert --quant w8|w4` quantizes others")
+    require_awq(resolve_model_path(model), "LLM(quantization='awq')")
 
 
 def _no_lora(lora_request) -> None:
@@ -75,8 +88,9 @@ class LLM:
                  max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = False,
                  num_gpu_blocks_override: int | None = None, num_scheduler_steps: int = 8,
                  enforce_eager: bool | None = None, kv_cache_dtype: str = "auto", max_logprobs: int = 20,
-                 **kwargs):
+                 quantization: str | None = None, **kwargs):
         _check_vllm_only(kwargs)
+        _check_quantization(model, quantization)
         if not 0 < gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
         default_seqs, default_tokens = batch_defaults()

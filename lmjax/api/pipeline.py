@@ -17,6 +17,8 @@ from lmjax.api.outputs import Response, response
 from lmjax.config import ChatTemplateConfig, EngineConfig, GenerationConfig, SamplingParams
 from lmjax.engine.engine import LLMEngine
 from lmjax.lmdeploy_config import PytorchEngineConfig, TurbomindEngineConfig
+from lmjax.loader.awq import require_awq
+from lmjax.loader.resolve import resolve_model_path
 
 _LEGACY_ARGS = {"request_output_len": "max_new_tokens", "top_k": "top_k", "top_p": "top_p",
                 "temperature": "temperature", "repetition_penalty": "repetition_penalty",
@@ -59,6 +61,8 @@ class Pipeline:
         logging.getLogger("lmjax").setLevel(log_level)
         if backend not in (None, "turbomind", "pytorch"):
             raise ValueError(f"backend must be 'turbomind' or 'pytorch', got {backend!r}")
+        if getattr(backend_config, "model_format", None) == "awq":
+            require_awq(resolve_model_path(model_path), "TurbomindEngineConfig(model_format='awq')")
         self.engine = LLMEngine(model_path, _engine_config(backend_config, tp))
         self.chat_template = chat_template_config or ChatTemplateConfig(model_name=model_name)
         self.tokenizer = self.engine.tokenizer

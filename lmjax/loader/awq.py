@@ -15,6 +15,8 @@ leaves it.
 """
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Iterable, Iterator
 
 import numpy as np
@@ -25,6 +27,20 @@ from lmjax.loader.safetensors_loader import CheckpointError
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble k of a packed int32 -> output column 8c + AWQ_ORDER[k]
 _NIBBLE_OF_COLUMN = np.argsort(AWQ_ORDER)  # output column 8c + j sits in nibble _NIBBLE_OF_COLUMN[j]
 _PARTS = ("qweight", "qzeros", "scales")
+
+
+def require_awq(model_path: str, declared: str) -> None:
+    """`declared` (e.g. "LLM(quantization='awq')") says `model_path` is an AWQ checkpoint: a ValueError
+    naming both unless its config.json says so too (vLLM's check; lmjax itself reads the format from
+    config.json, so the declaration only guards against loading a checkpoint one did not mean to)."""
+    config = os.path.join(model_path, "config.json")
+    method = None
+    if os.path.isfile(config):
+        with open(config) as f:
+            method = (json.load(f).get("quantization_config") or {}).get("quant_method")
+    if str(method).lower() != "awq":
+        raise ValueError(f"{declared}, but {model_path!r} is not an AWQ checkpoint (its config.json's "
+                         f"quantization_config.quant_method is {method!r})")
 
 
 def awq_spec(hf_config: dict) -> QuantSpec | None:

@@ -141,7 +141,7 @@ def test_prompt_over_session_len_fails_before_any_work(pipe):
 def test_llm_rejects_bad_prompts_and_unknown_args(smollm2_pruned):
     with pytest.raises(TypeError, match="not_an_arg"):
         LLM(MODEL, not_an_arg=1)
-    with pytest.raises(NotImplementedError, match="quantization"):
+    with pytest.raises(ValueError, match="quantization='awq'.*not an AWQ checkpoint"):
         LLM(MODEL, quantization="awq")
     llm = LLM(smollm2_pruned, max_model_len=256)
     with pytest.raises(ValueError, match="outside the vocabulary"):

@@ -105,6 +105,17 @@ def test_turbomind_model_format_awq_runs_the_checkpoint(awq_pair):
                                                                          cache_max_entry_count=0.01))
     prompt = "t1 t5 t9 t13"
     assert pipe([prompt], gen_config=gen)[0].token_ids == ref([prompt], gen_config=gen)[0].token_ids
+    # vLLM's spelling; a declaration that does not match the checkpoint is named, not loaded
+    llm = lmjax.LLM(awq_dir, quantization="awq", dtype="float32", max_model_len=64, gpu_memory_utilization=0.01)
+    greedy = lmjax.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    assert llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids == \
+        ref([prompt], gen_config=gen)[0].token_ids
+    with pytest.raises(ValueError, match="is not an AWQ checkpoint"):
+        lmjax.LLM(float_dir, quantization="awq")
+    with pytest.raises(ValueError, match=r"model_format='awq'\), but .* is not an AWQ checkpoint"):
+        lmjax.pipeline(float_dir, backend_config=TurbomindEngineConfig(model_format="awq"))
+    with pytest.raises(NotImplementedError, match="quantization='gptq'"):
+        lmjax.LLM(awq_dir, quantization="gptq")
 
 
 @pytest.mark.parametrize("field, value, message", [
