@@ -119,3 +119,32 @@ def render_chat(tokenizer, messages: list[dict], **kwargs):
         hint = [i for i, m in enumerate(messages) if "content" not in m]
         where = f" (messages {hint} have no 'content')" if hint else ""
         raise ValueError(f"the chat template could not render these messages{where}: {e}") from e
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, character -> byte (the printable stand-ins of all 256 bytes)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = list(printable), 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
+
+
+def token_bytes(tokenizer, token_id: int) -> bytes:
+    """The bytes one token stands for, also when it holds part of a UTF-8 character (OpenAI's logprob
+    `bytes`: joined over a reply they give its text; `decode([id])` gives U+FFFD for such a piece).
+    Byte-level BPE pieces map through GPT-2's alphabet, SentencePiece byte pieces <0xNN> to their byte;
+    other tokens are their decoded text."""
+    piece = tokenizer.convert_ids_to_tokens(int(token_id))
+    if isinstance(piece, str) and len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        return bytes([int(piece[3:5], 16)])
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    table = _byte_decoder()
+    if type(decoder).__name__ == "ByteLevel" and isinstance(piece, str) and all(c in table for c in piece) \
+            and int(token_id) not in tokenizer.all_special_ids:
+        return bytes(table[c] for c in piece)
+    return tokenizer.decode([int(token_id)]).encode()

@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lmjax.api.async_engine import AsyncEngine
 from lmjax.api.batch import encode_chat
+from lmjax.loader.tokenizer import token_bytes
 from lmjax.serve import responses as R
 from lmjax.serve.metrics import render_metrics
 from lmjax.serve.protocol import ChatCompletionRequest, CompletionRequest, InteractiveRequest
@@ -57,6 +58,7 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
     keys = {f"Bearer {k}" for k in api_keys or ()}
     counter = itertools.count(1 << 48)  # ids of OpenAI requests, clear of /v1/chat/interactive's
     decode = lambda tid: engine.tokenizer.decode([tid])  # noqa: E731
+    to_bytes = lambda tid: token_bytes(engine.tokenizer, tid)  # noqa: E731
 
     def new_session_id() -> int:
         """A session id no interactive session holds (a client may pick any id there)."""
@@ -139,14 +141,14 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
         if not req.stream:
             if not await until_disconnect(raw, _consume(first, rest, choices)):
                 return Response(status_code=499)  # the client is gone: nobody reads this
-            return R.chat_body(head, choices, k, decode)
+            return R.chat_body(head, choices, k, decode, to_bytes)
 
         async def events():
             async for p, out in _chain(first, rest):
                 new = choices.index(p, out) not in choices.outs
                 i = choices.add(p, out)
                 delta = {"role": "assistant", "content": out.response} if new else {"content": out.response}
-                yield R.sse(R.chat_chunk(head, i, delta, out.finish_reason, R.chat_logprobs(out, k, decode)))
+                yield R.sse(R.chat_chunk(head, i, delta, out.finish_reason, R.chat_logprobs(out, k, decode, to_bytes)))
             if req.include_usage:
                 yield R.sse(R.usage_chunk(head, "chat.completion.chunk", choices))
             yield R.sse("[DONE]")

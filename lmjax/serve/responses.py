@@ -50,15 +50,16 @@ def _top(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
     return sorted(entry.items(), key=lambda kv: -kv[1])[:k]
 
 
-def chat_logprobs(out: GenOut, k: int, decode) -> dict | None:
-    """OpenAI chat `logprobs`: {"content": [{token, logprob, bytes, top_logprobs}, ...]}."""
+def chat_logprobs(out: GenOut, k: int, decode, to_bytes=None) -> dict | None:
+    """OpenAI chat `logprobs`: {"content": [{token, logprob, bytes, top_logprobs}, ...]}. `to_bytes(id)`: a
+    token's own bytes (lmjax.loader.tokenizer.token_bytes), which rejoin a character split over tokens."""
     if out.logprobs is None:
         return None
+    to_bytes = to_bytes or (lambda tid: decode(tid).encode())
     content = []
     for tid, entry in zip(out.token_ids, out.logprobs):
-        tok = decode(tid)
-        content.append({"token": tok, "logprob": entry[tid], "bytes": list(tok.encode()),
-                        "top_logprobs": [{"token": decode(t), "logprob": lp, "bytes": list(decode(t).encode())}
+        content.append({"token": decode(tid), "logprob": entry[tid], "bytes": list(to_bytes(tid)),
+                        "top_logprobs": [{"token": decode(t), "logprob": lp, "bytes": list(to_bytes(t))}
                                          for t, lp in _top(entry, k)]})
     return {"content": content}
 
@@ -109,10 +110,10 @@ class Choices:
                 "prompt_tokens_details": {"cached_tokens": sum(c for _, c in self.prompt_tokens.values())}}
 
 
-def chat_body(head: Head, choices: Choices, k: int, decode) -> dict:
+def chat_body(head: Head, choices: Choices, k: int, decode, to_bytes=None) -> dict:
     return {**head.fields("chat.completion"),
             "choices": [{"index": i, "message": {"role": "assistant", "content": o.response},
-                         "logprobs": chat_logprobs(o, k, decode), "finish_reason": o.finish_reason}
+                         "logprobs": chat_logprobs(o, k, decode, to_bytes), "finish_reason": o.finish_reason}
                         for i, o in sorted(choices.outs.items())],
             "usage": choices.usage()}
 

@@ -22,3 +22,15 @@ def test_torch_free_tokenizer_matches_transformers(smollm2_gguf):
     chat = [{"role": "user", "content": "Hi"}]
     assert ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
         theirs.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+
+
+def test_token_bytes_rejoin_characters_split_over_tokens(smollm2_tokenizer):
+    """OpenAI's logprob `bytes`: a token holding part of a UTF-8 character gives its own bytes (decode
+    alone gives U+FFFD), so the tokens' bytes joined are the text; special tokens are their text."""
+    from lmjax.loader.tokenizer import token_bytes
+
+    for text in TEXTS:
+        ids = smollm2_tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert b"".join(token_bytes(smollm2_tokenizer, t) for t in ids).decode() == text
+    split = smollm2_tokenizer("🙂", add_special_tokens=False)["input_ids"]
+    assert len(split) > 1 and "\ufffd" in smollm2_tokenizer.decode(split[:1])  # a character over two tokens

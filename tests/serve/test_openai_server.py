@@ -114,6 +114,9 @@ def test_sampling_fields_n_seed_logprobs_stop(server, model_id, llm):
                                          top_logprobs=2)
     content = got.choices[0].logprobs.content
     assert len(content) == 4 and all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
+    joined = b"".join(bytes(t.bytes) for t in content)  # a token's own bytes: they rejoin split characters
+    text = got.choices[0].message.content.encode()
+    assert joined.startswith(text) and len(joined) - len(text) < 4
     full = llm.generate(PROMPTS[0], _greedy(), use_tqdm=False)[0].outputs[0].text
     stop = full.split()[1]  # a word the greedy text contains
     got = client.completions.create(model=model_id, prompt=PROMPTS[0], max_tokens=12, temperature=0, stop=[stop])
