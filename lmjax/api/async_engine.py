@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator, Iterator
 
 from lmjax.api.batch import encode_chat, encode_text
 from lmjax.api.engine_thread import EngineThread, GenOut, merge_outputs
-from lmjax.api.outputs import Response
+from lmjax.api.outputs import Response, batch_index
 from lmjax.api.pipeline import _LEGACY_ARGS, _engine_config
 from lmjax.config import ChatTemplateConfig, GenerationConfig, SamplingParams
 from lmjax.engine.engine import LLMEngine
@@ -195,7 +195,7 @@ class AsyncEngine:
                 elif isinstance(item, BaseException):
                     raise item
                 else:
-                    yield _response(item, index=_index(p, params[p].n, item.index))
+                    yield _response(item, index=batch_index(p, params[p].n, item.index))
             done = True
         finally:
             if not done:
@@ -271,11 +271,6 @@ def _response(out: GenOut, session_id: int | None = None, index: int | None = No
                     list(out.token_ids), out.logprobs, out.index if index is None else index, session_id)
 
 
-def _index(position: int, n: int, completion: int) -> int:
-    """A batch Response's index: the prompt's position; completion i of n > 1: position * n + i."""
-    return position if n == 1 else position * n + completion
-
-
 def _tagged(put, position: int, item) -> None:
     put((position, item))
 
@@ -286,7 +281,7 @@ def _drain(sink: queue.SimpleQueue, position: int, n: int) -> list[Response]:
         if isinstance(item, BaseException):
             raise item
         whole[item.index] = merge_outputs(whole.get(item.index), item)
-    return [_response(whole[i], index=_index(position, n, i)) for i in sorted(whole)]
+    return [_response(whole[i], index=batch_index(position, n, i)) for i in sorted(whole)]
 
 
 def _default_name(path: str) -> str:

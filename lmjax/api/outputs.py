@@ -88,6 +88,11 @@ class Response:
                 f"input_token_len={self.input_token_len}, finish_reason={self.finish_reason!r})")
 
 
+def batch_index(position: int, n: int, completion: int) -> int:
+    """A batch Response's index: the prompt's position (LMDeploy); completion i of n > 1: position * n + i."""
+    return position if n == 1 else position * n + completion
+
+
 def response(r: Request, c: Completion, session_id: int | None = None, index: int | None = None) -> Response:
     """index: the Response's `index` (LMDeploy: the prompt's position in the batch); default the completion's."""
     return Response(c.text, len(c.token_ids), len(r.prompt_token_ids), c.finish_reason, list(c.token_ids),

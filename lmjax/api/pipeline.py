@@ -13,7 +13,7 @@ import logging
 from collections.abc import Iterator
 
 from lmjax.api.batch import encode_chat, encode_text, per_prompt, run_to_completion, stream_steps, submit_all
-from lmjax.api.outputs import Response, response
+from lmjax.api.outputs import Response, batch_index, response
 from lmjax.config import ChatTemplateConfig, EngineConfig, GenerationConfig, SamplingParams
 from lmjax.engine.engine import LLMEngine
 from lmjax.lmdeploy_config import PytorchEngineConfig, TurbomindEngineConfig
@@ -106,7 +106,7 @@ class Pipeline:
         _check_legacy(legacy)
         single, requests = self._submit(prompts, gen_config, do_preprocess, legacy)
         run_to_completion(self.engine, requests, use_tqdm)
-        out = [response(r, c, index=_index(p, r, c)) for p, r in enumerate(requests) for c in r.completions]
+        out = [response(r, c, index=batch_index(p, r.params.n, c.index)) for p, r in enumerate(requests) for c in r.completions]
         return out[0] if single and len(out) == 1 else out
 
     batch_infer = __call__
@@ -124,7 +124,7 @@ class Pipeline:
                     end = len(c.token_ids)
                     logprobs = None if c.logprobs is None else c.logprobs[end - len(ids):end]
                     yield Response(text, end, len(r.prompt_token_ids), c.finish_reason, ids, logprobs,
-                                   _index(position[r.request_id], r, c))
+                                   batch_index(position[r.request_id], r.params.n, c.index))
 
     def chat(self, prompt: str, session: Session | None = None, gen_config=None, stream_response: bool = False,
              **legacy) -> Session | Iterator[Response]:
@@ -180,11 +180,6 @@ class Pipeline:
     def __exit__(self, *exc) -> None:
         self.close()
 
-
-def _index(position: int, r, c) -> int:
-    """A Response's index: the prompt's position in the batch; completion i of n > 1: position * n + i."""
-    n = len(r.completions)
-    return position if n == 1 else position * n + c.index
 
 
 def _check_legacy(legacy: dict) -> None:

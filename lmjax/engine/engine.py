@@ -19,7 +19,7 @@ from lmjax.engine.cache_sizing import kv_cache_blocks
 from lmjax.engine.compile_cache import compile_stats, enable_compilation_cache
 from lmjax.engine.detokenizer import IncrementalDetokenizer
 from lmjax.engine.model_runner import ModelRunner, StepOutput, bucket
-from lmjax.engine.request import Completion, Request, check_logprobs, check_prompt, new_request_id
+from lmjax.engine.request import Completion, Request, check_logprobs, check_prompt, new_request_id, truncated_prompt
 from lmjax.engine.scheduler import ScheduledBatch, Scheduler
 from lmjax.engine.sequence import Sequence, SequenceStatus
 from lmjax.engine.stop import StopStringMatcher
@@ -86,7 +86,7 @@ class LLMEngine:
                     request_id: str | None = None) -> Request:
         """Validate and queue a request; raises ValueError (naming the value) before any work."""
         if params.truncate_prompt_tokens and len(prompt_token_ids) > params.truncate_prompt_tokens:
-            prompt_token_ids, prompt = _truncated(prompt_token_ids, params), None  # the text no longer matches
+            prompt_token_ids, prompt = truncated_prompt(prompt_token_ids, params), None  # the text no longer matches
         max_tokens = self.validate_request(prompt_token_ids, params)
         n = len(prompt_token_ids)
         req = Request(request_id or new_request_id(), prompt, list(prompt_token_ids), params, max_tokens)
@@ -100,14 +100,11 @@ class LLMEngine:
         self.requests[req.request_id] = req
         return req
 
-    def validate_prompt(self, prompt_token_ids: list[int]) -> None:
-        check_prompt(prompt_token_ids, self.model_config.vocab_size, self.session_len)
-
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Every check `add_request` makes, nothing queued (a batch checks all its requests first, so a bad
         one leaves no other behind); returns the request's token budget (max_tokens capped by the context)."""
-        prompt_token_ids = _truncated(prompt_token_ids, params)
-        self.validate_prompt(prompt_token_ids)
+        prompt_token_ids = truncated_prompt(prompt_token_ids, params)
+        check_prompt(prompt_token_ids, self.model_config.vocab_size, self.session_len)
         check_logprobs(params, self.model_config.vocab_size, self.config.max_logprobs)
         n = len(prompt_token_ids)
         max_tokens = min(params.max_tokens or self.session_len, self.session_len - n)
@@ -404,12 +401,6 @@ class LLMEngine:
         self._by_seq.pop(comp.seq.seq_id, None)
         if req.finished:
             self.requests.pop(req.request_id, None)
-
-
-def _truncated(prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
-    """The prompt's last `truncate_prompt_tokens` tokens (vLLM's left truncation), else all of them."""
-    k = params.truncate_prompt_tokens
-    return list(prompt_token_ids)[-k:] if k else prompt_token_ids
 
 
 def _tokenizer_eos(tokenizer) -> set[int]:

@@ -120,3 +120,9 @@ def check_logprobs(params: SamplingParams, vocab: int, max_logprobs: int) -> Non
         if k is not None and k > cap:
             raise ValueError(f"{name}={k} is more than max_logprobs={cap} (EngineConfig(max_logprobs=...), "
                              f"LLM(max_logprobs=...); -1 allows up to the vocabulary, {vocab})")
+
+
+def truncated_prompt(prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
+    """The prompt's last `truncate_prompt_tokens` tokens (vLLM's left truncation), else all of them."""
+    k = params.truncate_prompt_tokens
+    return list(prompt_token_ids)[-k:] if k else prompt_token_ids

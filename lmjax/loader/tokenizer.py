@@ -123,15 +123,10 @@ def render_chat(tokenizer, messages: list[dict], **kwargs):
 
 @functools.lru_cache(maxsize=1)
 def _byte_decoder() -> dict[str, int]:
-    """GPT-2's byte-level BPE alphabet, character -> byte (the printable stand-ins of all 256 bytes)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = list(printable), 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return {chr(c): b for b, c in zip(printable, chars)}
+    """GPT-2's byte-level BPE alphabet, character -> byte (transformers' own table)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {c: b for b, c in bytes_to_unicode().items()}
 
 
 def token_bytes(tokenizer, token_id: int) -> bytes:

@@ -98,7 +98,7 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
         """Validate, submit every prompt and wait for the first output: (first, rest) of (prompt, GenOut)s."""
         try:
             for _, ids in prompts:
-                engine.engine.validate_prompt(ids)
+                engine.engine.validate_request(ids, params)
                 check_room(ids, params.max_tokens)
             gens = [engine.generate(None, new_session_id(), params, input_ids=ids) for _, ids in prompts]
             return await first_and_rest(merge(gens))
