@@ -379,3 +379,17 @@ def test_vllm_extensions_are_honoured(server, model_id, llm):
                                           extra_body={"add_generation_prompt": False})
     assert bare.usage.prompt_tokens < plain.usage.prompt_tokens
     assert client.models.retrieve(model_id).id == model_id
+
+
+def test_openai_requests_never_take_an_interactive_sessions_id(server, model_id):
+    """Interactive clients pick any session id; one next in line for OpenAI requests keeps its history."""
+    greedy = {"temperature": 0, "top_k": 1, "request_output_len": 4}
+    probe = _post(server, "/v1/chat/interactive", {"prompt": "Hi", **greedy}).json()["session_id"]
+    mine = probe + 1  # the id the next OpenAI request would have taken
+    first = _post(server, "/v1/chat/interactive", {"prompt": "My name is Bob.", "session_id": mine,
+                                                   "interactive_mode": True, **greedy}).json()
+    assert _post(server, "/v1/completions", {"model": model_id, "prompt": "Hi", "max_tokens": 2}).status_code == 200
+    again = _post(server, "/v1/chat/interactive", {"prompt": "What is my name?", "session_id": mine,
+                                                   "interactive_mode": True, **greedy}).json()
+    assert again["history_tokens"] == first["input_tokens"] + first["tokens"] > 0
+    _post(server, "/v1/chat/interactive", {"prompt": "", "session_id": mine})
