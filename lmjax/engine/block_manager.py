@@ -126,7 +126,7 @@ class BlockManager:
         hashes, bs = seq.block_hashes, self.block_size
         while len(hashes) < num_full_blocks:
             i = len(hashes)
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else seq.cache_salt
             hashes.append(hash((parent, tuple(seq.token_slice(i * bs, (i + 1) * bs)))))
 
     def match_prefix(self, seq: Sequence) -> int:

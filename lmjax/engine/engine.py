@@ -115,7 +115,8 @@ class LLMEngine:
 
     def _add_completion(self, req: Request, index: int, seed: int) -> None:
         p = req.params
-        seq = Sequence(next(self._seq_ids), list(req.prompt_token_ids), params=p)
+        seq = Sequence(next(self._seq_ids), list(req.prompt_token_ids), params=p,
+                       cache_salt=self._cache_salt(len(req.prompt_token_ids)))
         detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, p.skip_special_tokens,
                                        p.spaces_between_special_tokens)
         comp = Completion(index, seq, seed, detok, StopStringMatcher(p.stop, p.include_stop_str_in_output),
@@ -123,6 +124,12 @@ class LLMEngine:
         req.completions.append(comp)
         self._by_seq[seq.seq_id] = (req, comp)
         self.scheduler.add(seq)
+
+    def _cache_salt(self, num_prompt_tokens: int):
+        """Dynamic NTK rotates a prompt's keys with a base set by the prompt's length once it passes the
+        trained context, so only prompts alike in that share cached blocks (below it: all alike)."""
+        rope = self.model_config.rope
+        return max(num_prompt_tokens, rope.max_position_embeddings) if rope.is_dynamic else None
 
     def abort(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)

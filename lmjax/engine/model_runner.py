@@ -285,7 +285,9 @@ class ModelRunner:
             ids[t:t + n] = seq.token_slice(it.start_pos, end)
             positions[t:t + n] = np.arange(it.start_pos, end)
             slots[t:t + n] = blocks.slots(seq, it.start_pos, n)
-            seq_lens[t:t + n] = end
+            # Dynamic NTK's length as transformers sees it: the whole prompt for every prompt token (its
+            # one prefill, however it is chunked or recomputed), then each later token's own position + 1.
+            seq_lens[t:t + n] = np.maximum(np.arange(it.start_pos + 1, end + 1), seq.num_prompt_tokens)
             following = seq.token_slice(it.start_pos + 1, end + 1)
             next_ids[t:t + len(following)] = following
             kv_lens[b], tables[b, :len(seq.block_table)] = end, seq.block_table

@@ -47,6 +47,9 @@ class Sequence:
     finish_reason: str | None = None
     # Chained hashes of the full blocks of tokens seen so far; a cache owned by the BlockManager.
     block_hashes: list[int] = field(default_factory=list, repr=False)
+    # What a block's KV depends on besides the tokens before it (the root of the hash chain; vLLM's
+    # `cache_salt`): blocks of sequences with different salts are never shared.
+    cache_salt: Any = None
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

@@ -44,7 +44,7 @@ class AttentionMetadata:
     """Everything the attention layers need to know about one ragged step, as device arrays."""
 
     slot_mapping_T: jax.Array  # int32 cache slot each token's K/V is written to
-    seq_lens_T: jax.Array  # int32 length of the token's sequence after this step (dynamic NTK)
+    seq_lens_T: jax.Array  # int32 sequence length dynamic NTK uses for the token: max(prompt length, position + 1)
     kv_lens_B: jax.Array  # int32 context length of each sequence after this step (0 = padding row)
     block_tables_BM: jax.Array  # int32 block ids per sequence
     cu_q_lens_B1: jax.Array  # int32 prefix sums of query tokens per sequence
