@@ -11,6 +11,7 @@ any other value raises, never silently ignored. kv_cache_dtype="int8" / "int4" q
 """
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 
@@ -21,8 +22,11 @@ from lmjax.api.outputs import RequestOutput, request_output
 from lmjax.config import EngineConfig, SamplingParams
 from lmjax.engine.engine import LLMEngine
 from lmjax.loader.awq import require_awq
+from lmjax.loader.generation_config import read_generation_config, sampling_defaults
 from lmjax.loader.resolve import resolve_model_path
 from lmjax.loader.tokenizer import render_chat
+
+logger = logging.getLogger("lmjax.api")
 
 # vLLM arguments with no lmjax meaning: allowed only at these values.
 _VLLM_ONLY_DEFAULTS = {"tokenizer_mode": "auto", "skip_tokenizer_init": False, "trust_remote_code": False,
@@ -61,6 +65,20 @@ def batch_defaults(device=None) -> tuple[int, int]:
     return 256, 8192
 
 
+def _generation_defaults(generation_config: str, engine: LLMEngine) -> dict:
+    """vLLM's generation_config argument: "auto" = the model's generation_config.json, "vllm" = none, or a
+    directory holding one."""
+    if generation_config == "auto":
+        defaults = engine.sampling_defaults
+    elif generation_config == "vllm":
+        defaults = {}
+    else:
+        defaults = sampling_defaults(read_generation_config(generation_config))
+    if defaults:
+        logger.info("default sampling parameters from the model's generation config: %s", defaults)
+    return defaults
+
+
 def _check_vllm_only(kwargs: dict) -> None:
     for name, value in kwargs.items():
         if name not in _VLLM_ONLY_DEFAULTS:
@@ -88,9 +106,12 @@ class LLM:
                  max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = False,
                  num_gpu_blocks_override: int | None = None, num_scheduler_steps: int = 8,
                  enforce_eager: bool | None = None, kv_cache_dtype: str = "auto", max_logprobs: int = 20,
-                 quantization: str | None = None, **kwargs):
+                 quantization: str | None = None, generation_config: str = "auto", **kwargs):
         _check_vllm_only(kwargs)
         _check_quantization(model, quantization)
+        if generation_config not in ("auto", "vllm") and not os.path.isdir(generation_config):
+            raise ValueError(f"generation_config={generation_config!r} must be 'auto', 'vllm' or a directory "
+                             "holding a generation_config.json")
         if not 0 < gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
         default_seqs, default_tokens = batch_defaults()
@@ -103,6 +124,7 @@ class LLM:
                               num_scheduler_steps=num_scheduler_steps, warmup=enforce_eager is False,
                               quant_policy=kv_cache_quant_policy(kv_cache_dtype), max_logprobs=max_logprobs)
         self.llm_engine = LLMEngine(model, config, tokenizer)
+        self._sampling_defaults = _generation_defaults(generation_config, self.llm_engine)
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
@@ -120,8 +142,9 @@ class LLM:
                         f"'prompt_token_ids', got {type(prompt).__name__}")
 
     def get_default_sampling_params(self) -> SamplingParams:
-        """What `generate` uses when given no SamplingParams (vLLM's defaults)."""
-        return SamplingParams()
+        """What `generate` and `chat` use when given no SamplingParams: vLLM's defaults, with the sampling
+        fields the model's generation_config.json sets (generation_config="vllm": vLLM's alone)."""
+        return SamplingParams(**self._sampling_defaults)
 
     def generate(self, prompts=None, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  prompt_token_ids: list[int] | list[list[int]] | None = None, use_tqdm: bool = True,
@@ -136,7 +159,7 @@ class LLM:
         elif isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         encoded = [self._encode(p) for p in prompts]
-        params = per_prompt(sampling_params or SamplingParams(), len(encoded), "sampling_params")
+        params = per_prompt(sampling_params or self.get_default_sampling_params(), len(encoded), "sampling_params")
         requests = submit_all(self.llm_engine, encoded, params)
         run_to_completion(self.llm_engine, requests, use_tqdm)
         return [request_output(r, self.llm_engine.tokenizer) for r in requests]

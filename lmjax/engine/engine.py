@@ -24,6 +24,7 @@ from lmjax.engine.scheduler import ScheduledBatch, Scheduler
 from lmjax.engine.sequence import Sequence, SequenceStatus
 from lmjax.engine.stop import StopStringMatcher
 from lmjax.layers.sampler import SamplingRow, row_banned_ids, tokenize_bad_words
+from lmjax.loader.generation_config import generation_eos_ids, read_generation_config, sampling_defaults
 from lmjax.loader.model_loader import load_model
 from lmjax.loader.resolve import resolve_model_path
 from lmjax.loader.tokenizer import load_tokenizer, tokenizer_source
@@ -49,7 +50,10 @@ class LLMEngine:
         self.model_path, self.model_config = loaded.path, loaded.config
         self.load_seconds = loaded.load_seconds  # per load phase (read, place, transpose, sync, ...)
         self.session_len = config.session_len or loaded.config.max_position_embeddings
-        self.eos_token_ids = sorted(set(loaded.config.eos_token_ids) | _tokenizer_eos(self.tokenizer))
+        generation = read_generation_config(loaded.path)
+        self.eos_token_ids = sorted(set(loaded.config.eos_token_ids) | _tokenizer_eos(self.tokenizer)
+                                    | generation_eos_ids(generation))
+        self.sampling_defaults = sampling_defaults(generation)  # the checkpoint's, as SamplingParams fields
         num_blocks = kv_cache_blocks(config, loaded.config, loaded.dtype, self.session_len)
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_batch_size, config.max_prefill_token_num)

@@ -130,7 +130,7 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
         check_model(req.model)
         try:
-            params = req.sampling_params()
+            params = req.sampling_params(engine.engine.sampling_defaults)
             prompt = encode_chat(engine.tokenizer, req.message_dicts(), engine.chat_template,
                                  add_generation_prompt=req.add_generation_prompt,
                                  continue_final_message=req.continue_final_message)
@@ -158,7 +158,7 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
     async def completions(req: CompletionRequest, raw: Request):
         check_model(req.model)
         try:
-            params = req.sampling_params()
+            params = req.sampling_params(engine.engine.sampling_defaults)
             prompts = [engine.encode(p, do_preprocess=False) if isinstance(p, str) else (None, list(p))
                        for p in req.prompts()]
         except (ValueError, TypeError) as e:

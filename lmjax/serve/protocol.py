@@ -21,6 +21,8 @@ class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
+# Sampling fields whose default, when a request leaves them out, is the model's (vLLM's server does so).
+MODEL_DEFAULTABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 INT64 = dict(ge=-2**63, le=2**63 - 1)  # seeds: what vLLM accepts (a wider int would wrap onto another seed)
 NULL_IS_NONE = frozenset({"max_tokens"})
 
@@ -90,8 +92,10 @@ class _Sampling(_Nullable):
             bad["prompt_logprobs"] = self.prompt_logprobs
         return bad
 
-    def _params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
-        """SamplingParams of this request; raises ValueError (-> HTTP 400) for out-of-range values."""
+    def _params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None,
+                defaults: dict | None = None) -> SamplingParams:
+        """SamplingParams of this request; raises ValueError (-> HTTP 400) for out-of-range values. As in
+        vLLM, a sampling field the request leaves out takes `defaults` (the model's generation_config)."""
         bad = self._unsupported()
         if bad:
             raise ValueError(f"not supported by lmjax: {', '.join(f'{k}={v!r}' for k, v in bad.items())}")
@@ -99,10 +103,12 @@ class _Sampling(_Nullable):
             raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
         if self.stream_options is not None and not self.stream:  # as vLLM: a likely client mistake
             raise ValueError("stream_options can only be given with stream=true")
-        return SamplingParams(n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                              min_p=self.min_p, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
+        defaults = defaults or {}
+        chosen = {name: getattr(self, name) if name in self.model_fields_set
+                  else defaults.get(name, getattr(self, name)) for name in MODEL_DEFAULTABLE}
+        return SamplingParams(n=self.n, **chosen, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                              repetition_penalty=self.repetition_penalty, ignore_eos=self.ignore_eos,
+                              ignore_eos=self.ignore_eos,
                               max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs,
                               prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
                               include_stop_str_in_output=self.include_stop_str_in_output, bad_words=self.bad_words)
@@ -140,7 +146,7 @@ class ChatCompletionRequest(_Sampling):
             bad["echo"] = True
         return bad
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, defaults: dict | None = None) -> SamplingParams:
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
             raise ValueError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}")
         if self.top_logprobs and not self.logprobs:  # as OpenAI and vLLM
@@ -150,7 +156,7 @@ class ChatCompletionRequest(_Sampling):
                              f"message last (got add_generation_prompt={self.add_generation_prompt}, "
                              f"last role {self.messages[-1].role!r})")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self._params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+        return self._params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None, defaults=defaults)
 
     def message_dicts(self) -> list[dict]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]
@@ -172,13 +178,13 @@ class CompletionRequest(_Sampling):
             bad["suffix"] = self.suffix
         return bad
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, defaults: dict | None = None) -> SamplingParams:
         """With echo and logprobs the prompt's tokens get log-probabilities too (OpenAI's legacy
         completions; lm-evaluation-harness scores continuations this way)."""
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
         prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
-        return self._params(self.max_tokens, self.logprobs, prompt_logprobs)
+        return self._params(self.max_tokens, self.logprobs, prompt_logprobs, defaults)
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: a string or a list of token ids."""
