@@ -65,6 +65,17 @@ def batch_defaults(device=None) -> tuple[int, int]:
     return 256, 8192
 
 
+def _check_max_model_len(max_model_len: int | None, context_len: int) -> None:
+    """vLLM's check: a max_model_len past the model's context (max_position_embeddings, times a linear or
+    dynamic RoPE factor) is an error unless LMJAX_ALLOW_LONG_MAX_MODEL_LEN=1 (vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN).
+    LMDeploy's session_len has no such bound, so the engine itself does not check."""
+    if max_model_len is None or max_model_len <= context_len or os.environ.get("LMJAX_ALLOW_LONG_MAX_MODEL_LEN") == "1":
+        return
+    raise ValueError(f"max_model_len={max_model_len} is longer than the model's context of {context_len} tokens "
+                     "(max_position_embeddings, times the RoPE scaling factor); set LMJAX_ALLOW_LONG_MAX_MODEL_LEN=1 "
+                     "to allow it, at the risk of wrong outputs past that length")
+
+
 def _generation_defaults(generation_config: str, engine: LLMEngine) -> dict:
     """vLLM's generation_config argument: "auto" = the model's generation_config.json, "vllm" = none, or a
     directory holding one."""
@@ -124,6 +135,7 @@ class LLM:
                               num_scheduler_steps=num_scheduler_steps, warmup=enforce_eager is False,
                               quant_policy=kv_cache_quant_policy(kv_cache_dtype), max_logprobs=max_logprobs)
         self.llm_engine = LLMEngine(model, config, tokenizer)
+        _check_max_model_len(max_model_len, self.llm_engine.model_config.context_len)
         self._sampling_defaults = _generation_defaults(generation_config, self.llm_engine)
 
     def get_tokenizer(self):

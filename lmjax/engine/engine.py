@@ -49,7 +49,7 @@ class LLMEngine:
             self.tokenizer = tokenizer_future.result()
         self.model_path, self.model_config = loaded.path, loaded.config
         self.load_seconds = loaded.load_seconds  # per load phase (read, place, transpose, sync, ...)
-        self.session_len = config.session_len or loaded.config.max_position_embeddings
+        self.session_len = config.session_len or loaded.config.context_len
         generation = read_generation_config(loaded.path)
         self.eos_token_ids = sorted(set(loaded.config.eos_token_ids) | _tokenizer_eos(self.tokenizer)
                                     | generation_eos_ids(generation))

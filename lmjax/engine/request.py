@@ -104,8 +104,8 @@ def check_prompt(prompt_token_ids: list[int], vocab: int, session_len: int) -> N
     if n == 0:
         raise ValueError("prompt is empty: give at least one token")
     if n >= session_len:
-        raise ValueError(f"prompt of {n} tokens does not fit session_len={session_len} "
-                         "(at least one token must be generated)")
+        raise ValueError(f"prompt of {n} tokens does not fit the context of {session_len} tokens (session_len, "
+                         "vLLM's max_model_len; at least one token must be generated)")
     bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
     if bad:
         raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")

@@ -41,6 +41,14 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
+    @property
+    def context_len(self) -> int:
+        """The context the checkpoint supports, the default session_len / max_model_len (vLLM's and LMDeploy's
+        derived length): max_position_embeddings, times the factor of linear or dynamic RoPE scaling (llama3's
+        max_position_embeddings is already the scaled one)."""
+        scaled = self.rope.rope_type in ("linear", "dynamic")
+        return int(self.max_position_embeddings * (self.rope.factor if scaled else 1))
+
     def sliding_window(self, layer: int) -> int | None:
         return self.sliding_windows[layer] if self.sliding_windows else None
 

@@ -132,7 +132,7 @@ def test_unrenderable_messages_are_named(pipe):
 
 def test_prompt_over_session_len_fails_before_any_work(pipe):
     engine = pipe.engine
-    with pytest.raises(ValueError, match="session_len=1024"):
+    with pytest.raises(ValueError, match="context of 1024 tokens"):
         pipe(["short prompt", "word " * 2000])
     assert not engine.has_unfinished() and not engine.requests
     assert engine.blocks.num_free_blocks == engine.blocks.num_usable_blocks

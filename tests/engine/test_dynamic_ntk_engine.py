@@ -9,7 +9,7 @@ import transformers
 from conftest import TINY_LLAMA
 from lmjax import LLM, SamplingParams
 
-DYNAMIC = dict(TINY_LLAMA, max_position_embeddings=24, rope_scaling={"rope_type": "dynamic", "factor": 2.0},
+DYNAMIC = dict(TINY_LLAMA, max_position_embeddings=24, rope_scaling={"rope_type": "dynamic", "factor": 4.0},
                initializer_range=0.2)
 NEW_TOKENS = 16
 
@@ -56,10 +56,10 @@ def test_chunked_prefill_and_a_prefix_cache_hit_keep_transformers_tokens(dynamic
     path, state = dynamic
     prompt = _prompts(1, [40])[0]  # past max_position_embeddings = 24
     want = _hf_greedy(state, prompt)
-    assert _greedy(LLM(path, max_model_len=128), [prompt]) == [want]
-    chunked = LLM(path, max_model_len=128, max_num_batched_tokens=16)
+    assert _greedy(LLM(path, max_model_len=96), [prompt]) == [want]
+    chunked = LLM(path, max_model_len=96, max_num_batched_tokens=16)
     assert _greedy(chunked, [prompt]) == [want]
-    cached = LLM(path, max_model_len=128, block_size=16, enable_prefix_caching=True)
+    cached = LLM(path, max_model_len=96, block_size=16, enable_prefix_caching=True)
     other = prompt[:32] + _prompts(5, [20])[0]  # the same first 32 tokens, another length (another base)
     assert _greedy(cached, [other]) == [_hf_greedy(state, other)]
     assert _greedy(cached, [prompt]) == [want]
@@ -71,10 +71,25 @@ def test_short_prompts_share_blocks_and_recompute_after_preemption(dynamic):
     path, state = dynamic
     prompts = _prompts(11, [20, 23, 22, 21])  # within the trained context, generation goes past it
     want = [_hf_greedy(state, p) for p in prompts]
-    llm = LLM(path, max_model_len=128, block_size=8, num_gpu_blocks_override=10, num_scheduler_steps=1)
+    llm = LLM(path, max_model_len=96, block_size=8, num_gpu_blocks_override=10, num_scheduler_steps=1)
     assert _greedy(llm, prompts) == want
     assert llm.llm_engine.scheduler.num_preemptions > 0
-    cached = LLM(path, max_model_len=128, block_size=8, enable_prefix_caching=True)
+    cached = LLM(path, max_model_len=96, block_size=8, enable_prefix_caching=True)
     assert _greedy(cached, [prompts[0]]) == [want[0]]
     assert _greedy(cached, [prompts[0][:16] + prompts[1][16:]]) == [_hf_greedy(state, prompts[0][:16] + prompts[1][16:])]
     assert cached.llm_engine.blocks.prefix_cache_hits == 16  # below the trained context lengths share blocks
+
+
+def test_the_default_context_is_the_scaled_one_and_vllm_bounds_max_model_len(dynamic, monkeypatch):
+    """vLLM's and LMDeploy's derived length: max_position_embeddings (24) x the dynamic factor (4); a longer
+    max_model_len is vLLM's error unless allowed (LMDeploy's session_len is not bounded)."""
+    from lmjax import TurbomindEngineConfig, pipeline
+
+    path, _ = dynamic
+    assert LLM(path).llm_engine.session_len == 96
+    with pytest.raises(ValueError, match="max_model_len=97 is longer than the model's context of 96 tokens"):
+        LLM(path, max_model_len=97)
+    monkeypatch.setenv("LMJAX_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    assert LLM(path, max_model_len=97).llm_engine.session_len == 97
+    monkeypatch.delenv("LMJAX_ALLOW_LONG_MAX_MODEL_LEN")
+    assert pipeline(path, backend_config=TurbomindEngineConfig(session_len=200)).engine.session_len == 200
