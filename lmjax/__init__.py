@@ -1,15 +1,34 @@
-"""lmjax: an LLM inference engine in JAX with LMDeploy's `pipeline` and vLLM's `LLM` as its two facades."""
+"""lmjax: an LLM inference engine in JAX with LMDeploy's `pipeline` and vLLM's `LLM` as its two facades.
+
+The public names load on first use (PEP 562), so `import lmjax.cli` imports no JAX: `lmjax --help` stays
+instant, and `lmjax convert --tp N` can still set XLA's host device count before JAX starts.
+"""
+from __future__ import annotations
+
+import importlib
+
 from lmjax.env import apply_xla_flag_defaults
 
 apply_xla_flag_defaults()  # before any JAX backend starts: XLA reads its flags once (see lmjax.env)
-from lmjax.api.async_engine import AsyncEngine
-from lmjax.api.llm import LLM
-from lmjax.api.outputs import CompletionOutput, Logprob, RequestOutput, Response
-from lmjax.api.pipeline import Pipeline, pipeline
-from lmjax.config import ChatTemplateConfig, EngineConfig, GenerationConfig, SamplingParams
-from lmjax.lmdeploy_config import PytorchEngineConfig, TurbomindEngineConfig
 
-__all__ = ["LLM", "AsyncEngine", "pipeline", "Pipeline", "GenerationConfig", "SamplingParams", "EngineConfig",
-           "TurbomindEngineConfig", "PytorchEngineConfig", "ChatTemplateConfig", "Response", "RequestOutput",
-           "CompletionOutput", "Logprob"]
+_EXPORTS = {
+    "AsyncEngine": "lmjax.api.async_engine", "LLM": "lmjax.api.llm", "CompletionOutput": "lmjax.api.outputs",
+    "Logprob": "lmjax.api.outputs", "RequestOutput": "lmjax.api.outputs", "Response": "lmjax.api.outputs",
+    "Pipeline": "lmjax.api.pipeline", "pipeline": "lmjax.api.pipeline", "ChatTemplateConfig": "lmjax.config",
+    "EngineConfig": "lmjax.config", "GenerationConfig": "lmjax.config", "SamplingParams": "lmjax.config",
+    "PytorchEngineConfig": "lmjax.lmdeploy_config", "TurbomindEngineConfig": "lmjax.lmdeploy_config",
+}
+__all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'lmjax' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -12,6 +12,7 @@ Heavy imports (jax, transformers) happen inside the command, so `lmjax --help` s
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from lmjax.config import DTYPES
@@ -64,7 +65,10 @@ def _add_generate(subparsers) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from lmjax import __version__
+
     parser = argparse.ArgumentParser(prog="lmjax", description="lmjax: LLM inference in JAX.")
+    parser.add_argument("--version", action="version", version=f"lmjax {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_generate(subparsers)
     _add_chat(subparsers)
@@ -88,6 +92,18 @@ def _add_engine_args(p) -> None:
                    default=0.5, help="fraction of free memory for the KV cache, or a block count (default: 0.5)")
     p.add_argument("--enable-prefix-caching", action="store_true", help="share cached prompt prefixes")
     p.add_argument("--model-name", default=None, help="the model's name in the API and its chat template")
+    p.add_argument("--quant-policy", type=int, choices=(0, 4, 8), default=0,
+                   help="KV cache quantization: 0 off, 8 int8, 4 int4 (default: 0)")
+    p.add_argument("--max-prefill-token-num", type=_bounded(int, "max-prefill-token-num", 1), default=8192,
+                   help="most tokens in one step's prefill (default: 8192)")
+    p.add_argument("--cache-block-seq-len", type=_bounded(int, "cache-block-seq-len", 1), default=64,
+                   help="tokens per KV cache block (default: 64)")
+    p.add_argument("--rope-scaling-factor", type=_bounded(float, "rope-scaling-factor", 0), default=0.0,
+                   help="dynamic NTK RoPE scaling factor; 0 keeps the model's RoPE (default: 0)")
+    p.add_argument("--chat-template", default=None, metavar="JSON",
+                   help="a JSON file of ChatTemplateConfig fields (LMDeploy's; lmjax has no built-in template "
+                        "names): role markers, meta_instruction, stop_words (default: the tokenizer's template)")
+    p.add_argument("--backend", choices=["turbomind", "pytorch"], default=None, help="accepted for LMDeploy")
 
 
 def _add_chat(subparsers) -> None:
@@ -102,6 +118,8 @@ def _add_chat(subparsers) -> None:
                    help="sampling temperature; 0 means greedy (default: 0)")
     p.add_argument("--top-p", type=_bounded(float, "top-p", 0, 1, low_open=True), default=1.0, help="(default: 1)")
     p.add_argument("--top-k", type=_bounded(int, "top-k", 0), default=0, help="0 disables it (default: 0)")
+    p.add_argument("--repetition-penalty", type=_bounded(float, "repetition-penalty", 0, low_open=True),
+                   default=1.0, help="penalty > 1 discourages repeating tokens (default: 1)")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     p.set_defaults(func=_chat)
 
@@ -122,7 +140,6 @@ def _add_serve(subparsers) -> None:
                      help="accepted bearer keys (default: none needed)")
     api.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
                      help="log level (default: INFO)")
-    api.add_argument("--backend", choices=["turbomind", "pytorch"], default=None, help="accepted for LMDeploy")
     api.set_defaults(func=_serve)
 
 
@@ -130,10 +147,37 @@ def _async_engine(args, log_level: str = "ERROR"):
     from lmjax.api.async_engine import AsyncEngine
     from lmjax.config import EngineConfig
 
+    template = _chat_template(args.chat_template, args.model_name)  # a bad file fails before the model loads
     config = EngineConfig(dtype=args.dtype, session_len=args.session_len, tp=args.tp,
                           max_batch_size=args.max_batch_size, cache_max_entry_count=args.cache_max_entry_count,
-                          enable_prefix_caching=args.enable_prefix_caching)
-    return AsyncEngine(args.model, model_name=args.model_name, backend_config=config, log_level=log_level)
+                          enable_prefix_caching=args.enable_prefix_caching, quant_policy=args.quant_policy,
+                          max_prefill_token_num=args.max_prefill_token_num, block_size=args.cache_block_seq_len,
+                          rope_scaling_factor=args.rope_scaling_factor)
+    return AsyncEngine(args.model, model_name=args.model_name, backend_config=config, chat_template_config=template,
+                       log_level=log_level)
+
+
+def _chat_template(path: str | None, model_name: str | None):
+    """LMDeploy's --chat-template JSON file: ChatTemplateConfig's fields."""
+    import json
+
+    from lmjax.config import ChatTemplateConfig
+
+    if path is None:
+        return None
+    try:
+        with open(path) as f:
+            fields = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"--chat-template {path!r} is not a readable JSON file of ChatTemplateConfig fields "
+                         f"(lmjax has no built-in template names): {e}") from None
+    if not isinstance(fields, dict):
+        raise ValueError(f"--chat-template {path!r} must hold a JSON object, got {type(fields).__name__}")
+    fields.setdefault("model_name", model_name)
+    try:
+        return ChatTemplateConfig(**fields)
+    except TypeError as e:  # an unknown field, named by ChatTemplateConfig
+        raise ValueError(f"--chat-template {path!r}: {e}") from None
 
 
 def _chat(args) -> int:
@@ -166,7 +210,8 @@ def _gen_config(args):
 
     # GenerationConfig's top_k=1 default means greedy: 0 lets --temperature > 0 actually sample.
     return GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, random_seed=args.seed)
+                            top_k=args.top_k, random_seed=args.seed,
+                            repetition_penalty=getattr(args, "repetition_penalty", 1.0))
 
 
 def _generate(args) -> int:
@@ -220,8 +265,6 @@ def _add_convert(subparsers) -> None:
 
 
 def _convert(args) -> int:
-    import os
-
     if args.tp > 1 and "jax" not in sys.modules:  # one CPU device per shard: chunks written per shard
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                    + f" --xla_force_host_platform_device_count={args.tp}").strip()
@@ -244,6 +287,11 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except (ValueError, FileNotFoundError) as e:  # a bad model path, prompt or setting: the user's to fix
         parser.exit(2, f"lmjax {args.command}: error: {e}\n")
+    except KeyboardInterrupt:  # Ctrl-C: the shell's code for SIGINT, no traceback
+        parser.exit(130, "\n")
+    except BrokenPipeError:  # stdout closed early (`lmjax generate ... | head`): nothing left to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's advice: no error at exit
+        return 1
 
 
 if __name__ == "__main__":

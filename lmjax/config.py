@@ -312,11 +312,18 @@ class EngineConfig:
         return int(free_bytes * self.cache_max_entry_count) // bytes_per_block
 
 
+@functools.cache
+def _warn_once(message: str) -> None:
+    import logging
+
+    logging.getLogger("lmjax").warning(message)
+
+
 @_strict_fields
 @dataclass
 class ChatTemplateConfig:
     """LMDeploy's chat-template fields. With only `model_name` set, the tokenizer's own chat
-    template is used; with role markers, the prompt is built from them:
+    template is used (without one, LMDeploy's "base" template: the messages' text as is); with role markers, the prompt is built from them:
     [system meta_instruction eosys] then per message `<role marker> content <role end>`, then
     `assistant` to open the reply (LMDeploy's BaseChatTemplate layout).
     `stop_words` are added to each request's stop strings by the pipeline."""
@@ -350,11 +357,11 @@ class ChatTemplateConfig:
             return messages
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
-        if self.has_markers:
+        if self.has_markers or tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            if not self.has_markers:  # LMDeploy's "base" template for a model without one: the text as is
+                _warn_once(f"no chat template (ChatTemplateConfig(model_name={self.model_name!r}) has no role "
+                           "markers, the tokenizer none): messages are joined as plain text")
             return self._from_markers(messages, add_generation_prompt, continue_final_message)
-        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-            raise ValueError(f"ChatTemplateConfig(model_name={self.model_name!r}) has no role markers "
-                             "and the tokenizer has no chat template")
         from lmjax.loader.tokenizer import render_chat  # config stays import-light for every layer
 
         extra = {"continue_final_message": True} if continue_final_message else {}  # older templates: not asked

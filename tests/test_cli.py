@@ -98,3 +98,78 @@ def test_generate_many_raw_prompts_prints_each_in_order(capsys, pipe_calls):
     printed = capsys.readouterr().out
     expected = cached["pipe"](prompts, gen_config=GREEDY_8, do_preprocess=False)
     assert printed == "".join(f">>> {p}\n{r.text}\n" for p, r in zip(prompts, expected))
+
+
+def test_importing_the_cli_loads_no_jax():
+    """`lmjax --help` stays instant, and `lmjax convert --tp N` can still give XLA N host devices."""
+    code = "import sys, lmjax.cli; print('jax' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "False", done.stderr
+
+
+def test_lmdeploy_engine_flags_reach_the_engine(monkeypatch, tmp_path):
+    from lmjax.api import async_engine
+
+    built = {}
+    monkeypatch.setattr(async_engine, "AsyncEngine", lambda model, **kw: built.update(model=model, **kw))
+    template = tmp_path / "template.json"
+    template.write_text('{"meta_instruction": "Be brief.", "user": "U: ", "eoh": "\\n", "assistant": "A: "}')
+    args = cli.build_parser().parse_args(
+        ["serve", "api_server", "m", "--quant-policy", "8", "--cache-block-seq-len", "32", "--max-prefill-token-num",
+         "512", "--rope-scaling-factor", "2", "--chat-template", str(template), "--backend", "turbomind"])
+    cli._async_engine(args)
+    config = built["backend_config"]
+    assert (config.quant_policy, config.block_size, config.max_prefill_token_num, config.rope_scaling_factor) == \
+        (8, 32, 512, 2.0)
+    assert built["chat_template_config"].messages2prompt("Hi") == "Be brief.U: Hi\nA: "
+    chat = cli.build_parser().parse_args(["chat", "--repetition-penalty", "1.3", "--quant-policy", "4"])
+    assert cli._gen_config(chat).repetition_penalty == 1.3 and chat.quant_policy == 4
+
+
+@pytest.mark.parametrize("content, fragment", [(None, "not a readable JSON file"), ("[1]", "must hold a JSON object"),
+                                               ('{"colour": 1}', "colour")])
+def test_a_bad_chat_template_file_is_named(tmp_path, capsys, content, fragment):
+    path = tmp_path / "t.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["chat", "--chat-template", str(path)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert str(path) in err and fragment in err
+
+
+def test_ctrl_c_exits_130_without_a_traceback(monkeypatch, capsys):
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_generate", interrupted)
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["generate", "hi"])
+    assert exc.value.code == 130 and "Traceback" not in capsys.readouterr().err
+
+
+def test_chat_sends_non_utf8_input_as_replacement_characters():
+    """A byte that is not UTF-8 on stdin (read as a lone surrogate) reached the tokenizer and killed the chat
+    with a TypeError; each turn's text is valid UTF-8 now."""
+    import asyncio
+    import io
+
+    from lmjax.serve.terminal_chat import run_chat
+
+    class Engine:  # the three calls run_chat makes
+        model_name, session_len, turns = "fake", 64, []
+
+        async def generate(self, text, session_id, gen_config, **kw):
+            self.turns.append(text)
+            yield type("Piece", (), {"response": "ok"})
+
+        def end_session(self, session_id):
+            future = asyncio.Future(loop=asyncio.new_event_loop())
+            future.set_result(None)
+            return future
+
+    engine, out = Engine(), io.StringIO()
+    run_chat(engine, None, io.StringIO("hi\udcff there\nend\n\ud800x\nexit\n"), out)
+    assert engine.turns == ["hi\ufffd there", "?x"]
+    assert all(t.encode("utf-8") for t in engine.turns) and out.getvalue().count("ok") == 2

@@ -246,8 +246,7 @@ class _FakeTokenizer:
 def test_chat_template_uses_tokenizer_template_by_default():
     cfg = ChatTemplateConfig(model_name="smollm2")
     assert cfg.messages2prompt("hi", _FakeTokenizer()) == "user:hi|assistant:"
-    with pytest.raises(ValueError, match="no chat template"):
-        cfg.messages2prompt("hi", tokenizer=None)
+    assert cfg.messages2prompt("hi", tokenizer=None) == "hi"  # no template anywhere: LMDeploy's base one
 
 
 def test_chat_template_role_markers():
@@ -277,3 +276,19 @@ def smollm2_tokenizer(smollm2_gguf):
 
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(os.path.dirname(smollm2_gguf), gguf_file=os.path.basename(smollm2_gguf))
+
+
+def test_a_model_without_a_chat_template_gets_lmdeploys_base_template(caplog):
+    """No role markers and no tokenizer template (a base model): the text as is, as LMDeploy's "base"
+    template, with one warning (was a ValueError, so `lmjax chat` on a base model failed every turn)."""
+    from types import SimpleNamespace
+
+    from lmjax.config import ChatTemplateConfig
+
+    base = SimpleNamespace(chat_template=None)
+    with caplog.at_level("WARNING", logger="lmjax"):
+        assert ChatTemplateConfig(model_name="base").messages2prompt("Once upon a time", base) == "Once upon a time"
+        turns = [{"role": "user", "content": "a "}, {"role": "assistant", "content": "b "},
+                 {"role": "user", "content": "c"}]
+        assert ChatTemplateConfig(model_name="base").messages2prompt(turns, base) == "a b c"
+    assert sum("no chat template" in r.getMessage() for r in caplog.records) == 1

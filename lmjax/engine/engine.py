@@ -74,6 +74,10 @@ class LLMEngine:
         self.num_loop_steps_read = 0  # device steps of the multi-step calls whose tokens were read so far
         logger.info("engine ready: %s, %d KV blocks of %d tokens, session_len=%d", loaded.path, num_blocks,
                     config.block_size, self.session_len)
+        if self.cache_tokens < self.session_len:
+            logger.warning("the KV cache holds %d tokens, fewer than session_len=%d: requests without max_tokens "
+                           "stop there; give the cache more memory or lower session_len", self.cache_tokens,
+                           self.session_len)
         if config.warmup:
             self.warmup()
 
@@ -104,6 +108,11 @@ class LLMEngine:
         self.requests[req.request_id] = req
         return req
 
+    @property
+    def cache_tokens(self) -> int:
+        """The longest sequence the whole KV cache can hold."""
+        return self.blocks.num_usable_blocks * self.config.block_size
+
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Every check `add_request` makes, nothing queued (a batch checks all its requests first, so a bad
         one leaves no other behind); returns the request's token budget (max_tokens capped by the context)."""
@@ -111,9 +120,12 @@ class LLMEngine:
         check_prompt(prompt_token_ids, self.model_config.vocab_size, self.session_len)
         check_logprobs(params, self.model_config.vocab_size, self.config.max_logprobs)
         n = len(prompt_token_ids)
-        max_tokens = min(params.max_tokens or self.session_len, self.session_len - n)
-        if not self.scheduler.fits_in_cache(n + max_tokens):
-            raise ValueError(f"prompt of {n} tokens + max_tokens={max_tokens} needs more KV cache than the "
+        # No max_tokens: up to the context, or as far as the whole cache holds one sequence (LMDeploy caps so)
+        longest = self.session_len if params.max_tokens else min(self.session_len, self.cache_tokens)
+        max_tokens = min(params.max_tokens or longest, longest - n)
+        if max_tokens < 1 or not self.scheduler.fits_in_cache(n + max_tokens):
+            asked = f" + max_tokens={max_tokens}" if params.max_tokens else ""
+            raise ValueError(f"prompt of {n} tokens{asked} needs more KV cache than the "
                              f"{self.blocks.num_usable_blocks} blocks of {self.config.block_size} tokens there are")
         return max_tokens
 

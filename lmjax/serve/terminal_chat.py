@@ -19,6 +19,15 @@ async def _turn(engine: AsyncEngine, text: str, session_id: int, first: bool, ge
     out.write("\n")
 
 
+def _valid_utf8(text: str) -> str:
+    """Bytes that are not UTF-8 (read from stdin as lone surrogates) become U+FFFD, as a lenient decoder
+    would: the tokenizer takes only valid text."""
+    try:
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    except UnicodeEncodeError:  # a surrogate outside the escape range
+        return text.encode("utf-8", "replace").decode("utf-8")
+
+
 def run_chat(engine: AsyncEngine, gen_config, stdin=None, out=None) -> None:
     """Read turns from `stdin` until 'exit' or EOF, streaming each reply to `out`."""
     stdin, out = stdin or sys.stdin, out or sys.stdout
@@ -32,7 +41,7 @@ def run_chat(engine: AsyncEngine, gen_config, stdin=None, out=None) -> None:
             line = stdin.readline()
             if not line or line.strip() == "exit":
                 break
-            text = line.rstrip("\n")
+            text = _valid_utf8(line.rstrip("\n"))
             if text.strip() == "end":
                 engine.end_session(session_id).result()
                 session_id, first = session_id + 1, True
