@@ -286,7 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as e:  # a bad model path, prompt or setting: the user's to fix
-        parser.exit(2, f"lmjax {args.command}: error: {e}\n")
+        command = " ".join(filter(None, (args.command, getattr(args, "server", None))))
+        parser.exit(2, f"lmjax {command}: error: {e}\n")
     except KeyboardInterrupt:  # Ctrl-C: the shell's code for SIGINT, no traceback
         parser.exit(130, "\n")
     except BrokenPipeError:  # stdout closed early (`lmjax generate ... | head`): nothing left to say

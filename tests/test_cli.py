@@ -69,6 +69,10 @@ def test_missing_model_is_a_clean_error(capsys, tmp_path):
         cli.main(["generate", "--model", str(tmp_path / "nope"), "hi"])
     assert exc.value.code == 2
     assert "nope" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "api_server", str(tmp_path / "gone")])
+    err = capsys.readouterr().err
+    assert err.startswith("lmjax serve api_server: error:") and "gone" in err
 
 
 def test_sampling_flags_reach_generation_config():

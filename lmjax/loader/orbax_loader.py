@@ -68,7 +68,9 @@ def restore_params(path: str, targets: dict) -> dict:
         try:
             return checkpointer.restore(ckpt, args=ocp.args.StandardRestore(targets))
         except (ValueError, KeyError, FileNotFoundError) as e:
-            raise CheckpointError(f"cannot restore the converted checkpoint {ckpt}: {e}") from e
+            # The first line names what is wrong; Orbax / TensorStore append a 100-line dump (kept as __cause__)
+            summary = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+            raise CheckpointError(f"cannot restore the converted checkpoint {ckpt}: {summary}") from e
 
 
 def _host_sharding() -> SingleDeviceSharding | None:
