@@ -9,8 +9,15 @@ Data flow of `convert_checkpoint`:
      writes one storage chunk per tensor-parallel shard (a tp restore then reads whole chunks only)
   -> written into a temporary directory beside OUT: lmjax_orbax/ (Orbax, OCDBT), config.json (with an
      `lmjax` section: format, dtype, quant, tp, source), tokenizer files and chat template
-  -> renamed to OUT in one `os.rename`. An interrupted conversion leaves at most a `.OUT.tmp-*`
-     directory, never a loadable OUT (and removes even that when it can: on any exception).
+  -> renamed to OUT in one `os.rename`. An interrupted conversion leaves at most a `.OUT.tmp-HOST-PID-*`
+     directory, never a loadable OUT. On any exception (Ctrl-C included) it waits for Orbax's writer
+     threads and removes it; one left by a killed run (SIGKILL, a power cut) is removed by the next
+     conversion of the same OUT on that host, once its PID is gone.
+
+An SRC that is already quantized (a w8 / w4 conversion, an AWQ checkpoint) converts only to its own layout
+(re-saved as it is: another dtype for its float parameters, another tp layout); any other request is an
+error, since dequantizing and rounding again would compound two roundings. `overwrite` replaces only an
+OUT that is a conversion or an empty directory, never one holding SRC.
 
 The reader is `lmjax.loader.orbax_loader` (lmjax never imports this package).
 """
@@ -19,8 +26,13 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
+import secrets
 import shutil
+import socket
 import tempfile
+import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -30,14 +42,19 @@ from jax.sharding import Mesh, NamedSharding
 
 from lmjax import parallel
 from lmjax.layers.quant import QuantSpec, quantize_model
+from lmjax.loader.awq import awq_spec
 from lmjax.loader.model_loader import load_model
-from lmjax.loader.orbax_loader import CONFIG_KEY, FORMAT_VERSION, ORBAX_SUBDIR, param_key
+from lmjax.loader.orbax_loader import CONFIG_KEY, FORMAT_VERSION, ORBAX_SUBDIR, is_converted, param_key
 from lmjax.loader.resolve import resolve_model_path
+from lmjax.loader.safetensors_loader import read_config
 
 logger = logging.getLogger("convert")
 
 DTYPES = ("float32", "bfloat16", "float16")
 W4_METHODS = ("awq", "gptq", "rtn")
+GROUP_SIZE = 128  # convert_checkpoint's default group_size
+# How long an interrupted save waits for Orbax's writer threads before removing what they write.
+WRITER_WAIT_S = 60.0
 # Files of an HF directory that travel with the weights (tokenizer, chat template, generation defaults).
 _SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
                "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
@@ -45,40 +62,41 @@ _SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "sp
 
 
 def convert_checkpoint(src: str, out: str, dtype: str = "bfloat16", tp: int = 1, quant: str | None = None,
-                       group_size: int = 128, overwrite: bool = False, w4_method: str = "awq",
+                       group_size: int | None = None, overwrite: bool = False, w4_method: str | None = None,
                        calib_text: str | None = None, quant_lm_head: str | None = None) -> str:
     """Convert `src` (HF directory, .gguf file or model id) into the directory `out`; returns its path.
 
     dtype: storage (and default compute) dtype of the float parameters. tp: the tensor-parallel size
     the storage chunks are laid out for (restore works at any tp). quant: None, "w8" or "w4"
-    (`group_size` input rows per int4 scale). w4_method: "awq" (activation-aware scales, round to
-    nearest, least-squares group parameters) or "gptq", both calibrated on `calib_text` (a text file;
-    default: lmjax.calibration_text), or "rtn" (round to nearest, no calibration). All write the same
-    layout. quant_lm_head: None (the lm_head stays float, as vLLM and LMDeploy keep it), "w8" or "w4"
-    (rounded to nearest; a tied lm_head becomes its own weight beside the float embedding)."""
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype={dtype!r} is not supported; choose one of {DTYPES}")
-    if tp < 1:
-        raise ValueError(f"tp={tp} must be >= 1")
-    if quant_lm_head and not quant:
-        raise ValueError(f"quant_lm_head={quant_lm_head!r} needs quant (w8 or w4) for the rest of the model")
-    spec = QuantSpec(quant, group_size, quant_lm_head) if quant else None
-    if w4_method not in W4_METHODS:
-        raise ValueError(f"w4_method={w4_method!r} is not supported; choose one of {W4_METHODS}")
-    calibrated = w4_method if spec is not None and spec.method == "w4" and w4_method != "rtn" else None
-    text = _read_text(calib_text) if calibrated else None
+    (`group_size` input rows per int4 scale, default 128). w4_method (default "awq"): "awq"
+    (activation-aware scales, round to nearest, least-squares group parameters) or "gptq", both calibrated
+    on `calib_text` (a text file; default: lmjax.calibration_text), or "rtn" (round to nearest, no
+    calibration). All write the same layout. quant_lm_head: None (the lm_head stays float, as vLLM and
+    LMDeploy keep it), "w8" or "w4" (rounded to nearest; a tied lm_head becomes its own weight beside the
+    float embedding). An option the request would ignore (a group_size without w4, a w4_method without
+    quant="w4", ...) is a ValueError. An already-quantized `src` converts only to its own quant layout,
+    re-saved as it is. overwrite: replace an `out` that is a
+    conversion or an empty directory."""
+    spec, calibrated = _check_options(dtype, tp, quant, group_size, w4_method, calib_text, quant_lm_head)
     path = os.path.abspath(resolve_model_path(src))
     out = os.path.abspath(os.path.expanduser(out))
-    if os.path.exists(out) and not overwrite:
-        raise FileExistsError(f"{out} already exists (pass overwrite=True / --overwrite to replace it)")
+    stored = _stored_quant(path, spec, w4_method, calib_text)
+    text = _read_text(calib_text) if calibrated else None
+    _check_out(path, out, overwrite)
     os.makedirs(os.path.dirname(out), exist_ok=True)
+    _sweep_stale_tmp(out)
 
-    params, loaded = _read(path, dtype, tp, spec, calibrated, text)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=os.path.dirname(out))
+    if stored is not None:  # SRC's quantized weights, as they are
+        params, loaded = _read(path, dtype, tp, None)
+        quant_info = stored
+    else:
+        params, loaded = _read(path, dtype, tp, spec, calibrated, text)
+        quant_info = _quant_info(spec, calibrated, calib_text)
+    tmp = _make_tmp(out)
     try:
         _save_params(os.path.join(tmp, ORBAX_SUBDIR), params)
         _write_config(tmp, loaded.hf_config, dict(format=FORMAT_VERSION, dtype=dtype, tp=tp, source=path,
-                                                  quant=_quant_info(spec, calibrated, calib_text)))
+                                                  quant=quant_info))
         _write_tokenizer(tmp, path)
         _commit(tmp, out)
     except BaseException:
@@ -86,6 +104,159 @@ def convert_checkpoint(src: str, out: str, dtype: str = "bfloat16", tp: int = 1,
         raise
     logger.info("converted %s -> %s (dtype=%s, tp=%d, quant=%s)", path, out, dtype, tp, quant)
     return out
+
+
+def _check_options(dtype: str, tp: int, quant: str | None, group_size: int | None, w4_method: str | None,
+                   calib_text: str | None, quant_lm_head: str | None) -> tuple[QuantSpec | None, str | None]:
+    """(QuantSpec or None, the calibration method or None) of valid options; a ValueError naming the value
+    otherwise."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not supported; choose one of {DTYPES}")
+    if tp < 1:
+        raise ValueError(f"tp={tp} must be >= 1")
+    if quant_lm_head and not quant:
+        raise ValueError(f"quant_lm_head={quant_lm_head!r} needs quant (w8 or w4) for the rest of the model")
+    if w4_method is not None and w4_method not in W4_METHODS:
+        raise ValueError(f"w4_method={w4_method!r} is not supported; choose one of {W4_METHODS}")
+    _check_unused(quant, group_size, w4_method, calib_text, quant_lm_head)
+    spec = QuantSpec(quant, GROUP_SIZE if group_size is None else group_size, quant_lm_head) if quant else None
+    w4_method = w4_method or W4_METHODS[0]
+    calibrated = w4_method if spec is not None and spec.method == "w4" and w4_method != "rtn" else None
+    return spec, calibrated
+
+
+def _check_unused(quant: str | None, group_size: int | None, w4_method: str | None, calib_text: str | None,
+                  quant_lm_head: str | None) -> None:
+    """An option this request would not use is an error rather than silently ignored (the user expects
+    it to act); None is "not given"."""
+    if group_size is not None and "w4" not in (quant, quant_lm_head):
+        raise ValueError(f"group_size={group_size} (--group-size) applies to w4 only, but quant={quant!r} and "
+                         f"quant_lm_head={quant_lm_head!r}")
+    if w4_method is not None and quant != "w4":
+        raise ValueError(f"w4_method={w4_method!r} (--w4-method) applies to quant='w4' only, but quant={quant!r}")
+    if calib_text is not None and (quant != "w4" or w4_method == "rtn"):  # awq by default
+        raise ValueError(f"calib_text={calib_text!r} (--calib-text) applies to quant='w4' with w4_method 'awq' "
+                         f"or 'gptq' only, but quant={quant!r} and w4_method={w4_method!r}")
+
+
+def _source_quant(path: str) -> dict | None:
+    """The quant record of SRC's weights when they are already quantized: a conversion's `lmjax.quant`
+    entry, or an AWQ checkpoint's w4 layout; None for float weights (a GGUF is dequantized when read)."""
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        return None  # a .gguf file (or a directory load_model reports as unreadable)
+    hf_config = read_config(path)
+    if is_converted(path):
+        return (hf_config.get(CONFIG_KEY) or {}).get("quant")
+    awq = awq_spec(hf_config)
+    return {**awq.to_dict(), "algorithm": "awq", "calibration": "AWQ checkpoint"} if awq else None
+
+
+def _stored_quant(path: str, spec: QuantSpec | None, w4_method: str | None, calib_text: str | None) -> dict | None:
+    """SRC's quant record when its weights are already quantized in exactly the layout `spec` asks for
+    (they are then re-saved as they are); None for a float SRC. Any other request on a quantized SRC is
+    a ValueError: the loader hands over SRC's quantized layers, which neither quantize_model nor the
+    calibration touch, so config.json would describe a layout the checkpoint does not hold."""
+    source = _source_quant(path)
+    if not source:
+        return None
+    have = QuantSpec.from_dict(source)
+    if spec != have:
+        raise ValueError(f"SRC {path} is already quantized ({_describe(have)}); convert from the float "
+                         f"checkpoint it was made from, or ask for its own layout to re-save it as it is "
+                         f"({_flags(have)})")
+    made_by = source.get("algorithm")
+    # Nothing is calibrated or rounded again: only a method that says so (or the default) fits.
+    unused = [f"calib_text={calib_text!r}"] if calib_text is not None else []
+    unused += [f"w4_method={w4_method!r}"] if w4_method not in (None, "rtn", made_by) else []
+    if unused:
+        raise ValueError(f"SRC {path} is already quantized ({_describe(have)}, by {made_by}) and is re-saved "
+                         f"as it is: {' and '.join(unused)} cannot apply")
+    logger.info("%s is already quantized (%s): re-saving its weights as they are", path, _describe(have))
+    return source
+
+
+def _describe(spec: QuantSpec) -> str:
+    group = f", group_size {spec.group_size}" if "w4" in (spec.method, spec.lm_head) else ""
+    head = f", lm_head {spec.lm_head}" if spec.lm_head else ""
+    return f"{spec.method}{group}{head}"
+
+
+def _flags(spec: QuantSpec) -> str:
+    """The `lmjax convert` options that ask for `spec`."""
+    group = f" --group-size {spec.group_size}" if "w4" in (spec.method, spec.lm_head) else ""
+    head = f" --quant-lm-head {spec.lm_head}" if spec.lm_head else ""
+    return f"--quant {spec.method}{group}{head}"
+
+
+def _check_out(path: str, out: str, overwrite: bool) -> None:
+    """OUT must not exist; with `overwrite`, it may be a conversion or an empty directory, which the
+    commit then replaces, but never SRC or a directory holding it, nor a directory of other files."""
+    if not os.path.lexists(out):
+        return
+    if not overwrite:
+        raise FileExistsError(f"{out} already exists (pass overwrite=True / --overwrite to replace it)")
+    real_out = os.path.realpath(out)
+    if os.path.commonpath([os.path.realpath(path), real_out]) == real_out:
+        raise ValueError(f"OUT {out} is SRC {path} or holds it: overwrite would delete the source; "
+                         f"write the conversion elsewhere")
+    if not (is_converted(out) or (os.path.isdir(out) and not os.listdir(out))):
+        raise ValueError(f"OUT {out} is neither an lmjax conversion nor an empty directory: overwrite replaces "
+                         f"only those (remove it yourself if you mean to)")
+    logger.warning("%s exists: replacing it (overwrite)", out)
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname())  # no "-": it separates the name's fields
+
+
+def _tmp_prefix(out: str) -> str:
+    return f".{os.path.basename(out)}.tmp-"
+
+
+def _make_tmp(out: str) -> str:
+    """A new `.OUT.tmp-HOST-PID-RANDOM` beside OUT (owner and pid: `_sweep_stale_tmp` removes it once
+    that process is gone). `os.mkdir`, not `tempfile.mkdtemp`: OUT gets the mode (process umask) of any
+    directory, not mkdtemp's 0700."""
+    while True:
+        name = f"{_tmp_prefix(out)}{_host()}-{os.getpid()}-{secrets.token_hex(4)}"
+        tmp = os.path.join(os.path.dirname(out), name)
+        try:
+            os.mkdir(tmp)
+            return tmp
+        except FileExistsError:
+            continue
+
+
+_OUR_TMP = re.compile(r"(?P<host>[^-]*)-(?P<pid>[0-9]+)-[0-9a-f]{8}")
+_OLD_TMP = re.compile(r"[a-z0-9_]{8}")  # tempfile.mkdtemp's suffix: an older lmjax's, owner unknown
+
+
+def _sweep_stale_tmp(out: str) -> None:
+    """Remove the `.OUT.tmp-*` directories that dead conversions of OUT on this host left behind (a
+    SIGKILL runs no cleanup). One whose process still runs is being written; one of another host
+    (a shared filesystem) cannot be checked: both stay."""
+    parent, prefix = os.path.dirname(out), _tmp_prefix(out)
+    for name in os.listdir(parent):
+        if not name.startswith(prefix):
+            continue
+        tmp, match = os.path.join(parent, name), _OUR_TMP.fullmatch(name[len(prefix):])
+        if match is None:
+            if _OLD_TMP.fullmatch(name[len(prefix):]):
+                logger.warning("%s may be left by an interrupted conversion (its name gives no owner): remove "
+                               "it if no conversion of %s runs", tmp, out)
+        elif match["host"] == _host() and not _alive(int(match["pid"])):
+            logger.warning("removing %s, left by an interrupted conversion (pid %s)", tmp, match["pid"])
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only whether it exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _read_text(calib_text: str | None) -> str | None:
@@ -146,8 +317,26 @@ def _as_dtype(array: jax.Array, dtype: str) -> jax.Array:
 def _save_params(directory: str, params: dict) -> None:
     import orbax.checkpoint as ocp
 
-    with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as checkpointer:
-        checkpointer.save(directory, args=ocp.args.StandardSave(params))
+    before = set(threading.enumerate())
+    try:
+        with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as checkpointer:
+            checkpointer.save(directory, args=ocp.args.StandardSave(params))
+    except BaseException:
+        # A Ctrl-C stops only this thread: Orbax's writer threads go on writing (recreating directories)
+        # under `directory`, and the caller's rmtree, racing them, would leave their tree behind. The
+        # checkpointer is closed by now (no new work starts); wait for what runs.
+        _join(set(threading.enumerate()) - before, WRITER_WAIT_S)
+        raise
+
+
+def _join(threads: set, timeout: float) -> None:
+    """Wait up to `timeout` seconds in all for `threads` to end."""
+    deadline = time.monotonic() + timeout
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    if any(t.is_alive() for t in threads):
+        logger.warning("Orbax writer threads still run after %.0f s: the next conversion of this OUT removes "
+                       "what they leave", timeout)
 
 
 def _write_config(directory: str, hf_config: dict, info: dict) -> None:

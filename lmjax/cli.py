@@ -245,9 +245,9 @@ def _add_convert(subparsers) -> None:
                    help="tensor-parallel size to lay the storage chunks out for (default: 1; any tp restores)")
     p.add_argument("--quant", choices=("w8", "w4"), default=None,
                    help="weight-only quantization: w8 = int8 per output channel, w4 = int4 in groups")
-    p.add_argument("--group-size", type=_bounded(int, "group-size", 1), default=128,
-                   help="input rows per int4 scale with --quant w4 (default: 128)")
-    p.add_argument("--w4-method", choices=("awq", "gptq", "rtn"), default="awq",
+    p.add_argument("--group-size", type=_bounded(int, "group-size", 1), default=None,
+                   help="input rows per int4 scale with --quant w4 or --quant-lm-head w4 (default: 128)")
+    p.add_argument("--w4-method", choices=("awq", "gptq", "rtn"), default=None,
                    help="how --quant w4 picks its int4 codes, scales and offsets: awq (default) scales input "
                         "channels by their activations, rounds, and fits scales and offsets to each layer's "
                         "output on a calibration text; gptq fits the codes themselves to that text (measured "

@@ -118,6 +118,24 @@ def test_turbomind_model_format_awq_runs_the_checkpoint(awq_pair):
         lmjax.LLM(awq_dir, quantization="gptq")
 
 
+def test_awq_checkpoint_converts_only_to_its_own_w4_layout(awq_pair, tmp_path):
+    """Converting it to float or w8 wrote a directory that did not load (its loader builds w4 layers
+    that quantize_model skips), and exited 0; in its own layout it is stored as it is."""
+    from convert import convert_checkpoint
+
+    awq_dir, _ = awq_pair
+    for kwargs in ({}, {"quant": "w8"}, {"quant": "w4", "group_size": 128}):
+        with pytest.raises(ValueError, match=rf"is already quantized \(w4, group_size {GROUP}\)"):
+            convert_checkpoint(awq_dir, tmp_path / "out", dtype="float32", **kwargs)
+    assert os.listdir(tmp_path) == []
+    out = convert_checkpoint(awq_dir, tmp_path / "out", dtype="float32", quant="w4", group_size=GROUP)
+    assert json.load(open(os.path.join(out, "config.json")))["lmjax"]["quant"] == {
+        "method": "w4", "group_size": GROUP, "algorithm": "awq", "calibration": "AWQ checkpoint"}
+    got = prompt_logits(load_model(out, "float32").model, PROMPTS)
+    for g, w in zip(got, prompt_logits(load_model(awq_dir, "float32").model, PROMPTS)):
+        np.testing.assert_array_equal(g, w)
+
+
 @pytest.mark.parametrize("field, value, message", [
     ("bits", 8, "AWQ bits=8 is not supported"),
     ("version", "gemv", "AWQ version='gemv' is not supported"),

@@ -126,7 +126,7 @@ def _tp_restore(spec: dict) -> dict:
 @pytest.mark.parametrize("quant", [None, "w4"])
 def test_tp4_restore_places_each_shard_on_its_device(tiny, tmp_path, quant):
     run = _tp_restore({"src": tiny, "out": str(tmp_path / "out"), "tp": 4, "devices": 8, "quant": quant,
-                       "group_size": 16, "prompts": PROMPTS})
+                       **({"group_size": 16} if quant else {}), "prompts": PROMPTS})
     assert run["devices"] == 8
     params = run["params"]
     assert all(p["sharding_ok"] and p["devices_ok"] and p["shard_shapes_ok"] for p in params), params

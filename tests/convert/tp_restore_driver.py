@@ -39,7 +39,7 @@ def _recording_device_put(log: list):
 def main() -> None:
     tp, prompts = SPEC["tp"], SPEC.get("prompts", [[1, 2, 3, 4], [5, 6, 7]])
     convert_checkpoint(SPEC["src"], SPEC["out"], dtype="float32", tp=tp, quant=SPEC.get("quant"),
-                       group_size=SPEC.get("group_size", 128))
+                       group_size=SPEC.get("group_size"))
     log: list = []
     real, recording = _recording_device_put(log)
     jax.device_put = recording
