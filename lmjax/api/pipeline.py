@@ -12,13 +12,18 @@ import dataclasses
 import logging
 from collections.abc import Iterator
 
+import numpy as np
+from flax import nnx
+
 from lmjax.api.batch import encode_chat, encode_text, per_prompt, run_to_completion, stream_steps, submit_all
 from lmjax.api.outputs import Response, batch_index, response
 from lmjax.config import ChatTemplateConfig, EngineConfig, GenerationConfig, SamplingParams
 from lmjax.engine.engine import LLMEngine
+from lmjax.engine.request import check_prompt
 from lmjax.lmdeploy_config import PytorchEngineConfig, TurbomindEngineConfig
 from lmjax.loader.awq import require_awq
 from lmjax.loader.resolve import resolve_model_path
+from lmjax.models.forward import prompt_logits
 
 _LEGACY_ARGS = {"request_output_len": "max_new_tokens", "top_k": "top_k", "top_p": "top_p",
                 "temperature": "temperature", "repetition_penalty": "repetition_penalty",
@@ -168,6 +173,17 @@ class Pipeline:
         run_to_completion(self.engine, requests)
         return [-sum(e[t] for t, e in zip(r.prompt_token_ids[1:], r.prompt_logprobs[1:])) / (len(r.prompt_token_ids) - 1)
                 for r in requests]
+
+    def get_logits(self, input_ids: list[int] | list[list[int]]) -> list[np.ndarray]:
+        """LMDeploy's get_logits: per sequence of token ids, float32 logits [len, vocab] at every position
+        (numpy arrays; LMDeploy's are torch tensors), from one forward of the engine's model through a KV
+        cache of the engine's quant_policy, outside its cache (lmjax.models.forward.prompt_logits)."""
+        batch = [input_ids] if input_ids and isinstance(input_ids[0], int) else list(input_ids)
+        for ids in batch:
+            check_prompt(ids, self.engine.model_config.vocab_size, self.engine.session_len + 1)
+        runner = self.engine.runner
+        return prompt_logits(nnx.merge(runner.graphdef, runner.state), [list(ids) for ids in batch],
+                             quant_policy=self.engine.config.quant_policy, kv_maps=self.engine.kv_maps)
 
     def close(self) -> None:
         """Abort whatever is still running (LMDeploy frees its engine here; lmjax's goes with the object)."""

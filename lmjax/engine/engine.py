@@ -57,10 +57,10 @@ class LLMEngine:
         num_blocks = kv_cache_blocks(config, loaded.config, loaded.dtype, self.session_len)
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_batch_size, config.max_prefill_token_num)
-        kv_maps = self._kv_maps(loaded.model) if config.quant_policy == 4 else None
+        self.kv_maps = self._kv_maps(loaded.model) if config.quant_policy == 4 else None
         self.runner = ModelRunner(loaded.model, num_blocks, config.block_size, config.max_prefill_token_num,
                                   config.max_batch_size, -(-self.session_len // config.block_size), loaded.dtype,
-                                  config.quant_policy, kv_maps)
+                                  config.quant_policy, self.kv_maps)
         self._rng = random.Random(config.seed)
         self._by_seq: dict[int, tuple[Request, Completion]] = {}
         self._seq_ids = iter(range(1 << 62))

@@ -83,6 +83,13 @@ def test_lmdeploy_pipeline_methods(pipe):
     assert np.exp(ppl[0]) == pytest.approx(perplexity(nnx.merge(runner.graphdef, runner.state), ids), rel=1e-3)
     with pytest.raises(ValueError, match=r"input_ids\[0\] has 1"):
         pipe.get_ppl([[5]])
+    logits = pipe.get_logits([ids, ids[:4]])  # LMDeploy's: every position's logits; the same scores as get_ppl
+    assert [x.shape for x in logits] == [(len(ids), pipe.engine.model_config.vocab_size), (4, logits[0].shape[1])]
+    logp = logits[0] - np.logaddexp.reduce(logits[0].astype(np.float64), axis=1, keepdims=True)
+    assert -logp[np.arange(len(ids) - 1), ids[1:]].mean() == pytest.approx(ppl[0], rel=1e-4)
+    np.testing.assert_allclose(logits[1], logits[0][:4], atol=1e-4)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        pipe.get_logits([1, 10**9])
     same = pipe("Shanghai is", gen_config=SamplingParams(temperature=0, max_tokens=4))  # as AsyncEngine takes it
     assert same.token_ids == pipe("Shanghai is", gen_config=GenerationConfig(max_new_tokens=4)).token_ids
     with pytest.raises(TypeError, match="gen_config must be a GenerationConfig"):
