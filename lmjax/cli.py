@@ -198,9 +198,11 @@ def _serve(args) -> int:
 
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = _async_engine(args, args.log_level)
-    from lmjax.loader.resolve import DEFAULT_MODEL
+    from lmjax.loader.resolve import DEFAULT_MODEL, SMOLLM2_ALIASES, smollm2_gguf
 
-    aliases = (args.model or DEFAULT_MODEL,)  # the name the user started it with answers too
+    model = args.model or DEFAULT_MODEL  # the name the user started it with answers too, and the default
+    is_default = model in SMOLLM2_ALIASES or (smollm2_gguf() or "") == os.path.abspath(model)  # model's ids
+    aliases = (model, *sorted(SMOLLM2_ALIASES)) if is_default else (model,)
     run_server(engine, args.server_name, args.server_port, args.api_keys, args.model_name, args.log_level, aliases)
     return 0
 

