@@ -12,23 +12,12 @@ import threading
 
 import numpy as np
 import pytest
-import torch
-import transformers
 
 import convert.convert as convert_module
 from convert import convert_checkpoint
 from lmjax.loader.model_loader import load_model
 from lmjax.models.forward import prompt_logits
-from test_convert import PROMPTS, TINY, _write_tokenizer
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> str:
-    path = str(tmp_path_factory.mktemp("tiny-hf"))
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY)).save_pretrained(path)
-    _write_tokenizer(TINY["vocab_size"], path)
-    return path
+from test_convert import PROMPTS, tiny  # noqa: F401 (tiny: test_convert's fixture, shared)
 
 
 @pytest.fixture(scope="module")
