@@ -7,7 +7,6 @@ Requests come in through `add_request` (validated before any work), leave throug
 """
 from __future__ import annotations
 
-import bisect
 import logging
 import random
 import time
@@ -21,7 +20,8 @@ from lmjax.engine.detokenizer import IncrementalDetokenizer
 from lmjax.engine.model_runner import ModelRunner, StepOutput, bucket
 from lmjax.engine.request import Completion, Request, check_logprobs, check_prompt, new_request_id, truncated_prompt
 from lmjax.engine.scheduler import ScheduledBatch, Scheduler
-from lmjax.engine.sequence import Sequence, SequenceStatus
+from lmjax.engine.sequence import Sequence
+from lmjax.engine.sessions import SessionsMixin
 from lmjax.engine.stop import StopStringMatcher
 from lmjax.layers.sampler import SamplingRow, row_banned_ids, tokenize_bad_words
 from lmjax.loader.generation_config import generation_eos_ids, read_generation_config, sampling_defaults
@@ -34,7 +34,7 @@ logger = logging.getLogger("lmjax.engine")
 _GREEDY_ROW = SamplingRow(SamplingParams(temperature=0.0), seed=0)
 
 
-class LLMEngine:
+class LLMEngine(SessionsMixin):
     def __init__(self, model: str | None = None, config: EngineConfig | None = None, tokenizer: str | None = None):
         self.config = config = config or EngineConfig()
         self.compilation_cache_dir = enable_compilation_cache()  # a second start compiles nothing
@@ -168,56 +168,6 @@ class LLMEngine:
                 "num_free_blocks": b.num_free_blocks, "num_usable_blocks": b.num_usable_blocks,
                 "num_prefill_tokens": self.num_prefill_tokens, "num_generated_tokens": self.num_generated_tokens,
                 "num_sessions": len(self.sessions), **compile_stats()}
-
-    # ------------------------------------------------------------------ interactive sessions
-    def add_session_request(self, session_id, prompt_token_ids: list[int], params: SamplingParams,
-                            sequence_start: bool = True, sequence_end: bool = True, prompt: str | None = None,
-                            request_id: str | None = None) -> Request:
-        """One turn of an interactive session (LMDeploy's semantics).
-
-        `sequence_start=False` appends `prompt_token_ids` to the session's tokens (its previous turns, their
-        outputs included) and reuses their KV cache: only the new tokens are prefilled. `sequence_end=False`
-        keeps this turn's tokens and KV blocks for the next turn (until `end_session`); True ends the session.
-        The whole session is bounded by session_len, like any prompt.
-        """
-        if params.n != 1:
-            raise ValueError(f"a session turn generates one completion, got n={params.n}")
-        kept = None if sequence_start else self.sessions.get(session_id)
-        if not sequence_start and kept is None:
-            raise ValueError(f"session {session_id} has no history: start it with sequence_start=True")
-        history = kept.token_ids if kept is not None else []
-        req = self.add_request(history + list(prompt_token_ids), params, prompt, request_id)  # validates first
-        if kept is None:
-            self.end_session(session_id)  # a new start drops any earlier history
-        else:
-            del self.sessions[session_id]  # this turn owns the history now
-        seq, s = req.completions[0].seq, self.scheduler
-        if kept is not None and kept.block_table and s.num_running < s.max_batch_size:
-            s.waiting.remove(seq)  # resume it as running, its first num_computed_tokens already in the cache
-            seq.block_table, kept.block_table = kept.block_table, []
-            seq.num_computed_tokens = req.num_cached_tokens = kept.num_computed_tokens
-            seq.status = SequenceStatus.RUNNING
-            bisect.insort(s.running, seq, key=lambda q: q.arrival)
-        elif kept is not None:
-            self.blocks.free(kept)  # no batch slot to resume into: recompute (prefix caching may still hit)
-        if not sequence_end:
-            self._session_of[seq.seq_id] = session_id
-        return req
-
-    def end_session(self, session_id) -> None:
-        """Forget a session's history and free its KV blocks (a running turn is not touched)."""
-        seq = self.sessions.pop(session_id, None)
-        if seq is not None:
-            self.blocks.free(seq)
-
-    def _evict_idle_session(self) -> bool:
-        """Free the KV blocks of the least recently used idle session (its tokens stay: a later turn
-        recomputes them). Returns False when no idle session holds blocks."""
-        for seq in self.sessions.values():
-            if seq.block_table:
-                self.blocks.free(seq)
-                return True
-        return False
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[Request]:

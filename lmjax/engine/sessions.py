@@ -1,0 +1,62 @@
+"""Interactive sessions (LMDeploy's `sequence_start` / `sequence_end`): a turn continues its session's
+tokens and, when a batch slot is free, its KV blocks, so only the new tokens are prefilled; idle sessions'
+blocks give way when a waiting request cannot fit. Mixed into LLMEngine, whose `sessions` (session id ->
+its finished Sequence) and `_session_of` (seq_id -> session id of a turn that keeps its KV) it keeps."""
+from __future__ import annotations
+
+import bisect
+
+from lmjax.config import SamplingParams
+from lmjax.engine.request import Request
+from lmjax.engine.sequence import SequenceStatus
+
+
+class SessionsMixin:
+    def add_session_request(self, session_id, prompt_token_ids: list[int], params: SamplingParams,
+                            sequence_start: bool = True, sequence_end: bool = True, prompt: str | None = None,
+                            request_id: str | None = None) -> Request:
+        """One turn of an interactive session (LMDeploy's semantics).
+
+        `sequence_start=False` appends `prompt_token_ids` to the session's tokens (its previous turns, their
+        outputs included) and reuses their KV cache: only the new tokens are prefilled. `sequence_end=False`
+        keeps this turn's tokens and KV blocks for the next turn (until `end_session`); True ends the session.
+        The whole session is bounded by session_len, like any prompt.
+        """
+        if params.n != 1:
+            raise ValueError(f"a session turn generates one completion, got n={params.n}")
+        kept = None if sequence_start else self.sessions.get(session_id)
+        if not sequence_start and kept is None:
+            raise ValueError(f"session {session_id} has no history: start it with sequence_start=True")
+        history = kept.token_ids if kept is not None else []
+        req = self.add_request(history + list(prompt_token_ids), params, prompt, request_id)  # validates first
+        if kept is None:
+            self.end_session(session_id)  # a new start drops any earlier history
+        else:
+            del self.sessions[session_id]  # this turn owns the history now
+        seq, s = req.completions[0].seq, self.scheduler
+        if kept is not None and kept.block_table and s.num_running < s.max_batch_size:
+            s.waiting.remove(seq)  # resume it as running, its first num_computed_tokens already in the cache
+            seq.block_table, kept.block_table = kept.block_table, []
+            seq.num_computed_tokens = req.num_cached_tokens = kept.num_computed_tokens
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(s.running, seq, key=lambda q: q.arrival)
+        elif kept is not None:
+            self.blocks.free(kept)  # no batch slot to resume into: recompute (prefix caching may still hit)
+        if not sequence_end:
+            self._session_of[seq.seq_id] = session_id
+        return req
+
+    def end_session(self, session_id) -> None:
+        """Forget a session's history and free its KV blocks (a running turn is not touched)."""
+        seq = self.sessions.pop(session_id, None)
+        if seq is not None:
+            self.blocks.free(seq)
+
+    def _evict_idle_session(self) -> bool:
+        """Free the KV blocks of the least recently used idle session (its tokens stay: a later turn
+        recomputes them). Returns False when no idle session holds blocks."""
+        for seq in self.sessions.values():
+            if seq.block_table:
+                self.blocks.free(seq)
+                return True
+        return False
