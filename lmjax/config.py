@@ -64,13 +64,18 @@ def _check_numbers(obj, names: tuple[str, ...]) -> None:
                f"{name} must be a number, got {value!r}")
 
 
+def check_defaults_only(owner: str, values: dict, defaults: dict) -> None:
+    """Arguments kept for code written against vLLM or LMDeploy that lmjax does not implement: their
+    default values pass, anything else is a NotImplementedError naming it (never silently ignored).
+    `values`: {name: value} of `owner`'s (a class name) arguments, each a key of `defaults`."""
+    for name, value in values.items():
+        if value != defaults[name]:
+            raise NotImplementedError(f"{owner}({name}={value!r}) is not supported by lmjax")
+
+
 def _check_defaults_only(obj, defaults: dict) -> None:
-    """Fields kept for code written against vLLM or LMDeploy that lmjax does not implement: their
-    default values pass, anything else is a NotImplementedError naming it (never silently ignored)."""
-    for name, default in defaults.items():
-        value = getattr(obj, name)
-        if value != default:
-            raise NotImplementedError(f"{type(obj).__name__}({name}={value!r}) is not supported by lmjax")
+    """check_defaults_only for a dataclass's fields."""
+    check_defaults_only(type(obj).__name__, {name: getattr(obj, name) for name in defaults}, defaults)
 
 
 SAMPLING_NUMBERS = ("temperature", "top_p", "min_p", "repetition_penalty")

@@ -19,7 +19,7 @@ import jax
 
 from lmjax.api.batch import encode_text, per_prompt, run_to_completion, submit_all
 from lmjax.api.outputs import RequestOutput, request_output
-from lmjax.config import EngineConfig, SamplingParams
+from lmjax.config import EngineConfig, SamplingParams, check_defaults_only
 from lmjax.engine.engine import LLMEngine
 from lmjax.loader.awq import require_awq
 from lmjax.loader.generation_config import read_generation_config, sampling_defaults
@@ -91,11 +91,11 @@ def _generation_defaults(generation_config: str, engine: LLMEngine) -> dict:
 
 
 def _check_vllm_only(kwargs: dict) -> None:
-    for name, value in kwargs.items():
-        if name not in _VLLM_ONLY_DEFAULTS:
-            raise TypeError(f"LLM() got an unexpected keyword argument {name!r}")
-        if value != _VLLM_ONLY_DEFAULTS[name] and not (name == "trust_remote_code" and value):
-            raise NotImplementedError(f"LLM({name}={value!r}) is not supported by lmjax")
+    unknown = sorted(set(kwargs) - set(_VLLM_ONLY_DEFAULTS))
+    if unknown:
+        raise TypeError(f"LLM() got an unexpected keyword argument {unknown[0]!r}")
+    kwargs = {k: v for k, v in kwargs.items() if not (k == "trust_remote_code" and v)}  # nothing remote to run
+    check_defaults_only("LLM", kwargs, _VLLM_ONLY_DEFAULTS)
 
 
 # vLLM's kv_cache_dtype names a float8 cache; lmjax quantizes the cache as LMDeploy does (quant_policy):

@@ -148,6 +148,8 @@ def test_prompt_over_session_len_fails_before_any_work(pipe):
 def test_llm_rejects_bad_prompts_and_unknown_args(smollm2_pruned):
     with pytest.raises(TypeError, match="not_an_arg"):
         LLM(MODEL, not_an_arg=1)
+    with pytest.raises(NotImplementedError, match=r"LLM\(swap_space=8\)"):  # before any loading
+        LLM(MODEL, trust_remote_code=True, swap_space=8)  # trust_remote_code: nothing remote to run
     with pytest.raises(ValueError, match="quantization='awq'.*not an AWQ checkpoint"):
         LLM(MODEL, quantization="awq")
     llm = LLM(smollm2_pruned, max_model_len=256)
