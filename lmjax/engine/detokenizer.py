@@ -9,10 +9,13 @@ both decodes, and the difference is exactly the new text.
 
 A byte-level BPE can split one character (CJK, emoji) across tokens; decoding half of it yields
 U+FFFD. While the window's text ends in U+FFFD we emit nothing and wait for more tokens, so the
-stream never carries broken characters. `flush()` at the end emits whatever is still held back.
+stream never carries broken characters. `flush()` at the end emits whatever is still held back, less
+a character left unfinished at the very end (generation stopped inside it): its bytes never became text,
+and vLLM and LMDeploy drop it too.
 
 At the end, `text` (the concatenation of everything returned) equals
-`tokenizer.decode(output_ids, skip_special_tokens=..., clean_up_tokenization_spaces=False)`.
+`tokenizer.decode(output_ids, skip_special_tokens=..., clean_up_tokenization_spaces=False)` without that
+trailing U+FFFD.
 With `continue_prompt=True` the first window starts inside the prompt instead (as vLLM does), so
 text reads as a continuation of the prompt: a SentencePiece tokenizer then keeps the leading
 space of the first output word.
@@ -54,9 +57,10 @@ class IncrementalDetokenizer:
         return self._emit(window_text[len(prefix_text):])
 
     def flush(self) -> str:
-        """At the end of generation: emit what is held back, even an unfinished character."""
+        """At the end of generation: emit what is held back, less an unfinished character at its end."""
         prefix_text, window_text = self._window_texts()
-        return self._emit(window_text[len(prefix_text):]) if len(window_text) > len(prefix_text) else ""
+        held = window_text[len(prefix_text):] if len(window_text) > len(prefix_text) else ""
+        return self._emit(held.rstrip(REPLACEMENT_CHAR))
 
     def _window_texts(self) -> tuple[str, str]:
         window = self._ids[self._prefix_offset:]

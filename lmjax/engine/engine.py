@@ -104,7 +104,7 @@ class LLMEngine(SessionsMixin):
             req.prompt_logprobs, req.prompt_ranks = [None] * n, [0] * n
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
         for i in range(params.n):
-            self._add_completion(req, i, (base_seed + i * 0x9E3779B1) & 0xFFFFFFFF)
+            self._add_completion(req, i, (base_seed + i) & 0xFFFFFFFF)  # vLLM's: completion i is seed + i
         self.requests[req.request_id] = req
         return req
 
@@ -342,8 +342,8 @@ class LLMEngine(SessionsMixin):
         stop_token = token in (p.stop_token_ids or ()) or (token in self.eos_token_ids and not p.ignore_eos)
         if stop_token and not p.include_stop_str_in_output:
             comp.hidden_tail = 1  # as vLLM: the text leaves out the token that stopped it (token_ids keep it)
-        elif comp.stops.stops:  # stop strings: the text decides, decode it now (none before min_tokens, as vLLM)
-            result = comp.stops.feed(comp.detokenizer.step([token]), armed=len(comp.token_ids) >= p.min_tokens)
+        elif comp.stops.stops:  # stop strings: the text decides, decode it now (after min_tokens, as vLLM V1)
+            result = comp.stops.feed(comp.detokenizer.step([token]), armed=len(comp.token_ids) > p.min_tokens)
             comp.add_text(result.text)
             if result.stopped:
                 comp.stop_reason = result.stop_str

@@ -24,11 +24,13 @@ class StopResult(NamedTuple):
     stop_str: str | None = None
 
 
-def find_stop(text: str, start: int, stops: Sequence[str]) -> tuple[int, str] | None:
-    """Earliest (index, stop) with index >= start; at equal index the shortest, which completes first."""
+def find_stop(text: str, start: int, stops: Sequence[str], lookback: bool = False) -> tuple[int, str] | None:
+    """Earliest (index, stop) with index >= start; at equal index the shortest, which completes first.
+    lookback: `start` is where new text begins, and a stop counts if it ends there or later (vLLM's
+    window: each stop from start - len(stop) + 1)."""
     best = None
     for stop in stops:
-        i = text.find(stop, start)
+        i = text.find(stop, max(0, start - len(stop) + 1) if lookback else start)
         if i >= 0 and (best is None or (i, len(stop)) < (best[0], len(best[1]))):
             best = (i, stop)
     return best
@@ -56,20 +58,17 @@ class StopStringMatcher:
         self.emitted = 0     # len(text) already returned to the caller
         self.stopped = False
         self.stop_str: str | None = None
-        self.floor = 0       # stop strings are looked for from here on (text before min_tokens is not searched)
 
     def feed(self, new_text: str, armed: bool = True) -> StopResult:
-        """armed=False (fewer output tokens than min_tokens, as vLLM counts them): the text passes
-        unsearched and is never searched later."""
+        """armed=False (output tokens not past min_tokens, as vLLM V1 counts them): the text is not
+        searched. A stop is looked for where it could end in the new text, so one that begins in earlier
+        text counts (before min_tokens too: vLLM's look-back). A tail that could begin a stop is held back
+        either way (already emitted text could not be cut)."""
         if self.stopped:
             return StopResult("", True, self.stop_str)
+        start = len(self.text)
         self.text += new_text
-        if not armed:
-            self.floor = len(self.text)
-            return StopResult(self._release(len(self.text)), False)
-        # A stop string may begin in text already emitted only when nothing is held back
-        # (include_stop_str_in_output); looking back max_len - 1 characters covers that case.
-        hit = find_stop(self.text, max(self.floor, self.emitted - self._max_len + 1), self.stops)
+        hit = find_stop(self.text, start, self.stops, lookback=True) if armed else None
         if hit is not None:
             return self._stop(*hit)
         # With the stop string included in the output, nothing needs holding back.

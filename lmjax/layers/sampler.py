@@ -149,6 +149,16 @@ def _logprob_outputs(raw_BV: jax.Array, token_ids_B: jax.Array, num_logprobs: in
     return SamplerOutput(token_ids_B, chosen_B, top_ids_BK.astype(jnp.int32), top_logprobs_BK, rank_B)
 
 
+def warp(logits_BV: jax.Array, meta: SamplingMetadata, use_top_k_top_p: bool, max_top_k: int = 0) -> jax.Array:
+    """Temperature, then vLLM's (V1) order: min_p on the temperature-scaled distribution, then top-k and
+    top-p on what it left (V0 applied min_p last)."""
+    logits_BV = apply_temperature(logits_BV, meta.temperature_B)
+    logits_BV = apply_min_p(logits_BV, meta.min_p_B)
+    if use_top_k_top_p:
+        logits_BV = apply_top_k_top_p(logits_BV, meta.top_k_B, meta.top_p_B, max_top_k)
+    return logits_BV
+
+
 def sample(logits_BV: jax.Array, meta: SamplingMetadata, *, all_greedy: bool, use_penalties: bool,
            use_top_k_top_p: bool, num_logprobs: int, max_top_k: int = 0, ranks: bool = False) -> SamplerOutput:
     """One token per row. Call inside jit with the flags static (see SamplingFlags)."""
@@ -160,10 +170,7 @@ def sample(logits_BV: jax.Array, meta: SamplingMetadata, *, all_greedy: bool, us
     logits_BV = apply_banned(logits_BV, meta.banned_BX)
     token_ids_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
     if not all_greedy:
-        logits_BV = apply_temperature(logits_BV, meta.temperature_B)
-        if use_top_k_top_p:
-            logits_BV = apply_top_k_top_p(logits_BV, meta.top_k_B, meta.top_p_B, max_top_k)
-        logits_BV = apply_min_p(logits_BV, meta.min_p_B)
+        logits_BV = warp(logits_BV, meta, use_top_k_top_p, max_top_k)
         noisy_BV = logits_BV + _gumbel_BV(meta.seeds_B, meta.steps_B, logits_BV.shape[-1])
         sampled_B = jnp.argmax(noisy_BV, axis=-1).astype(jnp.int32)
         token_ids_B = jnp.where(meta.temperature_B > 0, sampled_B, token_ids_B)

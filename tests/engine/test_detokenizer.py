@@ -75,12 +75,15 @@ def test_work_per_token_is_bounded(tokenizer):
     assert detok.text == reference(tokenizer, ids, True)
 
 
-def test_flush_emits_unfinished_tail(tokenizer):
+def test_flush_drops_an_unfinished_last_character(tokenizer):
+    """Generation stopped inside a character: as vLLM and LMDeploy, its bytes never become text (was a
+    trailing U+FFFD)."""
     ids = tokenizer.encode("ok🙂", add_special_tokens=False)[:-1]  # cut inside the emoji
     detok = IncrementalDetokenizer(tokenizer)
     emitted = "".join(detok.step([i]) for i in ids)
-    assert "\ufffd" not in emitted
-    assert emitted + detok.flush() == reference(tokenizer, ids, True)
+    assert "\ufffd" not in emitted and reference(tokenizer, ids, True).endswith("\ufffd")
+    assert emitted + detok.flush() == reference(tokenizer, ids, True).rstrip("\ufffd") == detok.text
+    assert detok.text.startswith("ok")
 
 
 class MetaspaceLike:
@@ -164,3 +167,26 @@ def test_detokenizer_and_stop_on_chinese(tokenizer):
         if result.stopped:
             break
     assert result.stopped and shown == "世界你好！"
+
+
+def _feed_tokens(pieces, stops, min_tokens):
+    """The engine's use: one feed a token, armed once more than min_tokens tokens are out (vLLM V1)."""
+    m = StopStringMatcher(stops)
+    out = ""
+    for n, piece in enumerate(pieces, start=1):
+        result = m.feed(piece, armed=n > min_tokens)
+        out += result.text
+        if result.stopped:
+            return out, result.stop_str
+    return out + m.flush(), None
+
+
+def test_stop_strings_after_min_tokens_as_vllm_v1():
+    pieces = [" Paris", ".", "\n", "It"]
+    assert _feed_tokens(pieces, ["."], 0) == (" Paris", ".")
+    assert _feed_tokens(pieces, ["."], 1) == (" Paris", ".")  # the 2nd token is past min_tokens=1
+    assert _feed_tokens(pieces, ["."], 2) == (" Paris.\nIt", None)  # "." came with token 2: never searched
+    # a stop that ends in a searched token counts even if it began before min_tokens (vLLM's look-back),
+    # and the text it cuts was held back, never emitted
+    assert _feed_tokens(pieces, ["s.\n"], 2) == (" Pari", "s.\n")
+    assert _feed_tokens(pieces, ["s.\n"], 3) == (" Paris.\nIt", None)

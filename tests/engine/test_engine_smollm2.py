@@ -136,6 +136,9 @@ def test_n_completions_are_seeded_and_distinct(pruned, prompts):
     assert [c.index for c in first] == [0, 1, 2]
     assert [c.token_ids for c in first] == [c.token_ids for c in again]
     assert len({tuple(c.token_ids) for c in first}) > 1
+    # vLLM's seeds for n > 1: completion i is the single request with seed + i
+    single = SamplingParams(n=1, temperature=1.0, seed=9, max_tokens=12)
+    assert pruned.generate([prompts[5]], single, use_tqdm=False)[0].outputs[0].token_ids == first[2].token_ids
 
 
 def test_stop_token_text_is_left_out_and_min_tokens_holds_stop_strings(pruned, prompts):

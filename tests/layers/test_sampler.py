@@ -10,9 +10,8 @@ from transformers import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, Te
                           TopKLogitsWarper, TopPLogitsWarper)
 
 from lmjax.config import SamplingParams
-from lmjax.layers.sampler import (SamplingFlags, SamplingRow, apply_min_p, apply_penalties, apply_temperature,
-                                  apply_top_k_top_p, build_sampling_metadata, row_banned_ids, sample,
-                                  tokenize_bad_words)
+from lmjax.layers.sampler import (SamplingFlags, SamplingRow, apply_penalties, build_sampling_metadata,
+                                  row_banned_ids, sample, tokenize_bad_words, warp)
 
 sample_jit = jax.jit(sample, static_argnames=SamplingFlags._fields)
 
@@ -122,23 +121,29 @@ def test_logprobs_are_raw_log_softmax():
 
 
 def hf_warp(scores, p: SamplingParams):
-    """HF's warper chain for one request (temperature, top-k, top-p, min-p)."""
+    """HF's warpers for one request in vLLM's (V1) order: temperature, min-p, top-k, top-p."""
     if p.temperature != 1.0:
         scores = TemperatureLogitsWarper(p.temperature)(None, scores)
+    if p.min_p > 0:
+        scores = MinPLogitsWarper(p.min_p)(None, scores)
     if p.top_k > 0:
         scores = TopKLogitsWarper(p.top_k)(None, scores)
     if p.top_p < 1.0:
         scores = TopPLogitsWarper(p.top_p)(None, scores)
-    if p.min_p > 0:
-        scores = MinPLogitsWarper(p.min_p)(None, scores)
     return scores
 
 
 @functools.partial(jax.jit, static_argnames="max_top_k")
 def lmjax_warp(logits_BV, meta, max_top_k):
-    logits_BV = apply_temperature(logits_BV, meta.temperature_B)
-    logits_BV = apply_top_k_top_p(logits_BV, meta.top_k_B, meta.top_p_B, max_top_k)
-    return apply_min_p(logits_BV, meta.min_p_B)
+    return warp(logits_BV, meta, True, max_top_k)
+
+
+def test_min_p_filters_before_top_p_as_vllm():
+    """probs .5 / .3 / .2, min_p=0.5 drops the .2; top_p=0.6 over what is left (.625 / .375) keeps only the
+    first token (vLLM V1). Min_p last (V0) would keep two."""
+    logits = np.tile(np.log(np.array([[0.5, 0.3, 0.2]], np.float32)), (2000, 1))
+    rows = [SamplingRow(SamplingParams(temperature=1.0, top_p=0.6, min_p=0.5), seed=s) for s in range(2000)]
+    assert set(run(logits, rows).token_ids_B.tolist()) == {0}
 
 
 @pytest.mark.parametrize("kwargs", [
