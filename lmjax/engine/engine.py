@@ -247,6 +247,8 @@ class LLMEngine(SessionsMixin):
         waiting = self.scheduler.num_waiting
         if ahead and waiting and len(batch.items) < self.config.max_batch_size:
             return 1
+        if ahead and self.scheduler.num_running > len(batch.items):
+            return 1  # a sequence joined running outside this batch (a resumed session turn): schedule it
         for it in batch.items:
             if it.num_new_tokens != 1 or not it.samples or it.seq.seq_id not in self._by_seq:
                 return 1

@@ -34,7 +34,11 @@ class SessionsMixin:
         else:
             del self.sessions[session_id]  # this turn owns the history now
         seq, s = req.completions[0].seq, self.scheduler
-        if kept is not None and kept.block_table and s.num_running < s.max_batch_size:
+        # The kept KV serves only the prompt it was computed for: not after truncate_prompt_tokens cut the
+        # history's start, nor for prompt logprobs (the cache holds no logits): then the turn recomputes.
+        untruncated = len(req.prompt_token_ids) == len(history) + len(prompt_token_ids)
+        reusable = untruncated and params.prompt_logprobs is None
+        if kept is not None and kept.block_table and reusable and s.num_running < s.max_batch_size:
             s.waiting.remove(seq)  # resume it as running, its first num_computed_tokens already in the cache
             seq.block_table, kept.block_table = kept.block_table, []
             seq.num_computed_tokens = req.num_cached_tokens = kept.num_computed_tokens
