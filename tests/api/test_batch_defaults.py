@@ -1,4 +1,6 @@
 """LLM's max_num_seqs / max_num_batched_tokens defaults follow vLLM's by device."""
+import types
+
 import jax
 import pytest
 
@@ -41,7 +43,8 @@ def test_llm_takes_the_device_defaults_unless_given(monkeypatch):
 
     seen = []
     monkeypatch.setattr(llm_mod, "batch_defaults", lambda: (7, 333))
-    monkeypatch.setattr(llm_mod, "LLMEngine", lambda model, config, tokenizer: seen.append(config))
+    stub = types.SimpleNamespace(model_config=types.SimpleNamespace(context_len=4096), sampling_defaults={})
+    monkeypatch.setattr(llm_mod, "LLMEngine", lambda model, config, tokenizer: seen.append(config) or stub)
     llm_mod.LLM("unused")
     llm_mod.LLM("unused", max_num_seqs=5, max_num_batched_tokens=64)
     assert [(c.max_batch_size, c.max_prefill_token_num) for c in seen] == [(7, 333), (5, 64)]
