@@ -166,7 +166,8 @@ def convert(run: Run, src: str, quant: str | None) -> str | None:
     _remove_partial(out)
     argv = [sys.executable, "-m", "lmjax.cli", "convert", src, out, "--dtype", a.dtype, "--overwrite"]
     if quant:
-        argv += ["--quant", quant] + (["--group-size", str(a.group_size), "--w4-method", "rtn"] if quant == "w4" else [])
+        w4_flags = ["--group-size", str(a.group_size), "--w4-method", "rtn"]  # errors for w8 (unused there)
+        argv += ["--quant", quant] + (w4_flags if quant == "w4" else [])
     t0 = time.perf_counter()
     status, _ = run.child(f"convert-{name}", argv, "convert", env={"JAX_PLATFORMS": "cpu"})
     entry.update(status=status, seconds=round(time.perf_counter() - t0, 1))

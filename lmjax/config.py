@@ -328,7 +328,8 @@ def _warn_once(message: str) -> None:
 @dataclass
 class ChatTemplateConfig:
     """LMDeploy's chat-template fields. With only `model_name` set, the tokenizer's own chat
-    template is used (without one, LMDeploy's "base" template: the messages' text as is); with role markers, the prompt is built from them:
+    template is used (without one, LMDeploy's "base" template: the messages' text as is); with role
+    markers, the prompt is built from them:
     [system meta_instruction eosys] then per message `<role marker> content <role end>`, then
     `assistant` to open the reply (LMDeploy's BaseChatTemplate layout).
     `stop_words` are added to each request's stop strings by the pipeline."""

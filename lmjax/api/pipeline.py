@@ -111,7 +111,8 @@ class Pipeline:
         _check_legacy(legacy)
         single, requests = self._submit(prompts, gen_config, do_preprocess, legacy)
         run_to_completion(self.engine, requests, use_tqdm)
-        out = [response(r, c, index=batch_index(p, r.params.n, c.index)) for p, r in enumerate(requests) for c in r.completions]
+        out = [response(r, c, index=batch_index(p, r.params.n, c.index))
+               for p, r in enumerate(requests) for c in r.completions]
         return out[0] if single and len(out) == 1 else out
 
     batch_infer = __call__
@@ -195,7 +196,6 @@ class Pipeline:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
 
 
 def _check_legacy(legacy: dict) -> None:

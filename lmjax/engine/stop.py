@@ -52,7 +52,6 @@ class StopStringMatcher:
 
     def __init__(self, stops: Sequence[str] | None, include_stop_str_in_output: bool = False):
         self.stops = [s for s in (stops or ()) if s]
-        self._max_len = max(map(len, self.stops), default=0)
         self.include_stop_str_in_output = include_stop_str_in_output
         self.text = ""       # all text fed so far (cut at the stop once stopped)
         self.emitted = 0     # len(text) already returned to the caller

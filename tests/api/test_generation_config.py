@@ -62,6 +62,7 @@ def test_openai_requests_take_the_model_defaults_for_fields_they_leave_out():
     assert (left_out.temperature, left_out.top_p, left_out.top_k) == (0.6, 0.9, 20)
     given = ChatCompletionRequest(**chat, temperature=1.0, top_k=0).sampling_params(defaults)
     assert (given.temperature, given.top_p, given.top_k) == (1.0, 0.9, 0)
-    assert ChatCompletionRequest.model_validate({**chat, "temperature": None}).sampling_params(defaults).temperature == 0.6
+    null = ChatCompletionRequest.model_validate({**chat, "temperature": None})
+    assert null.sampling_params(defaults).temperature == 0.6
     assert CompletionRequest(model="m", prompt="hi").sampling_params(defaults).top_p == 0.9
     assert ChatCompletionRequest(**chat).sampling_params().temperature == 1.0  # OpenAI's without a model default
