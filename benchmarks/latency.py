@@ -24,7 +24,9 @@ with CUDA graphs by itself). TTFT = median time of `generate(max_new_tokens=1)`;
 its error and the eager numbers stand as the baseline.
 
 Roofline: parameter bytes (from the checkpoint's safetensors headers, in `--dtype`) / `--bandwidth` (copy
-bandwidth, default 4.26e12 B/s, an H200): the batch-1 step can not be faster than reading every weight once.
+bandwidth, default 4.26e12 B/s, an H200; `--bandwidth measure` measures this device's copy rate in the same
+run, after transformers has freed the GPU and before lmjax starts): the batch-1 step can not be faster than
+reading every weight once.
 Output: a compact table on stdout; the full record as JSON in `--out` (latency-<name>.json) if given.
 """
 from __future__ import annotations
@@ -287,6 +289,25 @@ def print_report(result: dict) -> None:
 
 
 # ------------------------------------------------------------------ main
+def _bandwidth(value: str):
+    if value == "measure":
+        return value
+    try:
+        return float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--bandwidth must be B/s or 'measure', got {value!r}") from None
+
+
+def measured_bandwidth() -> dict:
+    """This device's copy rate, measured in this process before the engine starts (kernels_common's
+    copies; their 3 GiB of arrays are freed on return, before the engine sizes its KV cache)."""
+    from kernels_common import measure_copy_bandwidth
+
+    copy_bw, copies = measure_copy_bandwidth()
+    print("copy bandwidth (read+write):", {k: f"{v / 1e12:.3f} TB/s" for k, v in copies.items()})
+    return {"bandwidth": copy_bw, "copies": copies}
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
@@ -300,7 +321,8 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1, help="untimed lmjax requests after the first (cold) one")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--bandwidth", type=float, default=H200_COPY_BANDWIDTH, help="copy bandwidth, B/s")
+    p.add_argument("--bandwidth", type=_bandwidth, default=H200_COPY_BANDWIDTH,
+                   help="copy bandwidth in B/s, or 'measure' (this device's, in the same run)")
     p.add_argument("--hf-modes", nargs="*", choices=("eager", "compile"), default=["eager", "compile"],
                    help="transformers baselines to run (none: skip transformers)")
     p.add_argument("--hf-repeats", type=int, default=3, help="timed generate calls of each length per mode")
@@ -330,9 +352,12 @@ def main(argv=None) -> dict | None:
         os.makedirs(args.out, exist_ok=True)
     result = {"name": args.name, "model": path, "checkpoint_write_s": write_s, "dtype": args.dtype,
               "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "repeats": args.repeats,
-              "roofline": roofline(path, args.dtype, args.bandwidth), "start_only": args.start_only}
+              "start_only": args.start_only}
     if args.hf_modes and not args.start_only:  # first: the child frees the GPU before JAX takes it
         result["transformers"] = run_hf(path, args, args.out)
+    measured = measured_bandwidth() if args.bandwidth == "measure" else {}
+    result["roofline"] = roofline(path, args.dtype, measured.get("bandwidth", args.bandwidth))
+    result["roofline"]["measured_copies"] = measured.get("copies")
     if not args.skip_lmjax:
         result["lmjax"] = run_lmjax(path, fixed_prompt(path, args.prompt_len, args.seed), args)
     print_report(result)
