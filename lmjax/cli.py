@@ -124,6 +124,11 @@ def _add_chat(subparsers) -> None:
     p.set_defaults(func=_chat)
 
 
+# lmjax.serve.tool_parsers.PARSERS' names, spelled out: importing lmjax.serve (httpx) would slow every
+# `lmjax` command's start (tests/serve/test_tool_calls.py holds the two equal)
+TOOL_CALL_PARSERS = ("hermes", "internlm", "llama3", "llama3_json", "qwen")
+
+
 def _add_serve(subparsers) -> None:
     serve = subparsers.add_parser("serve", help="serve a model over HTTP")
     servers = serve.add_subparsers(dest="server", metavar="SERVER", required=True)
@@ -140,6 +145,11 @@ def _add_serve(subparsers) -> None:
                      help="accepted bearer keys (default: none needed)")
     api.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
                      help="log level (default: INFO)")
+    api.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None, metavar="NAME",
+                     help="parse chat replies for tool calls in this model family's format, one of "
+                          f"{', '.join(TOOL_CALL_PARSERS)} (default: none; then a request with tools is a 400)")
+    api.add_argument("--enable-auto-tool-choice", action="store_true",
+                     help="accepted for vLLM: tool_choice 'auto' is on whenever --tool-call-parser is given")
     api.set_defaults(func=_serve)
 
 
@@ -194,6 +204,8 @@ def _chat(args) -> int:
 def _serve(args) -> int:
     import logging
 
+    if args.enable_auto_tool_choice and not args.tool_call_parser:  # as vLLM, before anything loads
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser NAME")
     from lmjax.serve.openai_server import run_server
 
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -203,7 +215,8 @@ def _serve(args) -> int:
     model = args.model or DEFAULT_MODEL  # the name the user started it with answers too, and the default
     is_default = model in SMOLLM2_ALIASES or (smollm2_gguf() or "") == os.path.abspath(model)  # model's ids
     aliases = (model, *sorted(SMOLLM2_ALIASES)) if is_default else (model,)
-    run_server(engine, args.server_name, args.server_port, args.api_keys, args.model_name, args.log_level, aliases)
+    run_server(engine, args.server_name, args.server_port, args.api_keys, args.model_name, args.log_level,
+               args.tool_call_parser, aliases)
     return 0
 
 

@@ -182,16 +182,17 @@ class LLM:
              lora_request=None) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {'role', 'content'}) or a list of them.
         continue_final_message: the last (assistant) message is left open for the model to go on with;
-        chat_template_kwargs: extra variables for the template (vLLM's). Each conversation is rendered
-        once and its text tokenized as the template's own tokenize=True would (no special tokens added)."""
+        chat_template_kwargs: extra variables for the template (vLLM's); tools: OpenAI-style tool
+        definitions the template renders into the prompt (the replies are not parsed for calls: vLLM's
+        LLM.chat does not either). Each conversation is rendered once and its text tokenized as the
+        template's own tokenize=True would (no special tokens added)."""
         _no_lora(lora_request)
-        if tools:
-            raise NotImplementedError("LLM.chat(tools=...) is not supported by lmjax (no tool-call parser)")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.llm_engine.tokenizer
+        extra = {**(chat_template_kwargs or {}), **({"tools": tools} if tools else {})}
         texts = [render_chat(tok, c, chat_template=chat_template, tokenize=False,
                              add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
-                             **(chat_template_kwargs or {}))
+                             **extra)
                  for c in conversations]
         prompts = [{"prompt_token_ids": tok(t, add_special_tokens=False)["input_ids"], "prompt": t} for t in texts]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

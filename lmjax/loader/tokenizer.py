@@ -102,15 +102,17 @@ def text_content(content, where: str = "content") -> str | None:
 
 
 def render_chat(tokenizer, messages: list[dict], **kwargs):
-    """`tokenizer.apply_chat_template(messages, **kwargs)`, with messages checked first (content parts
-    made text, `text_content`) and a template that fails on them turned into a ValueError naming the
-    message: a jinja error such as "'dict object' has no attribute 'content'" says nothing of which
-    message or field was wrong."""
+    """`tokenizer.apply_chat_template(messages, **kwargs)` (kwargs may hold `tools`, OpenAI's tool list),
+    with messages checked first (content parts made text, `text_content`; tool calls' JSON-string
+    arguments made dicts, `_with_dict_arguments`) and a template that fails on them turned into a
+    ValueError naming the message: a jinja error such as "'dict object' has no attribute 'content'" says
+    nothing of which message or field was wrong."""
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise ValueError(f"messages[{i}] must be a dict with a 'role' string, got {m!r}")
     messages = [{**m, "content": text_content(m["content"], f"messages[{i}]")} if isinstance(m.get("content"), list)
                 else m for i, m in enumerate(messages)]
+    messages = [_with_dict_arguments(m, i) if m.get("tool_calls") else m for i, m in enumerate(messages)]
     import jinja2  # transformers' template engine
 
     try:
@@ -119,6 +121,27 @@ def render_chat(tokenizer, messages: list[dict], **kwargs):
         hint = [i for i, m in enumerate(messages) if "content" not in m]
         where = f" (messages {hint} have no 'content')" if hint else ""
         raise ValueError(f"the chat template could not render these messages{where}: {e}") from e
+
+
+def _with_dict_arguments(message: dict, i: int) -> dict:
+    """An assistant message whose tool calls' `function.arguments` are dicts: OpenAI sends a JSON string,
+    and templates (Llama 3.1's, Qwen2.5's, Hermes') render or iterate them as a mapping (vLLM converts
+    them too). A string that is not a JSON object is a ValueError naming the call."""
+    calls = []
+    for j, call in enumerate(message["tool_calls"]):
+        function = call.get("function") if isinstance(call, dict) else None
+        args = function.get("arguments") if isinstance(function, dict) else None
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError:
+                args = None
+            if not isinstance(args, dict):
+                raise ValueError(f"messages[{i}].tool_calls[{j}].function.arguments must be a JSON object, "
+                                 f"got {function['arguments']!r}")
+            call = {**call, "function": {**function, "arguments": args}}
+        calls.append(call)
+    return {**message, "tool_calls": calls}
 
 
 @functools.lru_cache(maxsize=1)

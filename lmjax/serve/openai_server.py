@@ -7,7 +7,9 @@ Routes: `GET /v1/models`, `POST /v1/chat/completions`, `POST /v1/completions` (s
 `{"error": {"message", "type", "param", "code"}}`: 400 for a malformed or out-of-range request (FastAPI's
 422 becomes 400), 401 for a bad key, 404 for an unknown model. The model answers to its served name and
 to the aliases it is given, a Hugging Face id among them also by its short name
-(`HuggingFaceTB/SmolLM2-135M-Instruct` and `SmolLM2-135M-Instruct`).
+(`HuggingFaceTB/SmolLM2-135M-Instruct` and `SmolLM2-135M-Instruct`). With `tool_call_parser` (a name in
+lmjax.serve.tool_parsers) a chat request's `tools` are rendered by the template and its reply parsed for
+calls; without one, `tools` with tool_choice "auto" are a 400 (vLLM's rule).
 
 A request is validated and its first output awaited before the response starts, so a prompt over
 session_len is a 400 even when streaming. A client that disconnects cancels its generator, which aborts
@@ -27,11 +29,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lmjax.api.async_engine import AsyncEngine
 from lmjax.api.batch import encode_chat
-from lmjax.loader.tokenizer import token_bytes
+from lmjax.loader.tokenizer import render_chat, token_bytes
 from lmjax.serve import responses as R
 from lmjax.serve.metrics import render_metrics
 from lmjax.serve.protocol import ChatCompletionRequest, CompletionRequest, EncodeRequest, InteractiveRequest
 from lmjax.serve.streams import first_and_rest, merge, until_disconnect
+from lmjax.serve.tool_parsers import ToolStream, get_tool_parser
 
 logger = logging.getLogger("lmjax.serve")
 
@@ -59,9 +62,24 @@ def accepted_names(name: str, aliases: tuple[str, ...] = ()) -> set[str]:
     return names | {a.split("/")[1] for a in aliases if a.count("/") == 1 and not a.startswith((".", "/", "~"))}
 
 
+def chat_prompt(engine: AsyncEngine, req: ChatCompletionRequest) -> tuple[str, list[int]]:
+    """The request's prompt (text, ids). With `tools`, the tokenizer's own template renders them (the
+    template decides where; one that ignores them is the model's business, as in vLLM); a role-marker
+    ChatTemplateConfig (--chat-template) has no place for them and renders the messages alone."""
+    tools, template, tok = req.tool_dicts(), engine.chat_template, engine.tokenizer
+    if tools and not template.has_markers and getattr(tok, "chat_template", None):
+        extra = {"continue_final_message": True} if req.continue_final_message else {}  # older templates: not asked
+        text = render_chat(tok, req.message_dicts(), tools=tools, tokenize=False,
+                           add_generation_prompt=req.add_generation_prompt, **extra)
+        return text, tok(text, add_special_tokens=False)["input_ids"]
+    return encode_chat(tok, req.message_dicts(), template, add_generation_prompt=req.add_generation_prompt,
+                       continue_final_message=req.continue_final_message)
+
+
 def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_name: str | None = None,
-               model_aliases: tuple[str, ...] = ()) -> FastAPI:
+               model_aliases: tuple[str, ...] = (), tool_call_parser: str | None = None) -> FastAPI:
     app = FastAPI(title="lmjax", docs_url=None, redoc_url=None)
+    tool_parser = get_tool_parser(tool_call_parser) if tool_call_parser else None  # stateless: one for all
     name = model_name or engine.model_name
     names = accepted_names(name, model_aliases)
     keys = {f"Bearer {k}" for k in api_keys or ()}
@@ -139,10 +157,11 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
         check_model(req.model)
         try:
+            tools = tool_parser if req.parses_tool_calls(tool_parser is not None) else None
+            if tools:  # call markers are special tokens in some vocabularies (InternLM2's): keep them, as vLLM
+                req = req.model_copy(update={"skip_special_tokens": False})
             params = req.sampling_params(engine.engine.sampling_defaults)
-            prompt = encode_chat(engine.tokenizer, req.message_dicts(), engine.chat_template,
-                                 add_generation_prompt=req.add_generation_prompt,
-                                 continue_final_message=req.continue_final_message)
+            prompt = chat_prompt(engine, req)
         except (ValueError, TypeError) as e:
             raise APIError(400, str(e)) from None
         head, k, choices = R.Head("chatcmpl", name), req.top_logprobs or 0, R.Choices(req.n)
@@ -150,14 +169,20 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
         if not req.stream:
             if not await until_disconnect(raw, _consume(first, rest, choices)):
                 return Response(status_code=499)  # the client is gone: nobody reads this
-            return R.chat_body(head, choices, k, decode, to_bytes)
+            return R.chat_body(head, choices, k, decode, to_bytes, tools)
 
         async def events():
+            streams: dict[int, ToolStream] = {}  # choice index -> its held-back text, when parsing tool calls
             async for p, out in _chain(first, rest):
                 new = choices.index(p, out) not in choices.outs
                 i = choices.add(p, out)
-                delta = {"role": "assistant", "content": out.response} if new else {"content": out.response}
-                yield R.sse(R.chat_chunk(head, i, delta, out.finish_reason, R.chat_logprobs(out, k, decode, to_bytes)))
+                delta, finish = R.tool_delta(streams.setdefault(i, ToolStream(tools)), out) if tools \
+                    else ({"content": out.response}, out.finish_reason)
+                logprobs = R.chat_logprobs(out, k, decode, to_bytes)
+                if new:
+                    delta = {"role": "assistant", "content": "", **delta}
+                if delta or finish or logprobs:  # a piece held back whole (a call may be starting) sends nothing
+                    yield R.sse(R.chat_chunk(head, i, delta, finish, logprobs))
             if req.include_usage:
                 yield R.sse(R.usage_chunk(head, "chat.completion.chunk", choices))
             yield R.sse("[DONE]")
@@ -265,9 +290,9 @@ async def _guarded(events):
 
 def run_server(engine: AsyncEngine, server_name: str = "127.0.0.1", server_port: int = 23333,
                api_keys: list[str] | None = None, model_name: str | None = None, log_level: str = "info",
-               model_aliases: tuple[str, ...] = ()) -> None:
+               tool_call_parser: str | None = None, model_aliases: tuple[str, ...] = ()) -> None:
     import uvicorn
 
-    app = create_app(engine, api_keys, model_name, model_aliases)
+    app = create_app(engine, api_keys, model_name, model_aliases, tool_call_parser)
     uvicorn.run(app, host=server_name, port=server_port, log_level=log_level.lower(), timeout_keep_alive=30)
     engine.close()

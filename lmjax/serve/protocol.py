@@ -3,14 +3,18 @@ their mapping onto the engine's SamplingParams. Field names and defaults follow 
 extensions `top_k`, `repetition_penalty`, `ignore_eos`, `min_tokens`, `skip_special_tokens`,
 `include_stop_str_in_output`, `bad_words`, `add_generation_prompt`, `continue_final_message`) and, for
 `/v1/chat/interactive`, LMDeploy's `GenerateRequest`. Unknown fields are ignored, as OpenAI does; OpenAI
-fields lmjax does not honour (tools, response_format, logit_bias, best_of > n, suffix, non-text content
-parts, and vLLM's prompt_logprobs and chat echo) are a 400 that names them unless left at their no-op
-values. An explicit `null` is the field's default (`_Nullable`). Every string must be valid UTF-8: JSON can
-carry a lone surrogate (`"\\udc80"`), which no tokenizer takes (`_Strict._utf8`).
+fields lmjax does not honour (response_format, logit_bias, best_of > n, suffix, non-text content parts,
+tool_choice "required" or a named function, the deprecated functions, and vLLM's prompt_logprobs and chat
+echo) are a 400 that names them unless left at their no-op values. `tools` are rendered into the prompt
+and, on a server started with --tool-call-parser, the reply is parsed for calls (lmjax.serve.tool_parsers).
+An explicit `null` is the field's default (`_Nullable`). Every string must be valid UTF-8: JSON can carry a
+lone surrogate (`"\\udc80"`), which no tokenizer takes (`_Strict._utf8`).
 Out-of-range values are caught by SamplingParams / GenerationConfig, whose ValueError names the value.
 Responses are plain dicts built in `responses.py`.
 """
 from __future__ import annotations
+
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -66,14 +70,50 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class FunctionSpec(_Strict):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    """One entry of a request's `tools`: only functions exist in OpenAI's chat API."""
+    type: Literal["function"] = "function"
+    function: FunctionSpec
+
+
+class FunctionCall(_Strict):
+    name: str
+    arguments: str | dict  # OpenAI sends a JSON string; the template gets a dict (render_chat)
+
+
+class ToolCallIn(_Strict):
+    """A tool call of an earlier assistant message, sent back in the conversation."""
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
     role: str
     content: str | list[dict] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant's calls (its content may be null)
+    tool_call_id: str | None = None  # a "tool" message: the call it answers
 
     def text(self) -> str:
         """The message's text: a string, or the text parts of a content list joined by newlines (other
         parts are a ValueError, `lmjax.loader.tokenizer.text_content`)."""
         return text_content(self.content, f"a {self.role} message") or ""
+
+    def to_dict(self) -> dict:
+        """What the chat template gets: role and text, and the tool fields where set."""
+        out = {"role": self.role, "content": self.text()}
+        if self.tool_calls is not None:
+            out["tool_calls"] = [c.model_dump(exclude_none=True) for c in self.tool_calls]
+        out.update({k: getattr(self, k) for k in ("name", "tool_call_id") if getattr(self, k) is not None})
+        return out
 
 
 class _Sampling(_Nullable):
@@ -146,8 +186,8 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list | None = None
-    tool_choice: str | dict | None = None
+    tools: list[Tool] | None = None
+    tool_choice: str | dict | None = None  # "auto" (default), "none"; "required" and named ones are a 400
     functions: list | None = None
     function_call: str | dict | None = None
     # vLLM's chat template switches: continue_final_message renders the last (assistant) message open,
@@ -158,12 +198,13 @@ class ChatCompletionRequest(_Sampling):
 
     def _unsupported(self) -> dict:
         bad = super()._unsupported()
-        for name in ("tools", "functions"):
-            if getattr(self, name):
-                bad[name] = f"[{len(getattr(self, name))} tool(s)]"  # tool calling: no parser here
-        for name in ("tool_choice", "function_call"):
-            if getattr(self, name) not in (None, "none", "auto"):
-                bad[name] = getattr(self, name)
+        if self.functions:  # OpenAI's deprecated form of tools
+            bad["functions"] = f"[{len(self.functions)} function(s)] (send them as tools)"
+        if self.function_call not in (None, "none", "auto"):
+            bad["function_call"] = self.function_call
+        if self.tool_choice not in (None, "none", "auto"):
+            # "required" and a named function need decoding constrained to a call, which lmjax lacks
+            bad["tool_choice"] = self.tool_choice
         if self.echo:
             bad["echo"] = True
         return bad
@@ -181,7 +222,26 @@ class ChatCompletionRequest(_Sampling):
         return self._params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None, defaults=defaults)
 
     def message_dicts(self) -> list[dict]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        return [m.to_dict() for m in self.messages]
+
+    def tool_dicts(self) -> list[dict] | None:
+        """The tools for the chat template (None without any): rendered also with tool_choice "none", as
+        vLLM does."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+    def parses_tool_calls(self, parser_configured: bool) -> bool:
+        """Whether the reply is to be parsed for tool calls: tools given and tool_choice "auto" (or unset).
+        ValueError (-> 400) when that needs a parser the server was not started with (vLLM's rule)."""
+        if self.tool_choice not in (None, "auto", "none"):
+            raise ValueError(f"tool_choice={self.tool_choice!r} is not supported by lmjax: it needs decoding "
+                             "constrained to a tool call; use 'auto' (the model decides) or 'none'")
+        if not self.tools or self.tool_choice == "none":
+            return False
+        if not parser_configured:
+            raise ValueError(f"tools ({len(self.tools)} given) with tool_choice={self.tool_choice or 'auto'!r} need "
+                             "a server started with --tool-call-parser NAME (and, in vLLM's spelling, "
+                             "--enable-auto-tool-choice)")
+        return True
 
 
 class CompletionRequest(_Sampling):

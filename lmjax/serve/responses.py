@@ -1,7 +1,8 @@
 """Response bodies of the HTTP API as plain dicts (OpenAI's JSON shapes), built from AsyncEngine GenOuts.
 
 `Choices` accumulates the outputs of one HTTP request (several prompts x n completions each) into
-choices and usage; the `*_chunk` functions build the streaming (SSE) pieces.
+choices and usage; the `*_chunk` functions build the streaming (SSE) pieces. With a tool-call parser
+(lmjax.serve.tool_parsers) a chat reply's calls become `message.tool_calls` / `delta.tool_calls`.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import time
 import uuid
 
 from lmjax.api.engine_thread import GenOut, merge_outputs
+from lmjax.serve.tool_parsers import ToolParser, ToolStream
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,12 +112,38 @@ class Choices:
                 "prompt_tokens_details": {"cached_tokens": sum(c for _, c in self.prompt_tokens.values())}}
 
 
-def chat_body(head: Head, choices: Choices, k: int, decode, to_bytes=None) -> dict:
-    return {**head.fields("chat.completion"),
-            "choices": [{"index": i, "message": {"role": "assistant", "content": o.response},
-                         "logprobs": chat_logprobs(o, k, decode, to_bytes), "finish_reason": o.finish_reason}
-                        for i, o in sorted(choices.outs.items())],
-            "usage": choices.usage()}
+def chat_message(text: str, finish_reason: str | None, tools: ToolParser | None = None) -> tuple[dict, str | None]:
+    """The assistant message of a finished reply and its finish_reason. With a tool-call parser, calls found
+    in the text become `tool_calls`, the text before them the content (or null), and the finish_reason
+    "tool_calls" (as vLLM); a reply without calls, or with malformed ones, is plain content."""
+    if tools is not None:
+        content, calls = tools.parse(text)
+        if calls:
+            return {"role": "assistant", "content": content, "tool_calls": [c.to_dict() for c in calls]}, "tool_calls"
+    return {"role": "assistant", "content": text}, finish_reason
+
+
+def chat_body(head: Head, choices: Choices, k: int, decode, to_bytes=None, tools: ToolParser | None = None) -> dict:
+    items = []
+    for i, o in sorted(choices.outs.items()):
+        message, finish_reason = chat_message(o.response, o.finish_reason, tools)
+        items.append({"index": i, "message": message, "logprobs": chat_logprobs(o, k, decode, to_bytes),
+                      "finish_reason": finish_reason})
+    return {**head.fields("chat.completion"), "choices": items, "usage": choices.usage()}
+
+
+def tool_delta(stream: ToolStream, out: GenOut) -> tuple[dict, str | None]:
+    """(delta, finish_reason) of one streamed piece when the reply is parsed for tool calls: the content that
+    is surely not a call; at the end the rest of it and the calls, whole (`index`, id, type, name, arguments)."""
+    content = stream.feed(out.response)
+    if out.finish_reason is None:
+        return ({"content": content} if content else {}), None
+    rest, calls = stream.finish()
+    delta = {"content": content + rest} if content + rest else {}
+    if not calls:
+        return delta, out.finish_reason
+    delta["tool_calls"] = [{"index": j, **c.to_dict()} for j, c in enumerate(calls)]
+    return delta, "tool_calls"
 
 
 def completion_body(head: Head, choices: Choices, k: int, decode, echo: list[Echo] | None) -> dict:

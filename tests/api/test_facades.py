@@ -194,8 +194,9 @@ def test_llm_rejects_bad_prompts_and_unknown_args(smollm2_pruned):
     out = llm.chat(prefill, greedy, use_tqdm=False, add_generation_prompt=False, continue_final_message=True)[0]
     assert out.prompt.endswith("The colour is") and out.prompt_token_ids == llm.get_tokenizer().apply_chat_template(
         prefill, tokenize=True, continue_final_message=True, return_dict=True)["input_ids"]
-    with pytest.raises(NotImplementedError, match="tools"):
-        llm.chat(parts, greedy, use_tqdm=False, tools=[{"type": "function"}])
+    tools = [{"type": "function", "function": {"name": "get_weather"}}]  # rendered by the template, not parsed
+    assert llm.chat(parts, greedy, use_tqdm=False, tools=tools, chat_template="{{ tools[0].function.name }}")[0] \
+        .prompt == "get_weather"
     llm.llm_engine.config.max_logprobs = -1  # the vocabulary: 49,152 tokens
     with pytest.raises(ValueError, match="logprobs=1000000 is more than max_logprobs=49152"):
         llm.generate(["hi"], SamplingParams(logprobs=10**6), use_tqdm=False)

@@ -1,0 +1,179 @@
+"""Tool-call parsers: a model's finished reply text -> (content before the calls or None, [ToolCall]).
+
+The server picks one by name (`--tool-call-parser NAME`, `get_tool_parser`):
+- `hermes` (alias `qwen`, LMDeploy's name for Qwen2.5): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
+  several in a row; the text before the first is the content.
+- `llama3` (alias `llama3_json`, vLLM's name): a reply that is JSON objects `{"name": ..., "parameters": {...}}`,
+  optionally after `<|python_tag|>`, several separated by `;`. Text before `<|python_tag|>` is the content; a
+  reply that does not start with `{` or the tag is plain content.
+- `internlm` (InternLM2.5): `<|action_start|><|plugin|>{json}<|action_end|>`, the content before it.
+
+As in vLLM, a reply whose calls do not parse (bad JSON, no name) is returned whole as content: a model's
+malformed call is the model's answer, never a server error.
+
+Streaming (`ToolStream`): content goes out as it comes until a call may be starting; text that could be the
+beginning of a start marker (and trailing whitespace, which the non-streaming content drops before a call) is
+held back. At the end the whole text is parsed as above, so a stream and a non-streaming reply agree.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import uuid
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolCall:
+    """One parsed call: `arguments` is a JSON string, as OpenAI's `function.arguments`."""
+    name: str
+    arguments: str
+    id: str = dataclasses.field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+
+    def to_dict(self) -> dict:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def call_from_json(obj) -> ToolCall:
+    """A ToolCall from a decoded {"name", "arguments" | "parameters"} object; ValueError if it is not one."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        raise ValueError(f"not a tool call (no 'name' string): {obj!r}")
+    args = obj.get("arguments", obj.get("parameters", {}))
+    # a model may write the arguments as a JSON string already: keep it as the model wrote it
+    return ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
+
+
+def _held_prefix(text: str, marker: str) -> int:
+    """Length of the longest end of `text` that is a proper beginning of `marker` (it may yet become one)."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class ToolParser:
+    """Base of the parsers. `parse` is the contract; `content_end` serves streaming."""
+    name = ""
+    start_marker = ""  # where a call begins; text before it is content
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """(content or None, calls); no calls -> (text, [])."""
+        start = text.find(self.start_marker)
+        if start < 0:
+            return text, []
+        try:
+            calls = self._calls(text[start:])
+        except ValueError:  # json.JSONDecodeError is one
+            return text, []
+        if not calls:
+            return text, []
+        return text[:start].rstrip() or None, calls
+
+    def _calls(self, text: str) -> list[ToolCall]:
+        raise NotImplementedError
+
+    def content_end(self, text: str) -> int:
+        """How much of the text so far is surely content (may be streamed now): everything before a start
+        marker, or before an end that could grow into one, less trailing whitespace."""
+        start = text.find(self.start_marker)
+        end = start if start >= 0 else len(text) - _held_prefix(text, self.start_marker)
+        return len(text[:end].rstrip())
+
+
+class HermesParser(ToolParser):
+    name = "hermes"
+    start_marker = "<tool_call>"
+    _CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+
+    def _calls(self, text: str) -> list[ToolCall]:
+        # as vLLM: text between or after the calls is dropped (the calls are the reply)
+        return [call_from_json(json.loads(m.group(1))) for m in self._CALL.finditer(text)]
+
+
+class InternLMParser(ToolParser):
+    name = "internlm"
+    start_marker = "<|action_start|>"
+    _CALL = re.compile(r"<\|action_start\|>\s*<\|plugin\|>(.*?)(?:<\|action_end\|>|$)", re.DOTALL)
+
+    def _calls(self, text: str) -> list[ToolCall]:
+        calls = [call_from_json(json.loads(m.group(1))) for m in self._CALL.finditer(text)]
+        if text.count(self.start_marker) != len(calls):  # an <|interpreter|> action or a broken one
+            raise ValueError("an action that is not a plugin call")
+        return calls
+
+
+class Llama3Parser(ToolParser):
+    name = "llama3"
+    start_marker = "<|python_tag|>"
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        tag = text.find(self.start_marker)
+        before, body = (text[:tag], text[tag + len(self.start_marker):]) if tag >= 0 else ("", text)
+        if tag < 0 and not text.lstrip().startswith("{"):
+            return text, []
+        try:
+            calls = self._json_calls(body)
+        except ValueError:
+            return text, []
+        return before.rstrip() or None, calls
+
+    @staticmethod
+    def _json_calls(body: str) -> list[ToolCall]:
+        """JSON objects separated by `;` (and whitespace), nothing else."""
+        decoder, calls, pos = json.JSONDecoder(), [], 0
+        while True:
+            pos = len(body) - len(body[pos:].lstrip())
+            obj, pos = decoder.raw_decode(body, pos)
+            calls.append(call_from_json(obj))
+            rest = body[pos:].lstrip()
+            if not rest:
+                return calls
+            if not rest.startswith(";"):
+                raise ValueError(f"text after a tool call: {rest[:40]!r}")
+            pos = len(body) - len(rest) + 1
+            if not body[pos:].strip():  # a trailing `;`
+                return calls
+
+    def content_end(self, text: str) -> int:
+        tag = text.find(self.start_marker)
+        if tag >= 0:
+            return len(text[:tag].rstrip())
+        head = text.lstrip()
+        if not head or head.startswith("{") or self.start_marker.startswith(head):
+            return 0  # a call may be starting: it is the whole reply or nothing
+        return len(text[:len(text) - _held_prefix(text, self.start_marker)].rstrip())
+
+
+PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesParser, "qwen": HermesParser, "llama3": Llama3Parser,
+                                        "llama3_json": Llama3Parser, "internlm": InternLMParser}
+
+
+def get_tool_parser(name: str) -> ToolParser:
+    try:
+        return PARSERS[name]()
+    except KeyError:
+        raise ValueError(f"unknown tool call parser {name!r}; choose one of {sorted(PARSERS)}") from None
+
+
+class ToolStream:
+    """One streamed choice: `feed(delta)` -> content that can go out now; `finish()` -> (the rest of the
+    content, calls) once the reply is complete."""
+
+    def __init__(self, parser: ToolParser):
+        self.parser, self.text, self.sent = parser, "", 0
+
+    def feed(self, delta: str) -> str:
+        self.text += delta
+        end = self.parser.content_end(self.text)
+        if end <= self.sent:
+            return ""
+        out, self.sent = self.text[self.sent:end], end
+        return out
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        content, calls = self.parser.parse(self.text)
+        if not calls:
+            return self.text[self.sent:], []
+        content = content or ""
+        # what went out is the start of the content (content_end never passes a marker)
+        return content[self.sent:] if content.startswith(self.text[:self.sent]) else "", calls
