@@ -16,6 +16,7 @@ _EXPORTS = {
     "Logprob": "lmjax.api.outputs", "RequestOutput": "lmjax.api.outputs", "Response": "lmjax.api.outputs",
     "Pipeline": "lmjax.api.pipeline", "pipeline": "lmjax.api.pipeline", "ChatTemplateConfig": "lmjax.config",
     "EngineConfig": "lmjax.config", "GenerationConfig": "lmjax.config", "SamplingParams": "lmjax.config",
+    "GuidedDecodingParams": "lmjax.guided_params", "StructuredOutputsParams": "lmjax.guided_params",
     "PytorchEngineConfig": "lmjax.lmdeploy_config", "TurbomindEngineConfig": "lmjax.lmdeploy_config",
 }
 __all__ = sorted(_EXPORTS)

@@ -20,6 +20,8 @@ import functools
 from dataclasses import dataclass, fields
 from typing import Any
 
+from lmjax.guided_params import GuidedDecodingParams, as_guided, from_response_format
+
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 
@@ -102,6 +104,8 @@ class SamplingParams:
     means "up to the session length": the engine caps it at session_len - prompt length.
     `stop` strings are matched on the detokenized text (lmjax.engine.stop); `stop_token_ids`
     on sampled ids. `bad_token_ids` is an lmjax extension (from LMDeploy): ids never sampled.
+    `allowed_token_ids`: the only ids that may be sampled (EOS only if listed, as vLLM). `guided_decoding`
+    (alias `structured_outputs`, vLLM >= 0.11's name): a JSON schema, regex or choice (lmjax.engine.guided).
     `seed=None` lets the engine pick one (see `EngineConfig.seed`).
     """
     n: int = 1
@@ -126,24 +130,25 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (vLLM)
-    # vLLM fields lmjax does not implement: accepted at their defaults only (_VLLM_DEFAULTS)
+    allowed_token_ids: list[int] | None = None
+    guided_decoding: GuidedDecodingParams | None = None
+    structured_outputs: GuidedDecodingParams | None = None  # an alias: moved to guided_decoding
+    # vLLM fields lmjax does not implement: accepted at their defaults only
     best_of: int | None = None
     detokenize: bool = True
     logits_processors: list | None = None
-    allowed_token_ids: list[int] | None = None
 
     def __post_init__(self):
         _check_numbers(self, SAMPLING_NUMBERS + ("presence_penalty", "frequency_penalty"))
-        _check_defaults_only(self, {"detokenize": True, "logits_processors": None, "allowed_token_ids": None,
-                                    "best_of": self.best_of if self.best_of in (None, self.n) else None})
+        best_of = self.best_of if self.best_of in (None, self.n) else None
+        _check_defaults_only(self, {"detokenize": True, "logits_processors": None, "best_of": best_of})
         _check(self.truncate_prompt_tokens is None or (isinstance(self.truncate_prompt_tokens, int)
                                                        and self.truncate_prompt_tokens >= 1),
                f"truncate_prompt_tokens must be None or an int >= 1, got {self.truncate_prompt_tokens!r}")
         _check_sampling(self.temperature, self.top_p, self.top_k, self.min_p,
                         self.repetition_penalty, self.n, self.logprobs)
         for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            _check(-2 <= value <= 2, f"{name} must be in [-2, 2], got {value}")
+            _check(-2 <= getattr(self, name) <= 2, f"{name} must be in [-2, 2], got {getattr(self, name)}")
         _check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
                f"max_tokens must be None or an int >= 1, got {self.max_tokens!r}")
         _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0,
@@ -153,11 +158,12 @@ class SamplingParams:
         _check(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and self.prompt_logprobs >= 0),
                f"prompt_logprobs must be None or an int >= 0, got {self.prompt_logprobs!r}")
         _check(self.seed is None or isinstance(self.seed, int), f"seed must be an int, got {self.seed!r}")
-        self.stop = _as_list(self.stop, "stop", str)
+        for name, kind in (("stop", str), ("bad_words", str), ("stop_token_ids", int), ("bad_token_ids", int),
+                           ("allowed_token_ids", int)):
+            setattr(self, name, _as_list(getattr(self, name), name, kind))
         _check(not self.stop or all(self.stop), f"stop strings must be non-empty, got {self.stop!r}")
-        self.bad_words = _as_list(self.bad_words, "bad_words", str)
-        self.stop_token_ids = _as_list(self.stop_token_ids, "stop_token_ids", int)
-        self.bad_token_ids = _as_list(self.bad_token_ids, "bad_token_ids", int)
+        _check(self.allowed_token_ids != [], "allowed_token_ids must not be empty (None: every id)")
+        self.guided_decoding, self.structured_outputs = as_guided(self.guided_decoding, self.structured_outputs), None
 
     @property
     def is_greedy(self) -> bool:
@@ -208,16 +214,17 @@ class GenerationConfig:
     spaces_between_special_tokens: bool = True
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
+    response_format: dict | None = None  # {"type": "json_schema" | "regex_schema" | "json_object", ...}
     # LMDeploy fields lmjax does not implement: accepted at None only
-    response_format: dict | None = None
     logits_processors: list | None = None
     output_logits: str | None = None
     output_last_hidden_state: str | None = None
 
     def __post_init__(self):
         _check_numbers(self, SAMPLING_NUMBERS)
-        _check_defaults_only(self, {"response_format": None, "logits_processors": None, "output_logits": None,
+        _check_defaults_only(self, {"logits_processors": None, "output_logits": None,
                                     "output_last_hidden_state": None})
+        from_response_format(self.response_format)  # a bad one fails here, naming it
         _check_sampling(self.temperature, self.top_p, self.top_k, self.min_p,
                         self.repetition_penalty, self.n, self.logprobs)
         _check(self.max_new_tokens is None or (isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1),
@@ -229,10 +236,8 @@ class GenerationConfig:
                f"min_new_tokens must be None or an int >= 0, got {self.min_new_tokens!r}")
         _check(None in (self.min_new_tokens, self.max_new_tokens) or self.min_new_tokens <= self.max_new_tokens,
                f"min_new_tokens={self.min_new_tokens} must not exceed max_new_tokens={self.max_new_tokens}")
-        self.stop_words = _as_list(self.stop_words, "stop_words", str)
-        self.bad_words = _as_list(self.bad_words, "bad_words", str)
-        self.stop_token_ids = _as_list(self.stop_token_ids, "stop_token_ids", int)
-        self.bad_token_ids = _as_list(self.bad_token_ids, "bad_token_ids", int)
+        for name, kind in (("stop_words", str), ("bad_words", str), ("stop_token_ids", int), ("bad_token_ids", int)):
+            setattr(self, name, _as_list(getattr(self, name), name, kind))
 
     def to_sampling_params(self) -> SamplingParams:
         greedy = self.do_sample is False or self.top_k == 1 or self.temperature == 0
@@ -245,7 +250,8 @@ class GenerationConfig:
             bad_token_ids=self.bad_token_ids, logprobs=self.logprobs,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output)
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            guided_decoding=from_response_format(self.response_format))
 
 
 # Engine features that have a field but no implementation yet: a non-default value raises.

@@ -17,6 +17,7 @@ from lmjax.engine.block_manager import BlockManager
 from lmjax.engine.cache_sizing import kv_cache_blocks
 from lmjax.engine.compile_cache import compile_stats, enable_compilation_cache
 from lmjax.engine.detokenizer import IncrementalDetokenizer
+from lmjax.engine.guided import GuidedDecoding, advance_guide
 from lmjax.engine.model_runner import ModelRunner, StepOutput, bucket
 from lmjax.engine.request import Completion, Request, check_logprobs, check_prompt, new_request_id, truncated_prompt
 from lmjax.engine.scheduler import ScheduledBatch, Scheduler
@@ -61,6 +62,7 @@ class LLMEngine(SessionsMixin):
         self.runner = ModelRunner(loaded.model, num_blocks, config.block_size, config.max_prefill_token_num,
                                   config.max_batch_size, -(-self.session_len // config.block_size), loaded.dtype,
                                   config.quant_policy, self.kv_maps)
+        self.guided = GuidedDecoding(self.tokenizer, loaded.config.vocab_size, self.eos_token_ids)
         self._rng = random.Random(config.seed)
         self._by_seq: dict[int, tuple[Request, Completion]] = {}
         self._seq_ids = iter(range(1 << 62))
@@ -100,6 +102,7 @@ class LLMEngine(SessionsMixin):
         req = Request(request_id or new_request_id(), prompt, list(prompt_token_ids), params, max_tokens)
         if params.bad_words:
             req.bad_words_ids = tokenize_bad_words(self.tokenizer, params.bad_words)
+        req.allowed_W = self.guided.allowed_mask(params)
         if params.prompt_logprobs is not None:
             req.prompt_logprobs, req.prompt_ranks = [None] * n, [0] * n
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
@@ -119,6 +122,7 @@ class LLMEngine(SessionsMixin):
         prompt_token_ids = truncated_prompt(prompt_token_ids, params)
         check_prompt(prompt_token_ids, self.model_config.vocab_size, self.session_len)
         check_logprobs(params, self.model_config.vocab_size, self.config.max_logprobs)
+        self.guided.check(params)  # compiles a guide: a bad schema or regex fails here, naming it
         n = len(prompt_token_ids)
         # No max_tokens: up to the context, or as far as the whole cache holds one sequence (LMDeploy caps so)
         longest = self.session_len if params.max_tokens else min(self.session_len, self.cache_tokens)
@@ -136,7 +140,8 @@ class LLMEngine(SessionsMixin):
         detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, p.skip_special_tokens,
                                        p.spaces_between_special_tokens)
         comp = Completion(index, seq, seed, detok, StopStringMatcher(p.stop, p.include_stop_str_in_output),
-                          logprobs=[] if p.logprobs is not None else None)
+                          logprobs=[] if p.logprobs is not None else None,
+                          guide=self.guided.new_state(p, req.allowed_W))  # guided: its own walk of the guide
         req.completions.append(comp)
         self._by_seq[seq.seq_id] = (req, comp)
         self.scheduler.add(seq)
@@ -231,7 +236,7 @@ class LLMEngine(SessionsMixin):
 
     def _decode_steps(self, batch: ScheduledBatch, ahead: int = 0) -> int:
         """K > 1 when the next K decode steps need no host decision in between: all items decode,
-        nothing per-step is host-computed (penalties, multi-token bad words, min_tokens bans), and blocks
+        nothing per-step is host-computed (penalties, multi-token bad words, min_tokens bans, guides), and blocks
         for K more tokens are free (allocated here). While requests wait to join (the batch was full
         or the cache was), single steps take over when a request's max_tokens comes within K, so
         its slot frees on time; a request that ends earlier (EOS, a stop string) holds its slot to the
@@ -254,7 +259,7 @@ class LLMEngine(SessionsMixin):
                 return 1
             req, comp = self._by_seq[it.seq.seq_id]
             p = req.params
-            if p.uses_penalties or req.bad_words_ids or len(it.seq.output_token_ids) < p.min_tokens:
+            if p.uses_penalties or req.bad_words_ids or comp.guide or len(it.seq.output_token_ids) < p.min_tokens:
                 return 1
             if it.seq.num_computed_tokens + ahead + k > self.session_len:
                 return 1
@@ -306,7 +311,9 @@ class LLMEngine(SessionsMixin):
         outputs = item.seq.output_token_ids
         banned = row_banned_ids(req.params, outputs, [] if req.params.ignore_eos else self.eos_token_ids,
                                 req.bad_words_ids)
-        return SamplingRow(req.params, comp.seed, req.prompt_token_ids, outputs, banned, step=len(outputs) + ahead)
+        allowed_W = comp.guide.mask_W() if comp.guide is not None else req.allowed_W  # None: any token
+        return SamplingRow(req.params, comp.seed, req.prompt_token_ids, outputs, banned, len(outputs) + ahead,
+                           allowed_W)
 
     def _prompt_logprobs_k(self, batch: ScheduledBatch) -> int:
         wanted = [self._by_seq[it.seq.seq_id][0].params.prompt_logprobs for it in batch.items
@@ -355,6 +362,8 @@ class LLMEngine(SessionsMixin):
         if stop_token:
             comp.stop_reason = token if token in (p.stop_token_ids or ()) else None
             return self._finish(req, comp, "stop")
+        if comp.guide is not None and (reason := advance_guide(req, comp, token)):
+            return self._finish(req, comp, reason)  # the guided output is complete ("stop") or stuck
         if len(comp.token_ids) >= req.max_tokens:
             self._finish(req, comp, "length")
 

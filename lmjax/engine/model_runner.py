@@ -46,7 +46,8 @@ from lmjax.models.forward import make_kv_caches
 logger = logging.getLogger("lmjax.engine")
 
 
-_STEP = 1  # step kinds a leader sends its followers (lmjax.parallel.send_step)
+_STEP, _MASKED_STEP = 1, 2  # step kinds a leader sends its followers (lmjax.parallel.send_step); masked: the
+# sampling metadata carries an allowed-token mask (guided decoding), a pytree of another structure
 
 
 def bucket(n: int, minimum: int) -> int:
@@ -304,7 +305,8 @@ class ModelRunner:
         inputs = self.build_inputs(batch, blocks)
         smeta, flags = build_sampling_metadata(rows, pad_to=inputs.last_rows_B.shape[0])
         if self.leading:
-            parallel.send_step((inputs, smeta), [*map(int, flags), num_prompt_logprobs], kind=_STEP)
+            parallel.send_step((inputs, smeta), [*map(int, flags), num_prompt_logprobs],
+                               kind=_STEP if smeta.allowed_BW is None else _MASKED_STEP)
         out, prompt = self._run(inputs, smeta, flags, num_prompt_logprobs)
         n = len(batch.items)
         host = jax.device_get((out, prompt))
@@ -333,11 +335,13 @@ class ModelRunner:
     def follow(self) -> int:
         """On processes other than the leader: run the leader's steps until it releases us; returns
         how many steps ran. The results are the leader's to read (they are replicated)."""
-        smeta, flags = build_sampling_metadata([SamplingRow(SamplingParams(temperature=0.0), seed=0)], pad_to=1)
+        row = SamplingRow(SamplingParams(temperature=0.0), seed=0)
+        smeta, flags = build_sampling_metadata([row], pad_to=1)
+        masked, _ = build_sampling_metadata([dataclasses.replace(row, allowed_W=np.zeros(1, np.uint32))], pad_to=1)
         one, table = np.zeros(1, np.int32), np.zeros((1, 1), np.int32)
         inputs = StepInputs(one, one, AttentionMetadata(one, one, one, table, one), one, one)
         # One entry per kind of jitted call the leader may send: (input template, how to run it).
-        kinds = {_STEP: ((inputs, smeta), self._run)}
+        kinds = {_STEP: ((inputs, smeta), self._run), _MASKED_STEP: ((inputs, masked), self._run)}
         steps = 0
         while (step := parallel.receive_step({k: t for k, (t, _) in kinds.items()})) is not None:
             kind, (step_inputs, step_smeta), static = step

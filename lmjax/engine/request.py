@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from typing import Any
 
 from lmjax.config import SamplingParams
 from lmjax.engine.detokenizer import IncrementalDetokenizer
@@ -36,6 +37,7 @@ class Completion:
     _text: str = ""
     _lag: int = 0  # newest output tokens not detokenized yet (see `text`)
     hidden_tail: int = 0  # 1 when the last token stopped the request and its text is left out (vLLM)
+    guide: Any = None  # its lmjax.engine.guided.GuideState, for a guided request
 
     @property
     def token_ids(self) -> list[int]:
@@ -88,6 +90,7 @@ class Request:
     prompt_ranks: list[int] | None = None  # each prompt token's rank under the logits before it
     num_cached_tokens: int = 0
     error: str | None = None
+    allowed_W: Any = None  # allowed_token_ids as a packed mask (lmjax.engine.guided), fixed for its life
 
     @property
     def finished(self) -> bool:

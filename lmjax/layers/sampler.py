@@ -1,14 +1,16 @@
 """Sampling on device: one batch of logits in, one token per row out, each row with its own params.
 
 Shape letters: B batch rows (padding rows included), V vocabulary, L penalty-token slots,
-X banned-id slots, K top logprobs returned per row.
+X banned-id slots, K top logprobs returned per row, W 32-bit words of a packed token mask (ceil(V / 32)).
 
 Data flow: each step the engine calls `build_sampling_metadata(rows, pad_to)` on the host (numpy
 only), gets a `SamplingMetadata` pytree plus `SamplingFlags`, and calls
 `sample(logits_BV, meta, **flags._asdict())` inside its jitted step with the flags static, so a
 greedy-only batch compiles to a plain argmax. The logits pipeline follows HF / vLLM:
-penalties -> banned ids -> temperature -> top-k -> top-p -> min-p -> Gumbel-max draw; greedy
-rows (temperature 0) take the argmax after penalties and bans.
+penalties -> banned ids -> allowed-token mask -> temperature -> top-k -> top-p -> min-p -> Gumbel-max
+draw; greedy rows (temperature 0) take the argmax after penalties, bans and the mask. The mask (guided
+decoding, allowed_token_ids: lmjax.engine.guided) is a packed bitmask present only when some row has
+one, so every other batch compiles and runs as if it did not exist.
 
 Reproducibility: row b's noise comes from fold_in(key(seed_b), step_b), step_b being the number
 of tokens the request has generated, so a request draws the same tokens whatever else shares
@@ -43,6 +45,9 @@ class SamplingMetadata:
     prompt_tokens_BL: jax.Array       # int32, -1 padded
     output_tokens_BL: jax.Array       # int32, -1 padded
     banned_BX: jax.Array              # int32, -1 padded
+    # uint32 packed bitmask, bit j of word w allows token 32 w + j; None when no row restricts its tokens
+    # (a different pytree, hence its own compilation: unguided batches never pay for the mask).
+    allowed_BW: jax.Array | None = None
 
 
 class SamplingFlags(NamedTuple):
@@ -90,6 +95,15 @@ def apply_penalties(logits_BV: jax.Array, meta: SamplingMetadata) -> jax.Array:
 
 def apply_banned(logits_BV: jax.Array, banned_BX: jax.Array) -> jax.Array:
     return _scatter_rows(logits_BV, banned_BX, -jnp.inf)
+
+
+def apply_allowed(logits_BV: jax.Array, allowed_BW: jax.Array) -> jax.Array:
+    """-inf where the row's packed mask bit is 0. The mask crosses to the device packed (V / 8 bytes a row
+    instead of V) and is unpacked here, where it is a few elementwise ops."""
+    B, V = logits_BV.shape
+    bits_BW32 = (allowed_BW[:, :, None] >> jnp.arange(32, dtype=jnp.uint32)) & 1
+    allowed_BV = bits_BW32.reshape(B, -1)[:, :V].astype(bool)
+    return jnp.where(allowed_BV, logits_BV, -jnp.inf)
 
 
 def apply_temperature(logits_BV: jax.Array, temperature_B: jax.Array) -> jax.Array:
@@ -168,6 +182,8 @@ def sample(logits_BV: jax.Array, meta: SamplingMetadata, *, all_greedy: bool, us
     raw_BV = logits_BV.astype(jnp.float32)
     logits_BV = apply_penalties(raw_BV, meta) if use_penalties else raw_BV
     logits_BV = apply_banned(logits_BV, meta.banned_BX)
+    if meta.allowed_BW is not None:
+        logits_BV = apply_allowed(logits_BV, meta.allowed_BW)
     token_ids_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
     if not all_greedy:
         logits_BV = warp(logits_BV, meta, use_top_k_top_p, max_top_k)
@@ -181,13 +197,15 @@ def sample(logits_BV: jax.Array, meta: SamplingMetadata, *, all_greedy: bool, us
 
 @dataclasses.dataclass
 class SamplingRow:
-    """One running request as the sampler sees it. `step` defaults to len(output_ids)."""
+    """One running request as the sampler sees it. `step` defaults to len(output_ids). `allowed_W`: a
+    packed mask of the ids it may sample (uint32 [W]; None: any)."""
     params: SamplingParams
     seed: int
     prompt_ids: Sequence[int] = ()
     output_ids: Sequence[int] = ()
     banned_ids: Sequence[int] = ()
     step: int | None = None
+    allowed_W: np.ndarray | None = None
 
 
 def _bucket(n: int) -> int:
@@ -244,8 +262,29 @@ def build_sampling_metadata(rows: Sequence[SamplingRow], pad_to: int
         steps_B=column(lambda r: len(r.output_ids) if r.step is None else r.step, np.int32, 0),
         prompt_tokens_BL=_pad_ids(prompts, B, L),
         output_tokens_BL=_pad_ids(outputs, B, L),
-        banned_BX=_pad_ids([r.banned_ids for r in rows], B, X))
+        banned_BX=_pad_ids([r.banned_ids for r in rows], B, X),
+        allowed_BW=_allowed_mask([r.allowed_W for r in rows], B))
     return meta, flags
+
+
+def _allowed_mask(masks: list[np.ndarray | None], B: int) -> np.ndarray | None:
+    """The rows' packed masks as uint32 [B, W], all bits set for rows without one; None if no row has one."""
+    given = [m for m in masks if m is not None]
+    if not given:
+        return None
+    allowed_BW = np.full((B, len(given[0])), 0xFFFFFFFF, np.uint32)
+    for b, mask_W in enumerate(masks):
+        if mask_W is not None:
+            allowed_BW[b] = mask_W
+    return allowed_BW
+
+
+def pack_token_ids(ids: Sequence[int], num_words: int) -> np.ndarray:
+    """A packed mask (uint32 [W], W = num_words) with the bits of `ids` set."""
+    ids = np.asarray(ids, np.int64)
+    mask_W = np.zeros(num_words, np.uint32)
+    np.bitwise_or.at(mask_W, ids >> 5, (np.uint32(1) << (ids & 31).astype(np.uint32)))
+    return mask_W
 
 
 def row_banned_ids(params: SamplingParams, output_ids: Sequence[int], eos_token_ids: Sequence[int],

@@ -1,0 +1,273 @@
+"""Guided decoding (structured outputs) on the host, with outlines-core's automata.
+
+Data flow: a request's GuidedDecodingParams (lmjax.guided_params) becomes a regex (a JSON schema through
+outlines-core's build_regex_from_schema, a choice as an alternation of escaped strings, json_object as a
+generic JSON object), and the regex plus the tokenizer's vocabulary (token id -> the bytes it stands for)
+an outlines-core `Index`: a token-level automaton, compiled when the request is submitted (so a bad
+schema is a ValueError naming it, and no other request ever sees it) and kept in an LRU per (kind, spec).
+Each completion walks it with its own `GuideState`. Before a step, the engine puts the packed mask of the
+tokens the state allows into the completion's SamplingRow (outlines writes it straight into numpy: about
+2 us for a 49k vocabulary); the sampler sets every other logit to -inf, greedy rows included
+(lmjax.layers.sampler.apply_allowed). After the step, the state advances by the sampled token; when the
+output is complete (only EOS could follow) the request ends right there, with finish reason "stop".
+
+Guided rows need the host between steps, so they decode one step at a time (LLMEngine._decode_steps);
+`allowed_token_ids` alone is a fixed mask and rides along in multi-step calls.
+
+Shape letters: W 32-bit words of a packed token mask, ceil(V / 32) for the model's V logits.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import time
+from collections import OrderedDict
+
+import numpy as np
+
+from lmjax.config import SamplingParams
+from lmjax.guided_params import GuidedDecodingParams
+from lmjax.layers.sampler import pack_token_ids
+
+logger = logging.getLogger("lmjax.engine")
+INDEX_CACHE_SIZE = 32  # compiled guides kept per engine (a JSON schema's: milliseconds to a second each)
+_REGEX_META = set("\\.+*?()|[]{}^$#&-~")
+
+
+def _outlines():
+    try:
+        import outlines_core
+    except ImportError as e:  # a core dependency, but an old install may lack it: say what to do
+        raise ValueError("guided decoding needs the outlines-core package: pip install 'outlines-core>=0.2.10'") from e
+    return outlines_core
+
+
+# ------------------------------------------------------------------ the tokenizer's vocabulary as bytes
+
+@functools.cache
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-to-unicode table, inverted: byte-level BPE spells each byte as one printable char."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
+
+
+def _byte_level_bytes(token: str) -> bytes:
+    alphabet = _byte_level_alphabet()
+    return b"".join(bytes([alphabet[c]]) if c in alphabet else c.encode() for c in token)
+
+
+def _sentencepiece_bytes(token: str) -> bytes:
+    """SentencePiece pieces: "▁" is a space, "<0x0A>" a byte of its own (byte fallback)."""
+    if len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
+        return bytes([int(token[3:5], 16)])
+    return token.replace("\u2581", " ").encode()
+
+
+def _is_byte_level(tokenizer) -> bool:
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    return decoder is not None and b'"ByteLevel"' in decoder.__getstate__()
+
+
+def vocabulary_map(tokenizer, skip_ids: set[int]) -> dict[bytes, list[int]]:
+    """{bytes: token ids} of every token a guided output may contain: all but special tokens and `skip_ids`
+    (EOS, given to outlines apart). Added (non-special) tokens are plain text, the others in the
+    tokenizer's own spelling (byte-level BPE or SentencePiece)."""
+    to_bytes = _byte_level_bytes if _is_byte_level(tokenizer) else _sentencepiece_bytes
+    added = {i: t for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()}
+    special = set(getattr(tokenizer, "all_special_ids", ())) | {i for i, t in added.items() if t.special}
+    vocab: dict[bytes, list[int]] = {}
+    for token, i in tokenizer.get_vocab().items():
+        if i in special or i in skip_ids:
+            continue
+        data = token.encode() if i in added else to_bytes(token)
+        if data:
+            vocab.setdefault(data, []).append(i)
+    return vocab
+
+
+# ------------------------------------------------------------------ params -> regex
+
+def _escape(text: str) -> str:
+    """A literal for outlines' (Rust) regex syntax: its metacharacters escaped, nothing else."""
+    return "".join("\\" + c if c in _REGEX_META else c for c in text)
+
+
+@functools.cache
+def json_object_regex(depth: int = 2) -> str:
+    """Any JSON object whose values nest at most `depth` containers deep. outlines' own schema for
+    {"type": "object"} nests 3 deep and takes ~6 s to compile over a 49k vocabulary; 2 deep takes 0.3 s."""
+    from outlines_core.json_schema import BOOLEAN, NULL, NUMBER, STRING
+    from outlines_core.json_schema import WHITESPACE as ws
+
+    scalar = f"({STRING}|{NUMBER}|{BOOLEAN}|{NULL})"
+
+    def obj(value: str) -> str:
+        return rf"\{{{ws}({STRING}{ws}:{ws}{value}({ws},{ws}{STRING}{ws}:{ws}{value})*)?{ws}\}}"
+
+    value = scalar
+    for _ in range(depth - 1):
+        value = rf"({scalar}|{obj(value)}|\[{ws}({value}({ws},{ws}{value})*)?{ws}\])"
+    return obj(value)
+
+
+def ascii_digits(regex: str) -> str:
+    """`\\d` as the ASCII digits [0-9], as JSON Schema patterns and xgrammar read it. Rust's regex (and so
+    outlines) reads it as any Unicode digit, and SmolLM2 asked for r"\\d{3}" greedily wrote "🯸🯸🯸"."""
+    out, i, in_class = [], 0, False
+    while i < len(regex):
+        c = regex[i]
+        if c == "\\" and i + 1 < len(regex):
+            out.append(("0-9" if in_class else "[0-9]") if regex[i + 1] == "d" else regex[i:i + 2])
+            i += 2
+            continue
+        in_class = (c == "[") or (in_class and c != "]")
+        out.append(c)
+        i += 1
+    return "".join(out)
+
+
+def guide_regex(guided: GuidedDecodingParams) -> str:
+    return ascii_digits(_regex(guided))
+
+
+def _regex(guided: GuidedDecodingParams) -> str:
+    kind = guided.kind
+    if kind == "regex":
+        return guided.regex
+    if kind == "choice":
+        return "(" + "|".join(_escape(c) for c in guided.choice) + ")"
+    if kind == "json_object":
+        return json_object_regex()
+    from outlines_core.json_schema import build_regex_from_schema
+
+    return build_regex_from_schema(guided.json, guided.whitespace)
+
+
+def _describe(guided: GuidedDecodingParams) -> str:
+    value = getattr(guided, guided.kind)
+    text = value if isinstance(value, str) else json.dumps(value)
+    return f"{guided.kind}={text[:200] + '...' if len(text) > 200 else text!r}"
+
+
+def _shorten(text: str, keep: int = 160) -> str:
+    """outlines' message less the whole regex it may quote (thousands of characters for a schema)."""
+    return text if len(text) <= 2 * keep else f"{text[:keep]} ... {text[-keep:]}"
+
+
+# ------------------------------------------------------------------ per engine, per completion
+
+class GuidedDecoding:
+    """One engine's guided-decoding state: the outlines Vocabulary (built on the first guided request)
+    and an LRU of compiled guides. `vocab_size`: the model's logits width V."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int]):
+        self.tokenizer, self.vocab_size, self.eos_token_ids = tokenizer, vocab_size, list(eos_token_ids)
+        self.num_words = -(-vocab_size // 32)
+        self.eos_W = pack_token_ids(self.eos_token_ids, self.num_words)
+        self.not_eos_W = ~self.eos_W
+        self._vocabulary, self._buffer_words = None, self.num_words
+        self._indexes: OrderedDict = OrderedDict()
+        self.compile_seconds = 0.0  # spent compiling guides (a stat)
+
+    def vocabulary(self):
+        if self._vocabulary is None:
+            start, oc = time.perf_counter(), _outlines()
+            vocab = vocabulary_map(self.tokenizer, set(self.eos_token_ids))
+            eos = getattr(self.tokenizer, "eos_token_id", None)
+            eos = eos if eos in self.eos_token_ids else (self.eos_token_ids or [self.vocab_size])[0]
+            self._vocabulary = oc.Vocabulary(eos, vocab)
+            top = max([eos, *(i for ids in vocab.values() for i in ids)])  # outlines' masks span ids 0..top
+            self._buffer_words = max(self.num_words, top // 32 + 1)
+            logger.info("guided decoding vocabulary: %d tokens in %.2f s", len(vocab), time.perf_counter() - start)
+        return self._vocabulary
+
+    def check(self, params: SamplingParams) -> None:
+        """A ValueError naming the value for allowed_token_ids outside the vocabulary or a guide that cannot
+        be compiled; the guide is compiled (and cached) here, at submission."""
+        bad = [i for i in params.allowed_token_ids or () if not 0 <= i < self.vocab_size]
+        if bad:
+            raise ValueError(f"allowed_token_ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        if params.guided_decoding is not None:
+            self.index(params.guided_decoding)
+
+    def index(self, guided: GuidedDecodingParams):
+        key = (guided.kind, guided.spec, guided.whitespace)
+        if key in self._indexes:
+            self._indexes.move_to_end(key)
+            return self._indexes[key]
+        vocabulary, start = self.vocabulary(), time.perf_counter()
+        try:
+            index = _outlines().Index(guide_regex(guided), vocabulary)
+        except (ValueError, TypeError, RuntimeError) as e:  # outlines' errors for bad schemas and regexes
+            raise ValueError(f"guided decoding {_describe(guided)} cannot be compiled: {_shorten(str(e))}") from e
+        seconds = time.perf_counter() - start
+        self.compile_seconds += seconds
+        logger.info("compiled guide %s in %.2f s", _describe(guided), seconds)
+        self._indexes[key] = index
+        if len(self._indexes) > INDEX_CACHE_SIZE:
+            self._indexes.popitem(last=False)
+        return index
+
+    def allowed_mask(self, params: SamplingParams) -> np.ndarray | None:
+        """allowed_token_ids as a packed mask (fixed for the request's life), or None."""
+        ids = params.allowed_token_ids
+        return pack_token_ids(ids, self.num_words) if ids else None
+
+    def new_state(self, params: SamplingParams, allowed_W: np.ndarray | None) -> GuideState | None:
+        """A fresh walk of the request's guide (one per completion), or None without one."""
+        if params.guided_decoding is None:
+            return None
+        return GuideState(self, self.index(params.guided_decoding), allowed_W, params.ignore_eos)
+
+
+class GuideState:
+    """One completion's place in its guide. `mask_W()`: the tokens it may sample next (packed uint32 [W]);
+    `advance(token)` after each sampled token says whether the output ended."""
+
+    def __init__(self, owner: GuidedDecoding, index, allowed_W: np.ndarray | None, ignore_eos: bool):
+        self.guide = _outlines().Guide(index)
+        self._owner, self._allowed_W, self._ignore_eos = owner, allowed_W, ignore_eos
+        self._buffer = np.zeros((1, owner._buffer_words), np.int32)  # outlines writes int32 words here
+        self._address = self._buffer.ctypes.data  # (asking numpy for it each step costs a microsecond)
+        self._mask_W: np.ndarray | None = None
+        self.error: str | None = None
+
+    def mask_W(self) -> np.ndarray:
+        """The mask of the current state (a view of this state's buffer until the next `advance`: the batch
+        copies it into its [B, W] mask before that)."""
+        if self._mask_W is None:
+            self.guide.write_mask_into(self._address, self._buffer.size, 4)
+            mask_W = self._buffer[0, :self._owner.num_words].view(np.uint32)
+            if self.guide.is_finished():  # the output could end here: every EOS id may, unless ignore_eos
+                mask_W &= self._owner.not_eos_W
+                if not self._ignore_eos:
+                    mask_W |= self._owner.eos_W
+            self._mask_W = mask_W if self._allowed_W is None else mask_W & self._allowed_W
+        return self._mask_W
+
+    def advance(self, token: int) -> str | None:
+        """Move past `token`; then "stop" when the output is complete (nothing but EOS may follow), "error"
+        (with `self.error`) when the token was not allowed or nothing may follow, else None."""
+        try:
+            self.guide.advance(token, return_tokens=False)
+        except ValueError as e:
+            self.error = f"guided decoding: sampled token {token} is not allowed here ({e})"
+            return "error"
+        self._mask_W = None
+        mask_W = self.mask_W()  # the next step's mask, computed now (it is needed anyway) to see what may follow
+        if not (mask_W & self._owner.not_eos_W).any():
+            if self.guide.is_finished():
+                return "stop"
+            self.error = "guided decoding: no allowed token can continue the output (allowed_token_ids?)"
+            return "error"
+        return None
+
+
+def advance_guide(req, comp, token: int) -> str | None:
+    """The finish reason, if any, that `token` gives a guided completion (the request's error set on one)."""
+    reason = comp.guide.advance(token)
+    if reason == "error":
+        req.error = comp.guide.error
+    return reason

@@ -1,0 +1,138 @@
+"""Structured outputs (guided decoding) as a request asks for them: vLLM's `GuidedDecodingParams` (its newer
+name `StructuredOutputsParams` is the same class here) and LMDeploy's / OpenAI's `response_format` dict.
+
+Plain data, checked for shape on creation (one kind of guide, a JSON schema that parses, a non-empty
+choice list). Whether a schema or regex can actually constrain the model's vocabulary is known only once
+the engine compiles it (lmjax.engine.guided): an error there is a ValueError naming the spec, raised when
+the request is submitted. Import-light on purpose: lmjax.config imports this module.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+KINDS = ("json", "regex", "choice", "grammar", "json_object")
+# vLLM's backend names: lmjax has one (outlines-core) and gives each the same constrained output.
+BACKENDS = (None, "auto", "outlines", "xgrammar", "guidance", "lm-format-enforcer")
+
+
+def _fail(message: str):
+    raise ValueError(message)
+
+
+@dataclass
+class GuidedDecodingParams:
+    """Exactly one of json (a JSON schema: dict, JSON string or pydantic model class), regex, choice (the
+    output is one of these strings), json_object (any JSON object) must be set. grammar and structural_tag
+    (EBNF / tags) are not supported. whitespace_pattern: the regex of the whitespace allowed between JSON
+    tokens (outlines' default: one optional space); disable_any_whitespace: none at all."""
+    json: str | dict | type | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    backend: str | None = None
+    backend_was_auto: bool = False
+    disable_fallback: bool = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+
+    def __post_init__(self):
+        for name in ("grammar", "structural_tag"):
+            if getattr(self, name) is not None:
+                raise NotImplementedError(f"GuidedDecodingParams({name}={getattr(self, name)!r}) is not supported "
+                                          "by lmjax: use json, regex, choice or json_object")
+        given = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            _fail(f"guided decoding needs exactly one of {list(KINDS[:3]) + ['json_object']}, got {given or 'none'}")
+        if self.backend not in BACKENDS:
+            _fail(f"guided decoding backend={self.backend!r} is not one of {[b for b in BACKENDS if b]}")
+        if self.json is not None:
+            self.json = _schema_text(self.json)
+        if self.regex is not None and not isinstance(self.regex, str):
+            _fail(f"guided regex must be a str, got {self.regex!r}")
+        if self.choice is not None:
+            choice = list(self.choice) if isinstance(self.choice, (list, tuple)) else None
+            if not choice or not all(isinstance(c, str) and c for c in choice):
+                _fail(f"guided choice must be a non-empty list of non-empty strings, got {self.choice!r}")
+            self.choice = choice
+        if self.whitespace_pattern is not None and not isinstance(self.whitespace_pattern, str):
+            _fail(f"whitespace_pattern must be a str, got {self.whitespace_pattern!r}")
+
+    @classmethod
+    def from_optional(cls, json=None, regex=None, choice=None, grammar=None, json_object=None, **kwargs):
+        """None when no kind of guide is given (vLLM's helper of the same name)."""
+        if all(v is None for v in (json, regex, choice, grammar, json_object)):
+            return None
+        return cls(json=json, regex=regex, choice=choice, grammar=grammar, json_object=json_object, **kwargs)
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def spec(self) -> str:
+        """What the guide is compiled from, as text (the cache key with `kind` and the whitespace)."""
+        value = getattr(self, self.kind)
+        return "\x1f".join(value) if self.kind == "choice" else str(value)
+
+    @property
+    def whitespace(self) -> str | None:
+        return "" if self.disable_any_whitespace else self.whitespace_pattern
+
+
+StructuredOutputsParams = GuidedDecodingParams  # vLLM >= 0.11's name for the same parameters
+
+
+def _schema_text(schema) -> str:
+    """A JSON schema as JSON text; a pydantic model class gives its own schema."""
+    if isinstance(schema, type) and hasattr(schema, "model_json_schema"):
+        schema = schema.model_json_schema()
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as e:
+            _fail(f"guided json schema is not valid JSON ({e}): {schema!r}")
+    if not isinstance(schema, (dict, bool)):
+        _fail(f"guided json schema must be a dict, a JSON string or a pydantic model, got {schema!r}")
+    return json.dumps(schema)  # key order kept: outlines writes the properties in the schema's order
+
+
+def as_guided(guided_decoding, structured_outputs=None) -> GuidedDecodingParams | None:
+    """SamplingParams' guided_decoding from it or its alias structured_outputs (at most one set), each None,
+    a GuidedDecodingParams or a dict of its fields."""
+    if guided_decoding is not None and structured_outputs is not None:
+        _fail(f"give guided_decoding or structured_outputs (the same parameters), not both: got "
+              f"{guided_decoding!r} and {structured_outputs!r}")
+    value = guided_decoding if guided_decoding is not None else structured_outputs
+    if value is None or isinstance(value, GuidedDecodingParams):
+        return value
+    if isinstance(value, dict):
+        return GuidedDecodingParams(**value)
+    return _fail(f"guided_decoding must be a GuidedDecodingParams or a dict of its fields, got {value!r}")
+
+
+def from_response_format(response_format: dict | None) -> GuidedDecodingParams | None:
+    """LMDeploy's (and OpenAI's) response_format: {"type": "json_schema", "json_schema": {"name": ...,
+    "schema": {...}}}, {"type": "regex_schema", "regex_schema": "..."}, {"type": "json_object"}, or
+    {"type": "text"} (no guide)."""
+    if response_format is None:
+        return None
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return GuidedDecodingParams(json_object=True)
+    if kind == "regex_schema" and isinstance(response_format.get("regex_schema"), str):
+        return GuidedDecodingParams(regex=response_format["regex_schema"])
+    if kind == "json_schema":
+        schema = response_format.get("json_schema")
+        schema = schema.get("schema") if isinstance(schema, dict) else None
+        if schema is not None:
+            return GuidedDecodingParams(json=schema)
+        _fail(f"response_format of type 'json_schema' needs json_schema={{'name': ..., 'schema': {{...}}}}, "
+              f"got {response_format!r}")
+    return _fail(f"response_format must be a dict with type 'json_schema', 'regex_schema', 'json_object' or "
+                 f"'text' (and its field), got {response_format!r}")

@@ -1,0 +1,78 @@
+"""Structured outputs on SmolLM2's weights and tokenizer (its pruned copy, conftest.write_smollm2_pruned: a
+fifth of the compile time; the guide, not the model, makes the output valid): greedy decoding with a JSON
+schema gives JSON that validates against it, a regex a full match, a choice one of the choices, through
+vLLM's SamplingParams(guided_decoding=...) and LMDeploy's GenerationConfig(response_format=...) alike, all in
+one batch (each row its own guide and mask). The schemas bound every field, so even a weak model ends
+within max_tokens. Also: the real tokenizer's vocabulary as outlines sees it (the bytes of each token id)."""
+import json
+import re
+
+import jsonschema
+import pytest
+
+import lmjax
+from lmjax import GenerationConfig, GuidedDecodingParams, SamplingParams, TurbomindEngineConfig
+from lmjax.engine.guided import _sentencepiece_bytes, ascii_digits, json_object_regex, vocabulary_map
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
+                                           "age": {"type": "integer", "maxDigits": 3}}, "required": ["name", "age"]}
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}, "capital": {"type": "boolean"}},
+        "required": ["city", "capital"]}
+CHOICES = ["Paris", "London", "Berlin"]
+
+
+@pytest.fixture(scope="module")
+def pipe(smollm2_pruned):
+    return lmjax.pipeline(smollm2_pruned, backend_config=TurbomindEngineConfig(session_len=256, max_batch_size=4,
+                                                                             dtype="float32"), log_level="ERROR")
+
+
+@pytest.fixture(scope="module")
+def outputs(pipe):
+    def greedy(**guide):
+        return SamplingParams(temperature=0, max_tokens=120, **guide)
+    prompts = ["Describe a person named Alice who is 30 years old as JSON.", "Give me a phone number.",
+               "What is the capital of France?", "Name a big city in Japan, as JSON."]
+    configs = [greedy(guided_decoding=GuidedDecodingParams(json=PERSON)),
+               greedy(guided_decoding=GuidedDecodingParams(regex=r"\d{3}-\d{4}")),
+               greedy(structured_outputs=GuidedDecodingParams(choice=CHOICES)),
+               GenerationConfig(max_new_tokens=120, response_format=dict(type="json_schema", json_schema=dict(
+                   name="city", schema=CITY)))]
+    return pipe([[{"role": "user", "content": p}] for p in prompts], gen_config=configs)
+
+
+def test_json_schema_output_validates(outputs):
+    jsonschema.validate(json.loads(outputs[0].text), PERSON)
+    assert outputs[0].finish_reason == "stop"
+
+
+def test_regex_output_matches_with_ascii_digits(outputs):
+    assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", outputs[1].text) and outputs[1].finish_reason == "stop"
+
+
+def test_choice_output_is_one_of_them(outputs):
+    assert outputs[2].text in CHOICES and outputs[2].finish_reason == "stop"
+
+
+def test_lmdeploy_response_format(outputs):
+    jsonschema.validate(json.loads(outputs[3].text), CITY)
+
+
+def test_vocabulary_bytes_spell_each_token(pipe):
+    """Byte-level BPE: each token's bytes decode to the tokenizer's own text for it (where that text is whole
+    characters); special tokens and EOS are left out of the guided vocabulary."""
+    tokenizer = pipe.engine.tokenizer
+    by_id = {i: data for data, ids in vocabulary_map(tokenizer, {2}).items() for i in ids}
+    assert 2 not in by_id and 0 not in by_id and len(by_id) > 49000
+    for i in range(0, 49152, 97):
+        if i in by_id:
+            text = tokenizer.decode([i], clean_up_tokenization_spaces=False)
+            assert by_id[i].decode(errors="replace") == text or "\ufffd" in text, i
+    assert by_id[tokenizer.convert_tokens_to_ids("Ġ{")] == b" {"
+
+
+def test_regex_helpers():
+    assert _sentencepiece_bytes("\u2581Hello") == b" Hello" and _sentencepiece_bytes("<0x0A>") == b"\n"
+    assert ascii_digits(r"\d{3}[\d-]\\d\.") == r"[0-9]{3}[0-9-]\\d\."
+    assert re.fullmatch(json_object_regex(), '{"a": [1, "x", true], "b": {"c": null}, "d": -2.5e+3}')
+    assert not re.fullmatch(json_object_regex(), '[1, 2]')
