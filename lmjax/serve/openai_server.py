@@ -157,7 +157,7 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
         check_model(req.model)
         try:
-            tools = tool_parser if req.parses_tool_calls(tool_parser is not None) else None
+            tools = req.tool_call_parser(tool_parser)
             if tools:  # call markers are special tokens in some vocabularies (InternLM2's): keep them, as vLLM
                 req = req.model_copy(update={"skip_special_tokens": False})
             params = req.sampling_params(engine.engine.sampling_defaults)

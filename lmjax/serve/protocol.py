@@ -3,10 +3,12 @@ their mapping onto the engine's SamplingParams. Field names and defaults follow 
 extensions `top_k`, `repetition_penalty`, `ignore_eos`, `min_tokens`, `skip_special_tokens`,
 `include_stop_str_in_output`, `bad_words`, `add_generation_prompt`, `continue_final_message`) and, for
 `/v1/chat/interactive`, LMDeploy's `GenerateRequest`. Unknown fields are ignored, as OpenAI does; OpenAI
-fields lmjax does not honour (response_format, logit_bias, best_of > n, suffix, non-text content parts,
-tool_choice "required" or a named function, the deprecated functions, and vLLM's prompt_logprobs and chat
-echo) are a 400 that names them unless left at their no-op values. `tools` are rendered into the prompt
-and, on a server started with --tool-call-parser, the reply is parsed for calls (lmjax.serve.tool_parsers).
+fields lmjax does not honour (logit_bias, best_of > n, suffix, non-text content parts, the deprecated
+functions, and vLLM's prompt_logprobs and chat echo) are a 400 that names them unless left at their no-op
+values. `tools` are rendered into the prompt and, on a server started with --tool-call-parser, the reply is
+parsed for calls (lmjax.serve.tool_parsers); tool_choice "required" or a named function guides the reply
+to the call's JSON instead. Structured outputs: response_format (OpenAI's json_object / json_schema,
+LMDeploy's regex_schema), vLLM's guided_json / guided_regex / guided_choice and structured_outputs.
 An explicit `null` is the field's default (`_Nullable`). Every string must be valid UTF-8: JSON can carry a
 lone surrogate (`"\\udc80"`), which no tokenizer takes (`_Strict._utf8`).
 Out-of-range values are caught by SamplingParams / GenerationConfig, whose ValueError names the value.
@@ -19,7 +21,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from lmjax.config import GenerationConfig, SamplingParams
+from lmjax.guided_params import GuidedDecodingParams, as_guided, from_response_format
 from lmjax.loader.tokenizer import text_content
+from lmjax.serve.tool_parsers import ForcedToolParser, ToolParser, forced_tool_schema
 
 
 class _Strict(BaseModel):
@@ -137,17 +141,24 @@ class _Sampling(_Nullable):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    # OpenAI fields lmjax does not honour: accepted at their no-op values only (`_unsupported`), since
-    # ignoring them would hand back, say, free text where JSON or a tool call was asked for.
+    allowed_token_ids: list[int] | None = None  # vLLM's
+    # Structured outputs (lmjax.engine.guided): OpenAI's / LMDeploy's response_format, vLLM's guided_* fields
+    # and its newer structured_outputs; at most one of them.
     response_format: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None
+    structured_outputs: dict | None = None
+    # OpenAI fields lmjax does not honour: accepted at their no-op values only (`_unsupported`), since
+    # ignoring them would hand back, say, free text where a tool call was asked for.
     logit_bias: dict | None = None
     prompt_logprobs: int | None = None  # vLLM's extension (completions' echo + logprobs gives them instead)
 
     def _unsupported(self) -> dict:
         """{field: value} of the fields set to something lmjax does not do."""
         bad = {}
-        if self.response_format not in (None, {"type": "text"}):
-            bad["response_format"] = self.response_format
         if self.logit_bias:
             bad["logit_bias"] = self.logit_bias
         if self.prompt_logprobs is not None:
@@ -173,7 +184,24 @@ class _Sampling(_Nullable):
                               ignore_eos=self.ignore_eos,
                               max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs,
                               prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
-                              include_stop_str_in_output=self.include_stop_str_in_output, bad_words=self.bad_words)
+                              include_stop_str_in_output=self.include_stop_str_in_output, bad_words=self.bad_words,
+                              allowed_token_ids=self.allowed_token_ids, guided_decoding=self._guide())
+
+    def _guides(self) -> dict:
+        """{field: GuidedDecodingParams} of every structured-output field the request sets."""
+        guides = {"response_format": from_response_format(self.response_format),
+                  "structured_outputs": as_guided(self.structured_outputs)}
+        vllm = [f"guided_{k}" for k in ("json", "regex", "choice") if getattr(self, f"guided_{k}") is not None]
+        guides[" / ".join(vllm)] = GuidedDecodingParams.from_optional(
+            json=self.guided_json, regex=self.guided_regex, choice=self.guided_choice,
+            whitespace_pattern=self.guided_whitespace_pattern, backend=self.guided_decoding_backend)
+        return {k: v for k, v in guides.items() if v is not None}
+
+    def _guide(self) -> GuidedDecodingParams | None:
+        guides = self._guides()
+        if len(guides) > 1:
+            raise ValueError(f"give one kind of structured output, got {', '.join(guides)}")
+        return next(iter(guides.values()), None)
 
     @property
     def include_usage(self) -> bool:
@@ -202,9 +230,6 @@ class ChatCompletionRequest(_Sampling):
             bad["functions"] = f"[{len(self.functions)} function(s)] (send them as tools)"
         if self.function_call not in (None, "none", "auto"):
             bad["function_call"] = self.function_call
-        if self.tool_choice not in (None, "none", "auto"):
-            # "required" and a named function need decoding constrained to a call, which lmjax lacks
-            bad["tool_choice"] = self.tool_choice
         if self.echo:
             bad["echo"] = True
         return bad
@@ -229,19 +254,50 @@ class ChatCompletionRequest(_Sampling):
         vLLM does."""
         return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
-    def parses_tool_calls(self, parser_configured: bool) -> bool:
-        """Whether the reply is to be parsed for tool calls: tools given and tool_choice "auto" (or unset).
-        ValueError (-> 400) when that needs a parser the server was not started with (vLLM's rule)."""
-        if self.tool_choice not in (None, "auto", "none"):
-            raise ValueError(f"tool_choice={self.tool_choice!r} is not supported by lmjax: it needs decoding "
-                             "constrained to a tool call; use 'auto' (the model decides) or 'none'")
+    def forced_function(self) -> tuple[bool, str | None]:
+        """(forced, name): tool_choice "required" -> (True, None), a named function -> (True, its name),
+        else (False, None). ValueError (-> 400) for a choice that names nothing among the tools."""
+        choice = self.tool_choice
+        if choice in (None, "auto", "none"):
+            return False, None
+        if not self.tools:
+            raise ValueError(f"tool_choice={choice!r} needs tools")
+        if choice == "required":
+            return True, None
+        name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+        if not (isinstance(choice, dict) and choice.get("type") == "function" and isinstance(name, str)):
+            raise ValueError(f"tool_choice must be 'none', 'auto', 'required' or "
+                             f"{{'type': 'function', 'function': {{'name': ...}}}}, got {choice!r}")
+        if name not in [t.function.name for t in self.tools]:
+            raise ValueError(f"tool_choice names {name!r}, which is not among the tools "
+                             f"{[t.function.name for t in self.tools]}")
+        return True, name
+
+    def _guide(self) -> GuidedDecodingParams | None:
+        """A forced tool choice guides the reply to the call's JSON (tool_parsers.forced_tool_schema), as
+        vLLM does; then no other structured output may be asked for."""
+        forced, name = self.forced_function()
+        if not forced:
+            return super()._guide()
+        if self._guides():
+            raise ValueError(f"tool_choice={self.tool_choice!r} constrains the reply to a tool call: it cannot "
+                             f"be combined with {', '.join(self._guides())}")
+        return GuidedDecodingParams(json=forced_tool_schema(self.tool_dicts(), name))
+
+    def tool_call_parser(self, server_parser: ToolParser | None) -> ToolParser | None:
+        """What the reply is parsed with: for tool_choice "auto" (or unset) with tools, the server's parser
+        (ValueError -> 400 without one: vLLM's rule); for "required" or a named function, the guided JSON's
+        own (ForcedToolParser, no server parser needed, as in vLLM); else None (plain content)."""
+        forced, name = self.forced_function()
+        if forced:
+            return ForcedToolParser(name)
         if not self.tools or self.tool_choice == "none":
-            return False
-        if not parser_configured:
+            return None
+        if server_parser is None:
             raise ValueError(f"tools ({len(self.tools)} given) with tool_choice={self.tool_choice or 'auto'!r} need "
                              "a server started with --tool-call-parser NAME (and, in vLLM's spelling, "
                              "--enable-auto-tool-choice)")
-        return True
+        return server_parser
 
 
 class CompletionRequest(_Sampling):

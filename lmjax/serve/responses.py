@@ -115,11 +115,12 @@ class Choices:
 def chat_message(text: str, finish_reason: str | None, tools: ToolParser | None = None) -> tuple[dict, str | None]:
     """The assistant message of a finished reply and its finish_reason. With a tool-call parser, calls found
     in the text become `tool_calls`, the text before them the content (or null), and the finish_reason
-    "tool_calls" (as vLLM); a reply without calls, or with malformed ones, is plain content."""
+    the parser's ("tool_calls" for tool_choice "auto", as vLLM); a reply without calls, or with malformed ones, is plain content."""
     if tools is not None:
         content, calls = tools.parse(text)
         if calls:
-            return {"role": "assistant", "content": content, "tool_calls": [c.to_dict() for c in calls]}, "tool_calls"
+            message = {"role": "assistant", "content": content, "tool_calls": [c.to_dict() for c in calls]}
+            return message, tools.calls_finish_reason
     return {"role": "assistant", "content": text}, finish_reason
 
 
@@ -143,7 +144,7 @@ def tool_delta(stream: ToolStream, out: GenOut) -> tuple[dict, str | None]:
     if not calls:
         return delta, out.finish_reason
     delta["tool_calls"] = [{"index": j, **c.to_dict()} for j, c in enumerate(calls)]
-    return delta, "tool_calls"
+    return delta, stream.parser.calls_finish_reason
 
 
 def completion_body(head: Head, choices: Choices, k: int, decode, echo: list[Echo] | None) -> dict:

@@ -55,6 +55,7 @@ class ToolParser:
     """Base of the parsers. `parse` is the contract; `content_end` serves streaming."""
     name = ""
     start_marker = ""  # where a call begins; text before it is content
+    calls_finish_reason = "tool_calls"  # a reply's finish_reason when it holds calls (vLLM's, for "auto")
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """(content or None, calls); no calls -> (text, [])."""
@@ -142,6 +143,44 @@ class Llama3Parser(ToolParser):
         if not head or head.startswith("{") or self.start_marker.startswith(head):
             return 0  # a call may be starting: it is the whole reply or nothing
         return len(text[:len(text) - _held_prefix(text, self.start_marker)].rstrip())
+
+
+class ForcedToolParser(ToolParser):
+    """tool_choice "required" or a named function: the reply was guided to JSON (`forced_tool_schema`), so
+    it is all calls, parsed when complete (an unfinished one, cut by max_tokens, is plain content). As in
+    vLLM, the finish_reason stays the output's ("stop"), and a named function's reply is its arguments."""
+    calls_finish_reason = "stop"
+
+    def __init__(self, function: str | None):
+        self.function = function  # None: "required", the reply is [{"name", "parameters"}, ...]
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        try:
+            value = json.loads(text)
+            if self.function is not None:
+                calls = [ToolCall(self.function, text)] if isinstance(value, dict) else []
+            else:
+                calls = [call_from_json(obj) for obj in value] if isinstance(value, list) else []
+        except ValueError:  # an output cut short
+            return text, []
+        return (None, calls) if calls else (text, [])
+
+    def content_end(self, text: str) -> int:
+        return 0  # the reply is the calls: nothing streams as content
+
+
+def forced_tool_schema(tools: list[dict], function: str | None) -> dict:
+    """The JSON schema a forced reply is guided by: the named function's parameters, or (tool_choice
+    "required") a non-empty array of {"name": one of the tools, "parameters": its parameters} (vLLM's)."""
+    def params(tool):
+        return tool["function"].get("parameters") or {"type": "object", "properties": {}}
+
+    if function is not None:
+        return params(next(t for t in tools if t["function"]["name"] == function))
+    options = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
+                                                 "parameters": params(t)},
+                "required": ["name", "parameters"]} for t in tools]
+    return {"type": "array", "minItems": 1, "items": options[0] if len(options) == 1 else {"anyOf": options}}
 
 
 PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesParser, "qwen": HermesParser, "llama3": Llama3Parser,

@@ -28,7 +28,9 @@ CHAINS = [
     ["broken", "Sure,", "<tool_call>{oops", "</tool_call>"],  # then <eos>, as above
 ]
 WORDS = ["<eos>", "<unk>", "<|im_start|>", "<|im_end|>", "system", "user", "Tools:", "get_weather", "<tool_response>",
-         "</tool_response>", "22", "degrees"]
+         "</tool_response>", "22", "degrees",
+         # the only spellings of a forced call to get_time (guided decoding: one allowed token a step)
+         '[{"name":', '"get_time",', '"parameters":', "{}}]", "{}", "get_time"]
 TEMPLATE = (
     "{% if tools %}<|im_start|> system Tools: {% for t in tools %}{{ t.function.name }} {% endfor %}<|im_end|> "
     "{% endif %}"
@@ -42,6 +44,7 @@ TEMPLATE = (
 CITY = {"type": "object", "properties": {"city": {"type": "string"}}}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
                                            "parameters": CITY}}]
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
 CALL = '<tool_call> {"name": "get_weather", "arguments": {"city": "Paris"}} </tool_call>'
 
@@ -106,16 +109,45 @@ def test_stream_sends_the_content_and_holds_back_the_calls(name, text):
 def test_tool_choice_and_parser_rules():
     from lmjax.serve.protocol import ChatCompletionRequest
 
+    from lmjax.serve.tool_parsers import ForcedToolParser
+
     def req(**kw):
-        return ChatCompletionRequest(model="m", messages=ASK, tools=TOOLS, **kw)
-    assert req().parses_tool_calls(True) and req(tool_choice="auto").parses_tool_calls(True)
-    assert not req(tool_choice="none").parses_tool_calls(False)  # rendered, not parsed: no parser needed
+        return ChatCompletionRequest(model="m", messages=ASK, tools=TOOLS + [TIME], **kw)
+    hermes = get_tool_parser("hermes")
+    assert req().tool_call_parser(hermes) is hermes and req(tool_choice="auto").tool_call_parser(hermes) is hermes
+    assert req(tool_choice="none").tool_call_parser(None) is None  # rendered, not parsed: no parser needed
+    assert req().sampling_params().guided_decoding is None
     with pytest.raises(ValueError, match="--tool-call-parser"):
-        req().parses_tool_calls(False)
-    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
-        for ask in (lambda r: r.parses_tool_calls(True), lambda r: r.sampling_params()):
-            with pytest.raises(ValueError, match="tool_choice=.*required|tool_choice=.*get_weather"):
-                ask(req(tool_choice=choice))
+        req().tool_call_parser(None)
+    # forced: guided to the call's JSON, parsed by its own parser, no server parser needed (as vLLM)
+    named = req(tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert isinstance(named.tool_call_parser(None), ForcedToolParser)
+    assert json.loads(named.sampling_params().guided_decoding.json) == CITY
+    schema = json.loads(req(tool_choice="required").sampling_params().guided_decoding.json)
+    assert schema["type"] == "array" and schema["minItems"] == 1
+    assert [o["properties"]["name"]["enum"] for o in schema["items"]["anyOf"]] == [["get_weather"], ["get_time"]]
+    for choice, message in ((("any", "tool_choice must be")), ({"type": "function", "function": {"name": "nope"}},
+                                                                "'nope', which is not among the tools")):
+        with pytest.raises(ValueError, match=message):
+            req(tool_choice=choice).sampling_params()
+    with pytest.raises(ValueError, match="cannot be combined with response_format"):
+        req(tool_choice="required", response_format={"type": "json_object"}).sampling_params()
+    with pytest.raises(ValueError, match="needs tools"):
+        ChatCompletionRequest(model="m", messages=ASK, tool_choice="required").sampling_params()
+
+
+@pytest.mark.parametrize("function, text, calls", [
+    ("get_time", "{}", [("get_time", {})]),
+    (None, '[{"name": "f", "parameters": {"x": 1}}, {"name": "g", "parameters": {}}]', [("f", {"x": 1}), ("g", {})]),
+    (None, '[{"name": "f", "parameters": {"x"', []),  # cut short by max_tokens: plain content
+])
+def test_forced_tool_parser(function, text, calls):
+    from lmjax.serve.tool_parsers import ForcedToolParser
+
+    parser = ForcedToolParser(function)
+    content, got = parser.parse(text)
+    assert [(c.name, json.loads(c.arguments)) for c in got] == calls and content == (None if calls else text)
+    assert parser.content_end(text) == 0 and parser.calls_finish_reason == "stop"
 
 
 @pytest.fixture(scope="module")
@@ -189,8 +221,10 @@ def write_successor_model(path: str) -> str:
     from safetensors.numpy import save_file
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    words = list(dict.fromkeys(WORDS + [w for chain in CHAINS for w in chain]))
-    vocab, hidden = {w: i for i, w in enumerate(words)}, 64
+    # printable ASCII last: guided decoding needs a vocabulary that can spell any JSON (outlines refuses one
+    # that cannot), and a masked argmax over equal logits takes the lowest id, so WORDS' spellings win
+    words = list(dict.fromkeys(WORDS + [w for chain in CHAINS for w in chain] + [chr(c) for c in range(32, 127)]))
+    vocab, hidden = {w: i for i, w in enumerate(words)}, 64 * -(-len(words) // 64)  # orthonormal rows need V <= D
     cfg = transformers.LlamaConfig(vocab_size=len(words), hidden_size=hidden, intermediate_size=64, num_hidden_layers=1,
                                    num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512,
                                    tie_word_embeddings=False, bos_token_id=None, eos_token_id=vocab["<eos>"],
@@ -200,7 +234,7 @@ def write_successor_model(path: str) -> str:
     head = np.zeros_like(embed)
     for chain in CHAINS:
         for cur, nxt in zip(chain, chain[1:]):
-            head[vocab[nxt]] += 10 * embed[vocab[cur]]  # logit 80 for the successor (RMSNorm scales by 8), 0 else
+            head[vocab[nxt]] += 10 * embed[vocab[cur]]  # logit 10 sqrt(D) for the successor (RMSNorm), 0 else
     head[vocab["<eos>"]] += 10 * embed[vocab["</tool_call>"]]
     small = lambda *shape: (0.02 * rng.standard_normal(shape)).astype(np.float32)  # noqa: E731
     layer = "model.layers.0."
@@ -304,9 +338,9 @@ def test_server_malformed_call_is_content_and_bad_choices_are_400(client):
             text, finish = got.choices[0].message.content, got.choices[0].finish_reason
             assert got.choices[0].message.tool_calls is None
         assert (text, finish) == ("Sure, <tool_call>{oops </tool_call>", "stop")
-    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
-        with pytest.raises(openai.BadRequestError, match="tool_choice=.*not supported"):
-            client.chat.completions.create(model="m", messages=ASK, tools=TOOLS, tool_choice=choice)
+    with pytest.raises(openai.BadRequestError, match="not among the tools"):
+        client.chat.completions.create(model="m", messages=ASK, tools=TOOLS,
+                                       tool_choice={"type": "function", "function": {"name": "get_time"}})
     with pytest.raises(openai.BadRequestError, match="arguments must be a JSON object"):
         client.chat.completions.create(model="m", messages=ASK + [{"role": "assistant", "tool_calls": [
             {"id": "c", "type": "function", "function": {"name": "f", "arguments": "[1]"}}]}], tools=TOOLS)
@@ -319,3 +353,34 @@ def test_server_malformed_call_is_content_and_bad_choices_are_400(client):
                f"<|im_start|> assistant {CALL} <|im_end|> <|im_start|> user <tool_response> 22 degrees " \
                "</tool_response> <|im_end|> <|im_start|> assistant"
     assert got.usage.prompt_tokens == len(rendered.split()) and got.choices[0].message.tool_calls
+
+
+def test_server_forced_tool_choice_and_structured_outputs(client):
+    """tool_choice "required" or named: the reply is guided to the call's JSON (the model would say "Let me
+    check." unguided) and comes back as a call with finish_reason "stop" (vLLM's); response_format and
+    vLLM's guided_choice constrain plain replies. Greedy: the allowed tokens' logits tie (the lowest id, a
+    WORDS spelling, wins), and sampling would spell the JSON from single characters at random."""
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+
+    for choice, tools in (("required", [TIME]), ({"type": "function", "function": {"name": "get_time"}}, TOOLS + [TIME])):
+        for stream in (False, True):
+            got = client.chat.completions.create(model="m", messages=ASK, tools=tools, tool_choice=choice,
+                                                 max_tokens=20, stream=stream, temperature=0)
+            if stream:
+                state = ChatCompletionStreamState()
+                for chunk in got:
+                    assert not any(c.delta.content for c in chunk.choices)  # no content streams: it is the call
+                    state.handle_chunk(chunk)
+                got = state.get_final_completion()
+            choice_out = got.choices[0]
+            (call,) = choice_out.message.tool_calls
+            assert (call.function.name, json.loads(call.function.arguments)) == ("get_time", {}), choice
+            assert choice_out.finish_reason == "stop" and not choice_out.message.content
+    empty = {"type": "json_schema", "json_schema": {"name": "empty", "schema": {"type": "object", "properties": {}}}}
+    got = client.chat.completions.create(model="m", messages=ASK, response_format=empty, max_tokens=20, temperature=0)
+    assert json.loads(got.choices[0].message.content) == {} and got.choices[0].finish_reason == "stop"
+    got = client.completions.create(model="m", prompt="plain", max_tokens=5, temperature=0,
+                                    extra_body={"guided_choice": ["check."]})
+    assert got.choices[0].text == "check." and got.choices[0].finish_reason == "stop"  # unguided: "Hello there!"
+    with pytest.raises(openai.BadRequestError, match="regex"):
+        client.completions.create(model="m", prompt="plain", max_tokens=5, extra_body={"guided_regex": "(unclosed"})
