@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import threading
 import time
 from collections import OrderedDict
 
@@ -169,6 +170,7 @@ class GuidedDecoding:
         self.not_eos_W = ~self.eos_W
         self._vocabulary, self._buffer_words = None, self.num_words
         self._indexes: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()
         self.compile_seconds = 0.0  # spent compiling guides (a stat)
 
     def vocabulary(self):
@@ -193,21 +195,27 @@ class GuidedDecoding:
             self.index(params.guided_decoding)
 
     def index(self, guided: GuidedDecodingParams):
+        """The compiled guide, from the LRU or compiled now. The server compiles off its event loop while
+        the engine thread reads the cache: a lock keeps the LRU whole, taken only around the cache (a
+        compile does not hold up the engine thread's lookups; two threads compiling one spec both finish)."""
         key = (guided.kind, guided.spec, guided.whitespace)
-        if key in self._indexes:
-            self._indexes.move_to_end(key)
-            return self._indexes[key]
-        vocabulary, start = self.vocabulary(), time.perf_counter()
+        with self._lock:
+            if key in self._indexes:
+                self._indexes.move_to_end(key)
+                return self._indexes[key]
+            vocabulary = self.vocabulary()
+        start = time.perf_counter()
         try:
             index = _outlines().Index(guide_regex(guided), vocabulary)
         except (ValueError, TypeError, RuntimeError) as e:  # outlines' errors for bad schemas and regexes
             raise ValueError(f"guided decoding {_describe(guided)} cannot be compiled: {_shorten(str(e))}") from e
         seconds = time.perf_counter() - start
-        self.compile_seconds += seconds
         logger.info("compiled guide %s in %.2f s", _describe(guided), seconds)
-        self._indexes[key] = index
-        if len(self._indexes) > INDEX_CACHE_SIZE:
-            self._indexes.popitem(last=False)
+        with self._lock:
+            self.compile_seconds += seconds
+            self._indexes[key] = index
+            if len(self._indexes) > INDEX_CACHE_SIZE:
+                self._indexes.popitem(last=False)
         return index
 
     def allowed_mask(self, params: SamplingParams) -> np.ndarray | None:

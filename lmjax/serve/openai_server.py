@@ -17,6 +17,7 @@ the engine request and frees its KV blocks (non-streaming requests poll for a di
 """
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import logging
@@ -125,7 +126,10 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
         """Validate, submit every prompt and wait for the first output: (first, rest) of (prompt, GenOut)s."""
         try:
             for _, ids in prompts:
-                engine.engine.validate_request(ids, params)
+                if params.guided_decoding is None:
+                    engine.engine.validate_request(ids, params)
+                else:  # it compiles the guide (up to ~0.3 s, then cached): off the event loop
+                    await asyncio.to_thread(engine.engine.validate_request, ids, params)
                 check_room(ids, params.max_tokens)
             gens = [engine.generate(None, new_session_id(), params, input_ids=ids) for _, ids in prompts]
             return await first_and_rest(merge(gens))
