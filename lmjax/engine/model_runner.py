@@ -155,6 +155,9 @@ class ModelRunner:
         mesh = parallel.mesh_of(nnx.state(model))  # None on one device
         _merge_projections(model, quant_policy, parallel.tp_size(mesh))
         self.graphdef, self.state = nnx.split(model)
+        # The jitted calls take the parameters as a flat list: an nnx State is flattened in Python on every
+        # call (~0.5 ms of a dispatch on a CI core, more on the GPU machines' slower host), a list in C++.
+        self.params, self._params_def = jax.tree_util.tree_flatten(self.state)
         self.config = model.config
         self.block_size = block_size
         self.mesh = mesh
@@ -171,13 +174,16 @@ class ModelRunner:
         self._step = jax.jit(self._step_fn, donate_argnums=(1,), static_argnames=("flags", "num_prompt_logprobs"))
         self._decode = jax.jit(self._decode_fn, donate_argnums=(1,), static_argnames=("flags", "num_steps"))
 
-    def _step_fn(self, state, caches, inputs: StepInputs, smeta, *, flags: SamplingFlags, num_prompt_logprobs):
+    def _model(self, params: list) -> nnx.Module:
+        return nnx.merge(self.graphdef, jax.tree_util.tree_unflatten(self._params_def, params))
+
+    def _step_fn(self, params, caches, inputs: StepInputs, smeta, *, flags: SamplingFlags, num_prompt_logprobs):
         # Runs once per compilation (tracing), never per step: count and log it.
         self.num_compilations += 1
         logger.info("compiling step #%d: T=%d B=%d M=%d %s prompt_logprobs=%d", self.num_compilations,
                     inputs.ids_T.shape[0], inputs.last_rows_B.shape[0], inputs.attn.block_tables_BM.shape[1],
                     flags, num_prompt_logprobs)
-        model = nnx.merge(self.graphdef, state)
+        model = self._model(params)
         hidden_TD, caches = model(inputs.ids_T, inputs.positions_T, caches, inputs.attn)
         out = sample(self._logits(model, hidden_TD[inputs.last_rows_B]), smeta, **flags._asdict())
         prompt = None
@@ -185,11 +191,11 @@ class ModelRunner:
             prompt = _prompt_logprobs(self._logits(model, hidden_TD), inputs.next_ids_T, num_prompt_logprobs)
         return out, prompt, caches
 
-    def _decode_fn(self, state, caches, inputs: DecodeInputs, smeta, *, flags: SamplingFlags, num_steps: int):
+    def _decode_fn(self, params, caches, inputs: DecodeInputs, smeta, *, flags: SamplingFlags, num_steps: int):
         self.num_compilations += 1
         logger.info("compiling %d-step decode #%d: B=%d M=%d %s", num_steps, self.num_compilations,
                     inputs.ids_B.shape[0], inputs.block_tables_BM.shape[1], flags)
-        model = nnx.merge(self.graphdef, state)
+        model = self._model(params)
         return decode_steps(model, self._logits, caches, inputs, smeta, num_steps=num_steps,
                             block_size=self.block_size, flags=flags)
 
@@ -214,7 +220,7 @@ class ModelRunner:
         if self.mesh is not None:
             inputs, smeta = parallel.replicate((inputs, smeta), self.mesh)
         with parallel.use_mesh(self.mesh):
-            out, self.caches = self._decode(self.state, self.caches, inputs, smeta, flags=flags, num_steps=num_steps)
+            out, self.caches = self._decode(self.params, self.caches, inputs, smeta, flags=flags, num_steps=num_steps)
         return PendingDecode(out, n, num_steps)
 
     def collect(self, pending: PendingDecode) -> list[StepOutput]:
@@ -246,7 +252,7 @@ class ModelRunner:
                     args = parallel.replicate((inputs, smeta), self.mesh) if self.mesh is not None \
                         else (inputs, smeta)
                     with parallel.use_mesh(self.mesh):
-                        out, self.caches = self._decode(self.state, self.caches, *args, flags=flags,
+                        out, self.caches = self._decode(self.params, self.caches, *args, flags=flags,
                                                         num_steps=num_steps)
                 else:
                     T = bucket(B, 16)
@@ -317,7 +323,7 @@ class ModelRunner:
         if self.mesh is not None:
             inputs, smeta = parallel.replicate((inputs, smeta), self.mesh)
         with parallel.use_mesh(self.mesh):
-            out, prompt, self.caches = self._step(self.state, self.caches, inputs, smeta,
+            out, prompt, self.caches = self._step(self.params, self.caches, inputs, smeta,
                                                   flags=flags, num_prompt_logprobs=num_prompt_logprobs)
         return out, prompt
 

@@ -92,7 +92,7 @@ def run_collectives(tp: int) -> dict:
     smeta, flags = build_sampling_metadata([SamplingRow(SP(temperature=0), seed=0)], pad_to=4)
     inputs, smeta = parallel.replicate((inputs, smeta), runner.mesh)
     with parallel.use_mesh(runner.mesh):
-        hlo = runner._step.lower(runner.state, runner.caches, inputs, smeta, flags=flags,
+        hlo = runner._step.lower(runner.params, runner.caches, inputs, smeta, flags=flags,
                                  num_prompt_logprobs=-1).compile().as_text()
     found = re.findall(r"= \w+\[([\d,]*)\][^ ]* (all-reduce|all-gather|reduce-scatter|all-to-all)(?:-start)?\(", hlo)
     return {"collectives": [[op, int(np.prod([int(d) for d in dims.split(",") if d]))] for dims, op in found]}
