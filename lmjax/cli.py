@@ -150,6 +150,9 @@ def _add_serve(subparsers) -> None:
                           f"{', '.join(TOOL_CALL_PARSERS)} (default: none; then a request with tools is a 400)")
     api.add_argument("--enable-auto-tool-choice", action="store_true",
                      help="accepted for vLLM: tool_choice 'auto' is on whenever --tool-call-parser is given")
+    api.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                     help="defaults of the sampling fields a request leaves out: 'auto' the model's "
+                          "generation_config.json, 'vllm' none (OpenAI's), or that of DIR (vLLM's flag; default: auto)")
     api.set_defaults(func=_serve)
 
 
@@ -206,6 +209,9 @@ def _serve(args) -> int:
 
     if args.enable_auto_tool_choice and not args.tool_call_parser:  # as vLLM, before anything loads
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser NAME")
+    from lmjax.loader.generation_config import check_generation_config_choice, chosen_sampling_defaults
+
+    check_generation_config_choice(args.generation_config, "--generation-config")
     from lmjax.serve.openai_server import run_server
 
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -215,8 +221,9 @@ def _serve(args) -> int:
     model = args.model or DEFAULT_MODEL  # the name the user started it with answers too, and the default
     is_default = model in SMOLLM2_ALIASES or (smollm2_gguf() or "") == os.path.abspath(model)  # model's ids
     aliases = (model, *sorted(SMOLLM2_ALIASES)) if is_default else (model,)
+    defaults = chosen_sampling_defaults(args.generation_config, engine.engine.sampling_defaults)
     run_server(engine, args.server_name, args.server_port, args.api_keys, args.model_name, args.log_level,
-               args.tool_call_parser, aliases)
+               args.tool_call_parser, aliases, defaults)
     return 0
 
 

@@ -22,7 +22,7 @@ from lmjax.api.outputs import RequestOutput, request_output
 from lmjax.config import EngineConfig, SamplingParams, check_defaults_only
 from lmjax.engine.engine import LLMEngine
 from lmjax.loader.awq import require_awq
-from lmjax.loader.generation_config import read_generation_config, sampling_defaults
+from lmjax.loader.generation_config import check_generation_config_choice, chosen_sampling_defaults
 from lmjax.loader.resolve import resolve_model_path
 from lmjax.loader.tokenizer import render_chat
 
@@ -76,20 +76,6 @@ def _check_max_model_len(max_model_len: int | None, context_len: int) -> None:
                      "to allow it, at the risk of wrong outputs past that length")
 
 
-def _generation_defaults(generation_config: str, engine: LLMEngine) -> dict:
-    """vLLM's generation_config argument: "auto" = the model's generation_config.json, "vllm" = none, or a
-    directory holding one."""
-    if generation_config == "auto":
-        defaults = engine.sampling_defaults
-    elif generation_config == "vllm":
-        defaults = {}
-    else:
-        defaults = sampling_defaults(read_generation_config(generation_config))
-    if defaults:
-        logger.info("default sampling parameters from the model's generation config: %s", defaults)
-    return defaults
-
-
 def _check_vllm_only(kwargs: dict) -> None:
     unknown = sorted(set(kwargs) - set(_VLLM_ONLY_DEFAULTS))
     if unknown:
@@ -120,9 +106,7 @@ class LLM:
                  quantization: str | None = None, generation_config: str = "auto", **kwargs):
         _check_vllm_only(kwargs)
         _check_quantization(model, quantization)
-        if generation_config not in ("auto", "vllm") and not os.path.isdir(generation_config):
-            raise ValueError(f"generation_config={generation_config!r} must be 'auto', 'vllm' or a directory "
-                             "holding a generation_config.json")
+        check_generation_config_choice(generation_config)
         if not 0 < gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
         default_seqs, default_tokens = batch_defaults()
@@ -136,7 +120,7 @@ class LLM:
                               quant_policy=kv_cache_quant_policy(kv_cache_dtype), max_logprobs=max_logprobs)
         self.llm_engine = LLMEngine(model, config, tokenizer)
         _check_max_model_len(max_model_len, self.llm_engine.model_config.context_len)
-        self._sampling_defaults = _generation_defaults(generation_config, self.llm_engine)
+        self._sampling_defaults = chosen_sampling_defaults(generation_config, self.llm_engine.sampling_defaults)
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

@@ -43,3 +43,24 @@ def sampling_defaults(generation_config: dict) -> dict:
     """{SamplingParams field: value} for the sampling fields the file sets."""
     return {ours: generation_config[theirs] for theirs, ours in SAMPLING_FIELDS.items()
             if generation_config.get(theirs) is not None}
+
+
+def check_generation_config_choice(choice: str, what: str = "generation_config") -> None:
+    """vLLM's generation_config argument: 'auto', 'vllm' or a directory (a ValueError naming it, before
+    anything loads)."""
+    if choice not in ("auto", "vllm") and not os.path.isdir(choice):
+        raise ValueError(f"{what}={choice!r} must be 'auto', 'vllm' or a directory holding a generation_config.json")
+
+
+def chosen_sampling_defaults(choice: str, model_defaults: dict) -> dict:
+    """The sampling defaults vLLM's generation_config argument picks: 'auto' the model's (`model_defaults`),
+    'vllm' none (vLLM's own), or those of the generation_config.json in that directory."""
+    if choice == "auto":
+        defaults = model_defaults
+    elif choice == "vllm":
+        defaults = {}
+    else:
+        defaults = sampling_defaults(read_generation_config(choice))
+    if defaults:
+        logger.info("default sampling parameters from the generation config: %s", defaults)
+    return defaults

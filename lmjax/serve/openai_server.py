@@ -78,8 +78,15 @@ def chat_prompt(engine: AsyncEngine, req: ChatCompletionRequest) -> tuple[str, l
 
 
 def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_name: str | None = None,
-               model_aliases: tuple[str, ...] = (), tool_call_parser: str | None = None) -> FastAPI:
+               model_aliases: tuple[str, ...] = (), tool_call_parser: str | None = None,
+               sampling_defaults: dict | None = None) -> FastAPI:
+    """sampling_defaults: the values of sampling fields a request leaves out (None: the model's
+    generation_config.json's, vLLM's `--generation-config auto`)."""
     app = FastAPI(title="lmjax", docs_url=None, redoc_url=None)
+
+    def defaults() -> dict:
+        return engine.engine.sampling_defaults if sampling_defaults is None else sampling_defaults
+
     tool_parser = get_tool_parser(tool_call_parser) if tool_call_parser else None  # stateless: one for all
     name = model_name or engine.model_name
     names = accepted_names(name, model_aliases)
@@ -164,7 +171,7 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
             tools = req.tool_call_parser(tool_parser)
             if tools:  # call markers are special tokens in some vocabularies (InternLM2's): keep them, as vLLM
                 req = req.model_copy(update={"skip_special_tokens": False})
-            params = req.sampling_params(engine.engine.sampling_defaults)
+            params = req.sampling_params(defaults())
             prompt = chat_prompt(engine, req)
         except (ValueError, TypeError) as e:
             raise APIError(400, str(e)) from None
@@ -196,7 +203,7 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
     async def completions(req: CompletionRequest, raw: Request):
         check_model(req.model)
         try:
-            params = req.sampling_params(engine.engine.sampling_defaults)
+            params = req.sampling_params(defaults())
             prompts = [engine.encode(p, do_preprocess=False) if isinstance(p, str) else (None, list(p))
                        for p in req.prompts()]
         except (ValueError, TypeError) as e:
@@ -294,9 +301,10 @@ async def _guarded(events):
 
 def run_server(engine: AsyncEngine, server_name: str = "127.0.0.1", server_port: int = 23333,
                api_keys: list[str] | None = None, model_name: str | None = None, log_level: str = "info",
-               tool_call_parser: str | None = None, model_aliases: tuple[str, ...] = ()) -> None:
+               tool_call_parser: str | None = None, model_aliases: tuple[str, ...] = (),
+               sampling_defaults: dict | None = None) -> None:
     import uvicorn
 
-    app = create_app(engine, api_keys, model_name, model_aliases, tool_call_parser)
+    app = create_app(engine, api_keys, model_name, model_aliases, tool_call_parser, sampling_defaults)
     uvicorn.run(app, host=server_name, port=server_port, log_level=log_level.lower(), timeout_keep_alive=30)
     engine.close()

@@ -66,3 +66,35 @@ def test_openai_requests_take_the_model_defaults_for_fields_they_leave_out():
     assert null.sampling_params(defaults).temperature == 0.6
     assert CompletionRequest(model="m", prompt="hi").sampling_params(defaults).top_p == 0.9
     assert ChatCompletionRequest(**chat).sampling_params().temperature == 1.0  # OpenAI's without a model default
+
+
+def test_server_generation_config_flag(plain, tmp_path, capsys):
+    """vLLM's `--generation-config auto|vllm|DIR`: which defaults the fields a request leaves out take."""
+    from fastapi.testclient import TestClient
+
+    from lmjax.cli import main
+    from lmjax.loader.generation_config import chosen_sampling_defaults
+    from lmjax.serve.openai_server import create_app
+
+    path = _with_generation_config(plain, tmp_path, temperature=0.0, max_new_tokens=3, do_sample=False)
+    model_defaults = {"temperature": 0.6}
+    assert chosen_sampling_defaults("auto", model_defaults) == model_defaults
+    assert chosen_sampling_defaults("vllm", model_defaults) == {}
+    assert chosen_sampling_defaults(path, model_defaults) == {"temperature": 0.0, "max_tokens": 3}
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "api_server", plain, "--generation-config", "nowhere"])  # before the model loads
+    assert e.value.code == 2 and "--generation-config='nowhere' must be" in capsys.readouterr().err
+    seen = []
+
+    def validate_request(self, ids, params):  # records what the server would submit, then refuses it
+        seen.append(params)
+        raise ValueError("recorded")
+
+    class Engine:
+        model_name, tokenizer, session_len = "m", None, 100
+        engine = type("E", (), {"sampling_defaults": model_defaults, "validate_request": validate_request})()
+
+    for defaults, want in ((None, 0.6), ({}, 1.0)):
+        client = TestClient(create_app(Engine(), sampling_defaults=defaults))
+        resp = client.post("/v1/completions", json={"model": "m", "prompt": [1, 2], "max_tokens": 2})
+        assert resp.status_code == 400 and seen.pop().temperature == want
