@@ -137,6 +137,28 @@ class LLM:
         raise TypeError(f"a prompt must be a str, a list of token ids or a dict with 'prompt' or "
                         f"'prompt_token_ids', got {type(prompt).__name__}")
 
+    def reset_prefix_cache(self, device=None) -> bool:
+        """Drop the prefix cache (vLLM's): False, as there, while a request still holds KV blocks (an idle
+        interactive session's included)."""
+        reset = self.llm_engine.blocks.reset_prefix_cache()
+        if not reset:
+            logger.warning("prefix cache not reset: %d KV blocks are still in use",
+                           self.llm_engine.blocks.num_usable_blocks - self.llm_engine.blocks.num_free_blocks)
+        return reset
+
+    def start_profile(self, profile_dir: str | None = None) -> None:
+        """Start a JAX profiler trace (TensorBoard / Perfetto readable) into `profile_dir`, else
+        $LMJAX_PROFILER_DIR: vLLM's start_profile, which traces into $VLLM_TORCH_PROFILER_DIR."""
+        profile_dir = profile_dir or os.environ.get("LMJAX_PROFILER_DIR")
+        if not profile_dir:
+            raise RuntimeError("start_profile needs a directory: start_profile(profile_dir) or LMJAX_PROFILER_DIR")
+        jax.profiler.start_trace(profile_dir)
+
+    def stop_profile(self) -> None:
+        """End the trace start_profile began (work still on the device is waited for first)."""
+        jax.effects_barrier()
+        jax.profiler.stop_trace()
+
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` and `chat` use when given no SamplingParams: vLLM's defaults, with the sampling
         fields the model's generation_config.json sets (generation_config="vllm": vLLM's alone)."""

@@ -165,6 +165,18 @@ class BlockManager:
         self.free(seq)
         seq.num_computed_tokens = seq.num_prefix_cached_tokens = 0
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (vLLM's reset_prefix_cache: between benchmark runs, after a weight
+        change). Only while no sequence holds a block, as in vLLM: a running one would keep sharing blocks
+        whose hashes are gone. Returns whether it was reset."""
+        if self.num_free_blocks != self.num_usable_blocks:
+            return False
+        self._free_plain.extend(self._free_cached)
+        self._free_cached.clear()
+        self.hash_to_block.clear()
+        self.block_hash = [None] * self.num_blocks
+        return True
+
     def register_full_blocks(self, seq: Sequence) -> None:
         """Record the hash of every block of `seq` that became full (by `num_computed_tokens`)."""
         if not self.enable_prefix_caching:
