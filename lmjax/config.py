@@ -15,37 +15,14 @@ keyword is a `TypeError` that lists it and suggests the nearest valid field.
 """
 from __future__ import annotations
 
-import difflib
 import functools
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 from lmjax.guided_params import GuidedDecodingParams, as_guided, from_response_format
+from lmjax.validation import check as _check, check_logit_bias, strict_fields as _strict_fields
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
-
-
-def _strict_fields(cls):
-    """Wrap `cls.__init__` so unknown keywords fail with every bad name and a suggestion."""
-    init, names = cls.__init__, [f.name for f in fields(cls) if f.init]
-
-    @functools.wraps(init)
-    def __init__(self, *args, **kwargs):
-        unknown = [k for k in kwargs if k not in names]
-        if unknown:
-            hints = {k: difflib.get_close_matches(k, names, n=1) for k in unknown}
-            hint = "; ".join(f"{k!r}: did you mean {m[0]!r}?" for k, m in hints.items() if m)
-            raise TypeError(f"{cls.__name__} got unknown field(s) {unknown}"
-                            + (f" ({hint})" if hint else "") + f"; valid fields: {names}")
-        init(self, *args, **kwargs)
-
-    cls.__init__ = __init__
-    return cls
-
-
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
 
 
 def _as_list(value, name: str, item_type: type) -> list | None:
@@ -106,6 +83,7 @@ class SamplingParams:
     on sampled ids. `bad_token_ids` is an lmjax extension (from LMDeploy): ids never sampled.
     `allowed_token_ids`: the only ids that may be sampled (EOS only if listed, as vLLM). `guided_decoding`
     (alias `structured_outputs`, vLLM >= 0.11's name): a JSON schema, regex or choice (lmjax.engine.guided).
+    `logit_bias` {token id: bias}: added to those ids' raw logits before anything else (lmjax.layers.sampler).
     `seed=None` lets the engine pick one (see `EngineConfig.seed`).
     """
     n: int = 1
@@ -133,6 +111,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     guided_decoding: GuidedDecodingParams | None = None
     structured_outputs: GuidedDecodingParams | None = None  # an alias: moved to guided_decoding
+    logit_bias: dict[int, float] | None = None
     # vLLM fields lmjax does not implement: accepted at their defaults only
     best_of: int | None = None
     detokenize: bool = True
@@ -163,6 +142,7 @@ class SamplingParams:
             setattr(self, name, _as_list(getattr(self, name), name, kind))
         _check(not self.stop or all(self.stop), f"stop strings must be non-empty, got {self.stop!r}")
         _check(self.allowed_token_ids != [], "allowed_token_ids must not be empty (None: every id)")
+        self.logit_bias = check_logit_bias(self.logit_bias)
         self.guided_decoding, self.structured_outputs = as_guided(self.guided_decoding, self.structured_outputs), None
 
     @property

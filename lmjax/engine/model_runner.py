@@ -36,6 +36,7 @@ from lmjax.layers.quant import QuantLinear
 from lmjax.layers.sampler import (
     SamplerOutput,
     SamplingFlags,
+    SamplingMetadata,
     SamplingRow,
     build_sampling_metadata,
     sample,
@@ -46,8 +47,26 @@ from lmjax.models.forward import make_kv_caches
 logger = logging.getLogger("lmjax.engine")
 
 
-_STEP, _MASKED_STEP = 1, 2  # step kinds a leader sends its followers (lmjax.parallel.send_step); masked: the
-# sampling metadata carries an allowed-token mask (guided decoding), a pytree of another structure
+def step_kind(smeta: SamplingMetadata) -> int:
+    """The kind of step a leader sends its followers (lmjax.parallel.send_step): 1 + one bit per optional
+    sampling input present (allowed-token mask, logit bias), since each combination is a pytree of another
+    structure, which a follower must know to receive it."""
+    return 1 + sum(present << i for i, present in enumerate(smeta.optional_inputs()))
+
+
+def _follower_sampling_templates() -> dict[int, SamplingMetadata]:
+    """{step kind: a one-row SamplingMetadata of that kind's structure}, every kind a leader may send."""
+    greedy = SamplingParams(temperature=0.0)
+    with_input = [{"allowed_W": np.zeros(1, np.uint32)},  # in SamplingMetadata.optional_inputs() order
+                  {"params": dataclasses.replace(greedy, logit_bias={0: 0.0})}]
+    templates = {}
+    for bits in range(1 << len(with_input)):
+        row = SamplingRow(greedy, seed=0)
+        for i, extra in enumerate(with_input):
+            row = dataclasses.replace(row, **extra) if bits >> i & 1 else row
+        smeta, _ = build_sampling_metadata([row], pad_to=1)
+        templates[step_kind(smeta)] = smeta
+    return templates
 
 
 def bucket(n: int, minimum: int) -> int:
@@ -311,8 +330,7 @@ class ModelRunner:
         inputs = self.build_inputs(batch, blocks)
         smeta, flags = build_sampling_metadata(rows, pad_to=inputs.last_rows_B.shape[0])
         if self.leading:
-            parallel.send_step((inputs, smeta), [*map(int, flags), num_prompt_logprobs],
-                               kind=_STEP if smeta.allowed_BW is None else _MASKED_STEP)
+            parallel.send_step((inputs, smeta), [*map(int, flags), num_prompt_logprobs], kind=step_kind(smeta))
         out, prompt = self._run(inputs, smeta, flags, num_prompt_logprobs)
         n = len(batch.items)
         host = jax.device_get((out, prompt))
@@ -341,13 +359,11 @@ class ModelRunner:
     def follow(self) -> int:
         """On processes other than the leader: run the leader's steps until it releases us; returns
         how many steps ran. The results are the leader's to read (they are replicated)."""
-        row = SamplingRow(SamplingParams(temperature=0.0), seed=0)
-        smeta, flags = build_sampling_metadata([row], pad_to=1)
-        masked, _ = build_sampling_metadata([dataclasses.replace(row, allowed_W=np.zeros(1, np.uint32))], pad_to=1)
+        _, flags = build_sampling_metadata([SamplingRow(SamplingParams(temperature=0.0), seed=0)], pad_to=1)
         one, table = np.zeros(1, np.int32), np.zeros((1, 1), np.int32)
         inputs = StepInputs(one, one, AttentionMetadata(one, one, one, table, one), one, one)
         # One entry per kind of jitted call the leader may send: (input template, how to run it).
-        kinds = {_STEP: ((inputs, smeta), self._run), _MASKED_STEP: ((inputs, masked), self._run)}
+        kinds = {kind: ((inputs, smeta), self._run) for kind, smeta in _follower_sampling_templates().items()}
         steps = 0
         while (step := parallel.receive_step({k: t for k, (t, _) in kinds.items()})) is not None:
             kind, (step_inputs, step_smeta), static = step

@@ -125,6 +125,14 @@ def check_logprobs(params: SamplingParams, vocab: int, max_logprobs: int) -> Non
                              f"LLM(max_logprobs=...); -1 allows up to the vocabulary, {vocab})")
 
 
+def check_logit_bias(params: SamplingParams, vocab: int) -> None:
+    """A ValueError naming the logit_bias ids outside the vocabulary (vLLM's check at submission), which the
+    device would otherwise drop without a word."""
+    bad = [i for i in params.logit_bias or () if not 0 <= i < vocab]
+    if bad:
+        raise ValueError(f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+
+
 def truncated_prompt(prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
     """The prompt's last `truncate_prompt_tokens` tokens (vLLM's left truncation), else all of them."""
     k = params.truncate_prompt_tokens

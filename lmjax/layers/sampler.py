@@ -1,16 +1,22 @@
 """Sampling on device: one batch of logits in, one token per row out, each row with its own params.
 
 Shape letters: B batch rows (padding rows included), V vocabulary, L penalty-token slots,
-X banned-id slots, K top logprobs returned per row, W 32-bit words of a packed token mask (ceil(V / 32)).
+X banned-id slots, N logit-bias slots, K top logprobs returned per row, W 32-bit words of a packed token
+mask (ceil(V / 32)).
 
 Data flow: each step the engine calls `build_sampling_metadata(rows, pad_to)` on the host (numpy
 only), gets a `SamplingMetadata` pytree plus `SamplingFlags`, and calls
 `sample(logits_BV, meta, **flags._asdict())` inside its jitted step with the flags static, so a
-greedy-only batch compiles to a plain argmax. The logits pipeline follows HF / vLLM:
-penalties -> banned ids -> allowed-token mask -> temperature -> top-k -> top-p -> min-p -> Gumbel-max
-draw; greedy rows (temperature 0) take the argmax after penalties, bans and the mask. The mask (guided
-decoding, allowed_token_ids: lmjax.engine.guided) is a packed bitmask present only when some row has
-one, so every other batch compiles and runs as if it did not exist.
+greedy-only batch compiles to a plain argmax. The logits pipeline follows vLLM V1's sampler:
+logit bias -> penalties -> banned ids -> allowed-token mask -> temperature -> min-p -> top-k -> top-p ->
+Gumbel-max draw; greedy rows (temperature 0) take the argmax after the bias, penalties, bans and the mask.
+(vLLM masks first, then bans, then biases, then penalizes: a -inf stays -inf under a bias or a penalty,
+so the two orders agree.) The bias (a request's logit_bias, sparse: ids and values) and the mask (guided
+decoding, allowed_token_ids: lmjax.engine.guided; a packed bitmask) are present only when some row has
+one, so every other batch compiles and runs as if they did not exist.
+
+Logprobs are those of the raw model output, before any of the above (vLLM V1's default logprobs_mode,
+"raw_logprobs"): a biased or banned token keeps the logprob the model gave it.
 
 Reproducibility: row b's noise comes from fold_in(key(seed_b), step_b), step_b being the number
 of tokens the request has generated, so a request draws the same tokens whatever else shares
@@ -48,6 +54,15 @@ class SamplingMetadata:
     # uint32 packed bitmask, bit j of word w allows token 32 w + j; None when no row restricts its tokens
     # (a different pytree, hence its own compilation: unguided batches never pay for the mask).
     allowed_BW: jax.Array | None = None
+    # logit_bias: int32 ids (-1 padded) and the float32 biases added to their logits; both None when no row
+    # has one (as allowed_BW: unbiased batches never pay for it).
+    bias_ids_BN: jax.Array | None = None
+    bias_values_BN: jax.Array | None = None
+
+    def optional_inputs(self) -> tuple[bool, ...]:
+        """Which optional inputs are present (mask, bias): each combination is a pytree of its own
+        structure, so a jitted step of its own (and a step kind of its own for tp followers)."""
+        return self.allowed_BW is not None, self.bias_ids_BN is not None
 
 
 class SamplingFlags(NamedTuple):
@@ -91,6 +106,11 @@ def apply_penalties(logits_BV: jax.Array, meta: SamplingMetadata) -> jax.Array:
     logits_BV = jnp.where(seen_BV, penalized_BV, logits_BV)
     return (logits_BV - meta.frequency_penalty_B[:, None] * out_counts_BV
             - meta.presence_penalty_B[:, None] * (out_counts_BV > 0))
+
+
+def apply_logit_bias(logits_BV: jax.Array, bias_ids_BN: jax.Array, bias_values_BN: jax.Array) -> jax.Array:
+    """logits[b, ids[b, n]] += values[b, n] (ids -1: padding). A request's ids are distinct (dict keys)."""
+    return _scatter_rows(logits_BV, bias_ids_BN, bias_values_BN, add=True)
 
 
 def apply_banned(logits_BV: jax.Array, banned_BX: jax.Array) -> jax.Array:
@@ -180,7 +200,10 @@ def sample(logits_BV: jax.Array, meta: SamplingMetadata, *, all_greedy: bool, us
         raise ValueError(f"logits_BV has {logits_BV.shape[0]} rows but the metadata has "
                          f"{meta.temperature_B.shape[0]}: pad both to the same batch bucket")
     raw_BV = logits_BV.astype(jnp.float32)
-    logits_BV = apply_penalties(raw_BV, meta) if use_penalties else raw_BV
+    logits_BV = raw_BV
+    if meta.bias_ids_BN is not None:
+        logits_BV = apply_logit_bias(logits_BV, meta.bias_ids_BN, meta.bias_values_BN)
+    logits_BV = apply_penalties(logits_BV, meta) if use_penalties else logits_BV
     logits_BV = apply_banned(logits_BV, meta.banned_BX)
     if meta.allowed_BW is not None:
         logits_BV = apply_allowed(logits_BV, meta.allowed_BW)
@@ -250,6 +273,7 @@ def build_sampling_metadata(rows: Sequence[SamplingRow], pad_to: int
     outputs = [r.output_ids if r else () for r in penalized]
     L = _bucket(max(map(len, prompts + outputs), default=1))
     X = _bucket(max((len(r.banned_ids) for r in rows), default=1))
+    bias_ids_BN, bias_values_BN = _logit_bias([r.params.logit_bias for r in rows], B)
     meta = SamplingMetadata(
         temperature_B=column(lambda r: 0.0 if r.params.is_greedy else r.params.temperature, np.float32, 0.0),
         top_k_B=column(lambda r: max(r.params.top_k, 0), np.int32, 0),
@@ -263,8 +287,23 @@ def build_sampling_metadata(rows: Sequence[SamplingRow], pad_to: int
         prompt_tokens_BL=_pad_ids(prompts, B, L),
         output_tokens_BL=_pad_ids(outputs, B, L),
         banned_BX=_pad_ids([r.banned_ids for r in rows], B, X),
-        allowed_BW=_allowed_mask([r.allowed_W for r in rows], B))
+        allowed_BW=_allowed_mask([r.allowed_W for r in rows], B),
+        bias_ids_BN=bias_ids_BN, bias_values_BN=bias_values_BN)
     return meta, flags
+
+
+def _logit_bias(biases: list[dict[int, float] | None], B: int) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """The rows' logit_bias as ids (int32, -1 padded) and values (float32), both [B, N] with N a power of two
+    (bounded compilations); (None, None) when no row has one."""
+    if not any(biases):
+        return None, None
+    N = _bucket(max(len(bias or ()) for bias in biases))
+    ids_BN, values_BN = np.full((B, N), -1, np.int32), np.zeros((B, N), np.float32)
+    for b, bias in enumerate(biases):
+        if bias:
+            ids_BN[b, :len(bias)] = np.fromiter(bias.keys(), np.int32, len(bias))
+            values_BN[b, :len(bias)] = np.fromiter(bias.values(), np.float32, len(bias))
+    return ids_BN, values_BN
 
 
 def _allowed_mask(masks: list[np.ndarray | None], B: int) -> np.ndarray | None:

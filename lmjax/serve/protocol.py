@@ -2,13 +2,14 @@
 their mapping onto the engine's SamplingParams. Field names and defaults follow OpenAI's API (with vLLM's
 extensions `top_k`, `repetition_penalty`, `ignore_eos`, `min_tokens`, `skip_special_tokens`,
 `include_stop_str_in_output`, `bad_words`, `add_generation_prompt`, `continue_final_message`) and, for
-`/v1/chat/interactive`, LMDeploy's `GenerateRequest`. Unknown fields are ignored, as OpenAI does; OpenAI
-fields lmjax does not honour (logit_bias, best_of > n, suffix, non-text content parts, the deprecated
-functions, and vLLM's prompt_logprobs and chat echo) are a 400 that names them unless left at their no-op
-values. `tools` are rendered into the prompt and, on a server started with --tool-call-parser, the reply is
-parsed for calls (lmjax.serve.tool_parsers); tool_choice "required" or a named function guides the reply
-to the call's JSON instead. Structured outputs: response_format (OpenAI's json_object / json_schema,
-LMDeploy's regex_schema), vLLM's guided_json / guided_regex / guided_choice and structured_outputs.
+`/v1/chat/interactive`, LMDeploy's `GenerateRequest`; `logit_bias` is OpenAI's map of token ids (as strings)
+to biases in [-100, 100]. Unknown fields are ignored, as OpenAI does; OpenAI fields lmjax does not honour
+(best_of > n, suffix, non-text content parts, the deprecated functions, and vLLM's prompt_logprobs and chat
+echo) are a 400 that names them unless left at their no-op values. `tools` are rendered into the prompt
+and, on a server started with --tool-call-parser, the reply is parsed for calls (lmjax.serve.tool_parsers);
+tool_choice "required" or a named function guides the reply to the call's JSON instead. Structured outputs:
+response_format (OpenAI's json_object / json_schema, LMDeploy's regex_schema), vLLM's guided_json /
+guided_regex / guided_choice and structured_outputs.
 An explicit `null` is the field's default (`_Nullable`). Every string must be valid UTF-8: JSON can carry a
 lone surrogate (`"\\udc80"`), which no tokenizer takes (`_Strict._utf8`).
 Out-of-range values are caught by SamplingParams / GenerationConfig, whose ValueError names the value.
@@ -16,6 +17,7 @@ Responses are plain dicts built in `responses.py`.
 """
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -142,6 +144,7 @@ class _Sampling(_Nullable):
     stream_options: StreamOptions | None = None
     user: str | None = None
     allowed_token_ids: list[int] | None = None  # vLLM's
+    logit_bias: dict | None = None  # OpenAI's {"token id": bias in [-100, 100]} (`_logit_bias`)
     # Structured outputs (lmjax.engine.guided): OpenAI's / LMDeploy's response_format, vLLM's guided_* fields
     # and its newer structured_outputs; at most one of them.
     response_format: dict | None = None
@@ -153,14 +156,11 @@ class _Sampling(_Nullable):
     structured_outputs: dict | None = None
     # OpenAI fields lmjax does not honour: accepted at their no-op values only (`_unsupported`), since
     # ignoring them would hand back, say, free text where a tool call was asked for.
-    logit_bias: dict | None = None
     prompt_logprobs: int | None = None  # vLLM's extension (completions' echo + logprobs gives them instead)
 
     def _unsupported(self) -> dict:
         """{field: value} of the fields set to something lmjax does not do."""
         bad = {}
-        if self.logit_bias:
-            bad["logit_bias"] = self.logit_bias
         if self.prompt_logprobs is not None:
             bad["prompt_logprobs"] = self.prompt_logprobs
         return bad
@@ -185,7 +185,21 @@ class _Sampling(_Nullable):
                               max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs,
                               prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
                               include_stop_str_in_output=self.include_stop_str_in_output, bad_words=self.bad_words,
-                              allowed_token_ids=self.allowed_token_ids, guided_decoding=self._guide())
+                              allowed_token_ids=self.allowed_token_ids, logit_bias=self._logit_bias(),
+                              guided_decoding=self._guide())
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        """OpenAI's {"token id": bias} as SamplingParams' {id: bias} (empty: None). A key that is not an integer,
+        or a bias outside OpenAI's [-100, 100], is a ValueError (-> 400) naming it; vLLM clamps the bias instead.
+        Ids outside the vocabulary are the engine's to name (LLMEngine.validate_request)."""
+        out = {}
+        for key, bias in (self.logit_bias or {}).items():
+            if not re.fullmatch(r"-?[0-9]+", key):
+                raise ValueError(f"logit_bias key {key!r} is not a token id (an integer, as a string)")
+            if not isinstance(bias, (int, float)) or isinstance(bias, bool) or not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias[{key!r}]={bias!r} must be a number in [-100, 100]")
+            out[int(key)] = float(bias)
+        return out or None
 
     def _guides(self) -> dict:
         """{field: GuidedDecodingParams} of every structured-output field the request sets."""

@@ -221,7 +221,6 @@ TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"
     ("/v1/chat/completions", {"tools": [TOOL]}, "tools"),
     ("/v1/chat/completions", {"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
     ("/v1/chat/completions", {"response_format": {"type": "xml"}}, "response_format"),  # json_object etc. work
-    ("/v1/chat/completions", {"logit_bias": {"42": 5}}, "logit_bias"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
         {"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": "x.png"}}]}]},
      "image_url"),

@@ -1,0 +1,53 @@
+"""Validation helpers of the user-facing config dataclasses (lmjax.config): strict keyword checking, and
+the checks a field needs that are too long to sit inline in a `__post_init__`.
+
+Errors name the offending value: `ValueError("top_p must be in (0, 1], got 0")`; an unknown keyword is a
+`TypeError` that lists it and suggests the nearest valid field.
+"""
+from __future__ import annotations
+
+import difflib
+import functools
+import math
+from dataclasses import fields
+from numbers import Integral, Real
+
+
+def strict_fields(cls):
+    """Wrap `cls.__init__` so unknown keywords fail with every bad name and a suggestion."""
+    init, names = cls.__init__, [f.name for f in fields(cls) if f.init]
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        unknown = [k for k in kwargs if k not in names]
+        if unknown:
+            hints = {k: difflib.get_close_matches(k, names, n=1) for k in unknown}
+            hint = "; ".join(f"{k!r}: did you mean {m[0]!r}?" for k, m in hints.items() if m)
+            raise TypeError(f"{cls.__name__} got unknown field(s) {unknown}"
+                            + (f" ({hint})" if hint else "") + f"; valid fields: {names}")
+        init(self, *args, **kwargs)
+
+    cls.__init__ = __init__
+    return cls
+
+
+def check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def check_logit_bias(logit_bias) -> dict[int, float] | None:
+    """SamplingParams.logit_bias as a fresh {token id: bias} dict (None stays None). Keys must be integer
+    ids (not the strings of OpenAI's JSON: the server converts those, lmjax.serve.protocol), values finite
+    numbers. Like vLLM's SamplingParams, the bias is not clamped here (OpenAI's [-100, 100] is the server's
+    rule); ids outside the vocabulary are caught when the request is submitted (the vocabulary is the
+    engine's to know)."""
+    if logit_bias is None:
+        return None
+    check(isinstance(logit_bias, dict), f"logit_bias must be a dict {{token id: bias}}, got {logit_bias!r}")
+    bad_keys = [k for k in logit_bias if not isinstance(k, Integral) or isinstance(k, bool)]
+    check(not bad_keys, f"logit_bias keys must be int token ids, got {bad_keys[:5]!r}")
+    bad = {k: v for k, v in logit_bias.items()
+           if not isinstance(v, Real) or isinstance(v, bool) or not math.isfinite(v)}
+    check(not bad, f"logit_bias values must be finite numbers, got {dict(list(bad.items())[:5])!r}")
+    return {int(k): float(v) for k, v in logit_bias.items()}
