@@ -2,17 +2,14 @@
 official `openai` client, raw httpx and lmjax's APIClient. Offline references come from `LLM.generate`
 in this process (greedy, float32 on both sides). One server for the whole module; max_tokens stays small."""
 import asyncio
-import os
 import re
-import socket
-import subprocess
-import sys
 import time
 
 import httpx
 import pytest
 
 import openai  # noqa: E402
+from server_process import api_server
 
 KEY = "sk-test-key"
 SESSION_LEN = 2048
@@ -20,38 +17,11 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", 
 CHAT = [{"role": "user", "content": "What is the tallest mountain in the world?"}]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(smollm2_pruned):
-    port = _free_port()
-    cmd = [sys.executable, "-m", "lmjax.cli", "serve", "api_server", smollm2_pruned, "--server-port", str(port),
-           "--session-len", str(SESSION_LEN), "--dtype", "float32", "--api-keys", KEY, "--log-level", "WARNING"]
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 300
-        while time.time() < deadline:
-            assert proc.poll() is None, f"server exited: {proc.stderr.read()}"
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(1)
-        else:
-            pytest.fail("server did not become healthy")
+    with api_server(smollm2_pruned, "--session-len", str(SESSION_LEN), "--dtype", "float32", "--api-keys", KEY,
+                    "--log-level", "WARNING") as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 @pytest.fixture(scope="module")

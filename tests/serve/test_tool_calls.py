@@ -9,17 +9,13 @@ a conversation continued (`continue_final_message`) from "plain" or "broken" get
 call."""
 import json
 import os
-import socket
-import subprocess
-import sys
-import time
 
-import httpx
 import numpy as np
 import pytest
 
 import openai
 from lmjax.serve.tool_parsers import PARSERS, ToolStream, get_tool_parser
+from server_process import api_server
 
 CHAINS = [
     ["assistant", "Let", "me", "check.", "<tool_call>", '{"name":', '"get_weather",', '"arguments":', '{"city":',
@@ -259,32 +255,10 @@ def write_successor_model(path: str) -> str:
 
 @pytest.fixture(scope="module")
 def client(model_dir):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "lmjax.cli", "serve", "api_server", model_dir, "--server-port", str(port),
-           "--session-len", "256", "--dtype", "float32", "--max-batch-size", "4", "--log-level", "WARNING",
-           "--model-name", "m", "--tool-call-parser", "hermes", "--enable-auto-tool-choice"]
-    proc = subprocess.Popen(cmd, env=dict(os.environ, JAX_PLATFORMS="cpu"), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.time() + 300
-        while time.time() < deadline:
-            assert proc.poll() is None, f"server exited: {proc.stderr.read()}"
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
-        else:
-            pytest.fail("server did not become healthy")
-        yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k", max_retries=0)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    with api_server(model_dir, "--session-len", "256", "--dtype", "float32", "--max-batch-size", "4",
+                    "--log-level", "WARNING", "--model-name", "m", "--tool-call-parser", "hermes",
+                    "--enable-auto-tool-choice") as url:
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0)
 
 
 def _continued(word: str) -> dict:
