@@ -2,8 +2,9 @@
 
 Routes: `GET /v1/models`, `POST /v1/chat/completions`, `POST /v1/completions` (streaming over SSE or not),
 `POST /v1/chat/interactive` (LMDeploy's session endpoint: newline-delimited JSON when streaming),
-`POST /v1/encode` (LMDeploy's tokenizer endpoint), `GET /health`, `GET /metrics` (Prometheus text).
-`/v1/*` needs `Authorization: Bearer KEY` when the server has API keys. Errors are OpenAI-style bodies
+`POST /v1/encode` (LMDeploy's tokenizer endpoint), `POST /tokenize` and `POST /detokenize` (vLLM's), `GET /health`,
+`GET /metrics` (Prometheus text). `/v1/*`, `/tokenize` and `/detokenize` need `Authorization: Bearer KEY` when
+the server has API keys (vLLM leaves its tokenizer routes open; they read nothing private, but cost work). Errors are OpenAI-style bodies
 `{"error": {"message", "type", "param", "code"}}`: 400 for a malformed or out-of-range request (FastAPI's
 422 becomes 400), 401 for a bad key, 404 for an unknown model. The model answers to its served name and
 to the aliases it is given, a Hugging Face id among them also by its short name
@@ -35,6 +36,7 @@ from lmjax.serve import responses as R
 from lmjax.serve.metrics import render_metrics
 from lmjax.serve.protocol import ChatCompletionRequest, CompletionRequest, EncodeRequest, InteractiveRequest
 from lmjax.serve.streams import first_and_rest, merge, until_disconnect
+from lmjax.serve.tokenize_protocol import DetokenizeRequest, TokenizeRequest
 from lmjax.serve.tool_parsers import ToolStream, get_tool_parser
 
 logger = logging.getLogger("lmjax.serve")
@@ -240,6 +242,29 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
         if isinstance(req.input, str):
             return {"input_ids": ids[0], "length": len(ids[0])}
         return {"input_ids": ids, "length": [len(i) for i in ids]}
+
+    @app.post("/tokenize", dependencies=[Depends(authorize)])
+    async def tokenize(req: TokenizeRequest):
+        """vLLM's: the ids of a prompt or of chat messages as /v1/chat/completions would render them."""
+        if req.model is not None:
+            check_model(req.model)
+        try:
+            ids = req.token_ids(engine.tokenizer, lambda chat: chat_prompt(engine, chat))
+        except (ValueError, TypeError) as e:
+            raise APIError(400, str(e)) from None
+        strs = engine.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        return {"count": len(ids), "max_model_len": engine.session_len, "tokens": ids, "token_strs": strs}
+
+    @app.post("/detokenize", dependencies=[Depends(authorize)])
+    async def detokenize(req: DetokenizeRequest):
+        """vLLM's: the text of token ids (special tokens kept, as vLLM)."""
+        if req.model is not None:
+            check_model(req.model)
+        vocab = engine.engine.model_config.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"tokens {bad[:5]} are outside the vocabulary [0, {vocab})")
+        return {"prompt": engine.tokenizer.decode(req.tokens)}
 
     @app.post("/v1/chat/interactive", dependencies=[Depends(authorize)])
     async def chat_interactive(req: InteractiveRequest, raw: Request):
