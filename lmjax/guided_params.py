@@ -20,6 +20,11 @@ def _fail(message: str):
     raise ValueError(message)
 
 
+class UnsupportedGuideError(ValueError, NotImplementedError):
+    """A kind of guide lmjax does not implement (grammar, structural_tag): a NotImplementedError, and a
+    ValueError too, so that callers who turn bad requests into errors (the server's 400) catch it as one."""
+
+
 @dataclass
 class GuidedDecodingParams:
     """Exactly one of json (a JSON schema: dict, JSON string or pydantic model class), regex, choice (the
@@ -42,8 +47,8 @@ class GuidedDecodingParams:
     def __post_init__(self):
         for name in ("grammar", "structural_tag"):
             if getattr(self, name) is not None:
-                raise NotImplementedError(f"GuidedDecodingParams({name}={getattr(self, name)!r}) is not supported "
-                                          "by lmjax: use json, regex, choice or json_object")
+                raise UnsupportedGuideError(f"GuidedDecodingParams({name}={getattr(self, name)!r}) is not "
+                                            "supported by lmjax: use json, regex, choice or json_object")
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]
         if len(given) != 1:
             _fail(f"guided decoding needs exactly one of {list(KINDS[:3]) + ['json_object']}, got {given or 'none'}")
@@ -64,7 +69,7 @@ class GuidedDecodingParams:
     @classmethod
     def from_optional(cls, json=None, regex=None, choice=None, grammar=None, json_object=None, **kwargs):
         """None when no kind of guide is given (vLLM's helper of the same name)."""
-        if all(v is None for v in (json, regex, choice, grammar, json_object)):
+        if all(v is None for v in (json, regex, choice, grammar, json_object, kwargs.get("structural_tag"))):
             return None
         return cls(json=json, regex=regex, choice=choice, grammar=grammar, json_object=json_object, **kwargs)
 

@@ -28,12 +28,12 @@ from collections import OrderedDict
 import numpy as np
 
 from lmjax.config import SamplingParams
+from lmjax.engine.guided_regex import guide_regex
 from lmjax.guided_params import GuidedDecodingParams
 from lmjax.layers.sampler import pack_token_ids
 
 logger = logging.getLogger("lmjax.engine")
 INDEX_CACHE_SIZE = 32  # compiled guides kept per engine (a JSON schema's: milliseconds to a second each)
-_REGEX_META = set("\\.+*?()|[]{}^$#&-~")
 
 
 def _outlines():
@@ -88,64 +88,6 @@ def vocabulary_map(tokenizer, skip_ids: set[int]) -> dict[bytes, list[int]]:
     return vocab
 
 
-# ------------------------------------------------------------------ params -> regex
-
-def _escape(text: str) -> str:
-    """A literal for outlines' (Rust) regex syntax: its metacharacters escaped, nothing else."""
-    return "".join("\\" + c if c in _REGEX_META else c for c in text)
-
-
-@functools.cache
-def json_object_regex(depth: int = 2) -> str:
-    """Any JSON object whose values nest at most `depth` containers deep. outlines' own schema for
-    {"type": "object"} nests 3 deep and takes ~6 s to compile over a 49k vocabulary; 2 deep takes 0.3 s."""
-    from outlines_core.json_schema import BOOLEAN, NULL, NUMBER, STRING
-    from outlines_core.json_schema import WHITESPACE as ws
-
-    scalar = f"({STRING}|{NUMBER}|{BOOLEAN}|{NULL})"
-
-    def obj(value: str) -> str:
-        return rf"\{{{ws}({STRING}{ws}:{ws}{value}({ws},{ws}{STRING}{ws}:{ws}{value})*)?{ws}\}}"
-
-    value = scalar
-    for _ in range(depth - 1):
-        value = rf"({scalar}|{obj(value)}|\[{ws}({value}({ws},{ws}{value})*)?{ws}\])"
-    return obj(value)
-
-
-def ascii_digits(regex: str) -> str:
-    """`\\d` as the ASCII digits [0-9], as JSON Schema patterns and xgrammar read it. Rust's regex (and so
-    outlines) reads it as any Unicode digit, and SmolLM2 asked for r"\\d{3}" greedily wrote "🯸🯸🯸"."""
-    out, i, in_class = [], 0, False
-    while i < len(regex):
-        c = regex[i]
-        if c == "\\" and i + 1 < len(regex):
-            out.append(("0-9" if in_class else "[0-9]") if regex[i + 1] == "d" else regex[i:i + 2])
-            i += 2
-            continue
-        in_class = (c == "[") or (in_class and c != "]")
-        out.append(c)
-        i += 1
-    return "".join(out)
-
-
-def guide_regex(guided: GuidedDecodingParams) -> str:
-    return ascii_digits(_regex(guided))
-
-
-def _regex(guided: GuidedDecodingParams) -> str:
-    kind = guided.kind
-    if kind == "regex":
-        return guided.regex
-    if kind == "choice":
-        return "(" + "|".join(_escape(c) for c in guided.choice) + ")"
-    if kind == "json_object":
-        return json_object_regex()
-    from outlines_core.json_schema import build_regex_from_schema
-
-    return build_regex_from_schema(guided.json, guided.whitespace)
-
-
 def _describe(guided: GuidedDecodingParams) -> str:
     value = getattr(guided, guided.kind)
     text = value if isinstance(value, str) else json.dumps(value)
@@ -192,7 +134,11 @@ class GuidedDecoding:
         if bad:
             raise ValueError(f"allowed_token_ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
         if params.guided_decoding is not None:
-            self.index(params.guided_decoding)
+            index = self.index(params.guided_decoding)
+            if params.allowed_token_ids and not GuideState(self, index, self.allowed_mask(params),
+                                                           params.ignore_eos).mask_W().any():
+                raise ValueError(f"allowed_token_ids {list(params.allowed_token_ids)[:8]} leave no token that can "
+                                 f"begin the guided output ({_describe(params.guided_decoding)})")
 
     def index(self, guided: GuidedDecodingParams):
         """The compiled guide, from the LRU or compiled now. The server compiles off its event loop while
@@ -208,7 +154,8 @@ class GuidedDecoding:
         try:
             index = _outlines().Index(guide_regex(guided), vocabulary)
         except (ValueError, TypeError, RuntimeError) as e:  # outlines' errors for bad schemas and regexes
-            raise ValueError(f"guided decoding {_describe(guided)} cannot be compiled: {_shorten(str(e))}") from e
+            hint = " (anchors such as ^ and $ are only allowed at the very start and end)" if "anchored" in str(e) else ""
+            raise ValueError(f"guided decoding {_describe(guided)} cannot be compiled: {_shorten(str(e))}{hint}") from e
         seconds = time.perf_counter() - start
         logger.info("compiled guide %s in %.2f s", _describe(guided), seconds)
         with self._lock:

@@ -151,6 +151,8 @@ class _Sampling(_Nullable):
     guided_json: dict | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
+    guided_grammar: str | None = None  # vLLM's EBNF grammar: a 400 (outlines-core has no grammars), not ignored
+    structural_tag: str | None = None  # vLLM's structural tags: likewise
     guided_whitespace_pattern: str | None = None
     guided_decoding_backend: str | None = None
     structured_outputs: dict | None = None
@@ -205,10 +207,11 @@ class _Sampling(_Nullable):
         """{field: GuidedDecodingParams} of every structured-output field the request sets."""
         guides = {"response_format": from_response_format(self.response_format),
                   "structured_outputs": as_guided(self.structured_outputs)}
-        vllm = [f"guided_{k}" for k in ("json", "regex", "choice") if getattr(self, f"guided_{k}") is not None]
+        vllm = [f"guided_{k}" for k in ("json", "regex", "choice", "grammar") if getattr(self, f"guided_{k}") is not None]
         guides[" / ".join(vllm)] = GuidedDecodingParams.from_optional(
-            json=self.guided_json, regex=self.guided_regex, choice=self.guided_choice,
-            whitespace_pattern=self.guided_whitespace_pattern, backend=self.guided_decoding_backend)
+            json=self.guided_json, regex=self.guided_regex, choice=self.guided_choice, grammar=self.guided_grammar,
+            whitespace_pattern=self.guided_whitespace_pattern, backend=self.guided_decoding_backend,
+            structural_tag=self.structural_tag)
         return {k: v for k, v in guides.items() if v is not None}
 
     def _guide(self) -> GuidedDecodingParams | None:

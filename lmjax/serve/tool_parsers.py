@@ -84,11 +84,26 @@ class ToolParser:
 class HermesParser(ToolParser):
     name = "hermes"
     start_marker = "<tool_call>"
-    _CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+    end_marker = "</tool_call>"
 
     def _calls(self, text: str) -> list[ToolCall]:
-        # as vLLM: text between or after the calls is dropped (the calls are the reply)
-        return [call_from_json(json.loads(m.group(1))) for m in self._CALL.finditer(text)]
+        """Each `<tool_call>` holds one JSON object, then `</tool_call>` (or the end of the reply). The JSON is
+        decoded from the marker on, so an argument string that holds "</tool_call>" (code, markup) is still
+        part of it. As vLLM: text between or after the calls is dropped (the calls are the reply)."""
+        decoder, calls, pos = json.JSONDecoder(), [], 0
+        while (start := text.find(self.start_marker, pos)) >= 0:
+            body = start + len(self.start_marker)
+            body += len(text[body:]) - len(text[body:].lstrip())
+            obj, end = decoder.raw_decode(text, body)
+            calls.append(call_from_json(obj))
+            rest = text[end:].lstrip()
+            if rest.startswith(self.end_marker):
+                pos = len(text) - len(rest) + len(self.end_marker)
+            elif rest:
+                raise ValueError(f"text inside <tool_call> after the call: {rest[:40]!r}")
+            else:
+                break
+        return calls
 
 
 class InternLMParser(ToolParser):
@@ -125,6 +140,9 @@ class Llama3Parser(ToolParser):
         while True:
             pos = len(body) - len(body[pos:].lstrip())
             obj, pos = decoder.raw_decode(body, pos)
+            if not isinstance(obj, dict) or not ("parameters" in obj or "arguments" in obj):
+                # a JSON answer that merely has a "name" ({"name": "Alice", "age": 30}) is content (vLLM's too)
+                raise ValueError(f"not a tool call (no 'parameters'): {obj!r}")
             calls.append(call_from_json(obj))
             rest = body[pos:].lstrip()
             if not rest:

@@ -12,7 +12,8 @@ import pytest
 
 import lmjax
 from lmjax import GenerationConfig, GuidedDecodingParams, SamplingParams, TurbomindEngineConfig
-from lmjax.engine.guided import _sentencepiece_bytes, ascii_digits, json_object_regex, vocabulary_map
+from lmjax.engine.guided import _sentencepiece_bytes, vocabulary_map
+from lmjax.engine.guided_regex import ascii_digits, json_object_regex
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
                                            "age": {"type": "integer", "maxDigits": 3}}, "required": ["name", "age"]}

@@ -1,0 +1,101 @@
+"""Guided-decoding fixes found by probing (no model: a character vocabulary, outlines' automaton walked by
+hand): a regex anchored with ^ / $ compiles (outlines' Index rejects a leading ^), a JSON schema's integer
+minimum / maximum (and the exclusive forms) bound the output (outlines-core ignores them), and
+allowed_token_ids that leave a guide no first token are a ValueError at submission."""
+import re
+
+import pytest
+
+from lmjax import GuidedDecodingParams, SamplingParams
+from lmjax.engine.guided import GuidedDecoding, GuideState
+from lmjax.engine.guided_regex import guide_regex, integer_range_regex, strip_anchors
+
+CHARS = list('0123456789-+.eE{}[]":, abcdefghijklmnopqrstuvwxyz')
+
+
+class CharTokenizer:
+    """One token per character (ids 1..), EOS 0: outlines' vocabulary without a real tokenizer."""
+    eos_token_id = 0
+    all_special_ids = [0]
+    added_tokens_decoder: dict = {}
+
+    def get_vocab(self):
+        return {"</s>": 0, **{c: i + 1 for i, c in enumerate(CHARS)}}
+
+
+@pytest.fixture(scope="module")
+def guided():
+    return GuidedDecoding(CharTokenizer(), len(CHARS) + 1, [0])
+
+
+def _walk(guided, params, text):
+    """Feed `text` one character at a time; the last advance's result (None, "stop", "error")."""
+    state = guided.new_state(params, None)
+    result = None
+    for c in text:
+        token = CHARS.index(c) + 1
+        if not (state.mask_W()[token >> 5] >> (token & 31)) & 1:
+            return "masked"
+        result = state.advance(token)
+    return result
+
+
+def test_anchored_regex_compiles_and_matches_the_whole_output(guided):
+    params = SamplingParams(guided_decoding=GuidedDecodingParams(regex=r"^[0-9]{3}-[a-z]+$"))
+    guided.check(params)  # was: ValueError "anchored universal start state doesn't exist"
+    assert _walk(guided, params, "123-ab") is None and _walk(guided, params, "12a") == "masked"
+    assert strip_anchors(r"\Aab\z") == "ab" and strip_anchors(r"a\$") == r"a\$" and strip_anchors("[^a]$") == "[^a]"
+    with pytest.raises(ValueError, match=r"regex='a\|\^b' cannot be compiled.*anchors"):
+        guided.check(SamplingParams(guided_decoding=GuidedDecodingParams(regex="a|^b")))
+
+
+def test_integer_bounds_constrain_the_json():
+    schema = {"type": "object", "properties": {
+        "n": {"type": "integer", "minimum": 1, "maximum": 9},
+        "t": {"type": "integer", "exclusiveMinimum": -10, "exclusiveMaximum": 10},
+        "xs": {"type": "array", "items": {"$ref": "#/$defs/pct"}}},
+        "required": ["n", "t", "xs"], "$defs": {"pct": {"type": "integer", "minimum": 0, "maximum": 100}}}
+    regex = re.compile(guide_regex(GuidedDecodingParams(json=schema)))
+    assert regex.fullmatch('{"n": 5, "t": -9, "xs": [0, 100]}')
+    for bad in ('{"n": 10, "t": 0, "xs": []}', '{"n": 0, "t": 0, "xs": []}', '{"n": 1, "t": 10, "xs": []}',
+                '{"n": 1, "t": -10, "xs": []}', '{"n": 1, "t": 0, "xs": [101]}', '{"n": 1, "t": -0, "xs": []}'):
+        assert not regex.fullmatch(bad), bad
+
+
+@pytest.mark.parametrize("lo, hi", [(1, 9), (-5, 5), (-120, -3), (None, 7), (None, -7), (3, None), (-3, None),
+                                    (17, 2345), (0, 0), (99, 101), (None, 0)])
+def test_integer_range_regex(lo, hi):
+    regex = re.compile(integer_range_regex(lo, hi))
+    for v in range(-3000, 3000):
+        assert bool(regex.fullmatch(str(v))) == ((lo is None or v >= lo) and (hi is None or v <= hi)), v
+    assert not any(regex.fullmatch(s) for s in ("-0", "00", "01", "-01", "", "-"))
+
+
+def test_allowed_token_ids_that_exclude_the_guide_fail_at_submission(guided):
+    choice = GuidedDecodingParams(choice=["yes", "no"])
+    with pytest.raises(ValueError, match=r"allowed_token_ids \[1, 2\] leave no token.*choice"):
+        guided.check(SamplingParams(guided_decoding=choice, allowed_token_ids=[1, 2]))
+    guided.check(SamplingParams(guided_decoding=choice, allowed_token_ids=[CHARS.index("y") + 1]))  # one way in
+    with pytest.raises(ValueError, match="integer bounds leave no value"):
+        guided.check(SamplingParams(guided_decoding=GuidedDecodingParams(json={"type": "integer", "minimum": 5,
+                                                                               "maximum": 1})))
+
+
+@pytest.mark.parametrize("field", ["grammar", "structural_tag"])
+def test_unsupported_guides_are_value_errors(field):
+    # the server maps ValueError to a 400; a bare NotImplementedError was a 500 (structured_outputs={"grammar": ..})
+    from lmjax.guided_params import as_guided
+    with pytest.raises(ValueError, match=f"{field}=.*not supported"):
+        as_guided({field: "root ::= 'a'"})
+    with pytest.raises(NotImplementedError):
+        GuidedDecodingParams(**{field: "x"})
+
+
+def test_json_object_honours_the_whitespace_options():
+    # json_object ignored disable_any_whitespace / whitespace_pattern (a JSON schema took them)
+    tight = re.compile(guide_regex(GuidedDecodingParams(json_object=True, disable_any_whitespace=True)))
+    assert tight.fullmatch('{"a":[1,2],"b":{"c":null}}') and not tight.fullmatch('{ "a": 1}')
+    lines = re.compile(guide_regex(GuidedDecodingParams(json_object=True, whitespace_pattern=r"[\n ]*")))
+    assert lines.fullmatch('{\n  "a": 1,\n  "b": "x"\n}')
+    default = re.compile(guide_regex(GuidedDecodingParams(json_object=True)))
+    assert default.fullmatch('{ "a": 1}') and not default.fullmatch('{\n"a": 1}')
