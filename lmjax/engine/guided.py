@@ -154,7 +154,8 @@ class GuidedDecoding:
         try:
             index = _outlines().Index(guide_regex(guided), vocabulary)
         except (ValueError, TypeError, RuntimeError) as e:  # outlines' errors for bad schemas and regexes
-            hint = " (anchors such as ^ and $ are only allowed at the very start and end)" if "anchored" in str(e) else ""
+            anchored = "anchored" in str(e)
+            hint = " (anchors such as ^ and $ are only allowed at the very start and end)" if anchored else ""
             raise ValueError(f"guided decoding {_describe(guided)} cannot be compiled: {_shorten(str(e))}{hint}") from e
         seconds = time.perf_counter() - start
         logger.info("compiled guide %s in %.2f s", _describe(guided), seconds)

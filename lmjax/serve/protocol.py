@@ -207,7 +207,8 @@ class _Sampling(_Nullable):
         """{field: GuidedDecodingParams} of every structured-output field the request sets."""
         guides = {"response_format": from_response_format(self.response_format),
                   "structured_outputs": as_guided(self.structured_outputs)}
-        vllm = [f"guided_{k}" for k in ("json", "regex", "choice", "grammar") if getattr(self, f"guided_{k}") is not None]
+        kinds = ("json", "regex", "choice", "grammar")
+        vllm = [f"guided_{k}" for k in kinds if getattr(self, f"guided_{k}") is not None]
         guides[" / ".join(vllm)] = GuidedDecodingParams.from_optional(
             json=self.guided_json, regex=self.guided_regex, choice=self.guided_choice, grammar=self.guided_grammar,
             whitespace_pattern=self.guided_whitespace_pattern, backend=self.guided_decoding_backend,

@@ -115,7 +115,8 @@ class Choices:
 def chat_message(text: str, finish_reason: str | None, tools: ToolParser | None = None) -> tuple[dict, str | None]:
     """The assistant message of a finished reply and its finish_reason. With a tool-call parser, calls found
     in the text become `tool_calls`, the text before them the content (or null), and the finish_reason
-    the parser's ("tool_calls" for tool_choice "auto", as vLLM); a reply without calls, or with malformed ones, is plain content."""
+    the parser's ("tool_calls" for tool_choice "auto", as vLLM); a reply without calls, or with malformed
+    ones, is plain content."""
     if tools is not None:
         content, calls = tools.parse(text)
         if calls:

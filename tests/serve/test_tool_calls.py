@@ -336,7 +336,8 @@ def test_server_forced_tool_choice_and_structured_outputs(client):
     WORDS spelling, wins), and sampling would spell the JSON from single characters at random."""
     from openai.lib.streaming.chat import ChatCompletionStreamState
 
-    for choice, tools in (("required", [TIME]), ({"type": "function", "function": {"name": "get_time"}}, TOOLS + [TIME])):
+    named = {"type": "function", "function": {"name": "get_time"}}
+    for choice, tools in (("required", [TIME]), (named, TOOLS + [TIME])):
         for stream in (False, True):
             got = client.chat.completions.create(model="m", messages=ASK, tools=tools, tool_choice=choice,
                                                  max_tokens=20, stream=stream, temperature=0)
