@@ -7,8 +7,8 @@ Routes: `GET /v1/models`, `POST /v1/chat/completions`, `POST /v1/completions` (s
 `Authorization: Bearer KEY` when the server has API keys (vLLM leaves its tokenizer routes open; they read
 nothing private, but cost work). Errors are OpenAI-style bodies `{"error": {"message", "type", "param",
 "code"}}`: 400 for a malformed or out-of-range request (FastAPI's 422 becomes 400), 401 for a bad key, 404
-for an unknown model. The model answers to its served name and to the aliases it is given, a Hugging Face id among them also by its short name
-(`HuggingFaceTB/SmolLM2-135M-Instruct` and `SmolLM2-135M-Instruct`). With `tool_call_parser` (a name in
+for an unknown model. The model answers to its served name and to the aliases it is given, a Hugging Face
+id among them also by its short name (`HuggingFaceTB/SmolLM2-135M-Instruct` and `SmolLM2-135M-Instruct`). With `tool_call_parser` (a name in
 lmjax.serve.tool_parsers) a chat request's `tools` are rendered by the template and its reply parsed for
 calls; without one, `tools` with tool_choice "auto" are a 400 (vLLM's rule).
 
