@@ -221,9 +221,10 @@ def _serve(args) -> int:
     model = args.model or DEFAULT_MODEL  # the name the user started it with answers too, and the default
     is_default = model in SMOLLM2_ALIASES or (smollm2_gguf() or "") == os.path.abspath(model)  # model's ids
     aliases = (model, *sorted(SMOLLM2_ALIASES)) if is_default else (model,)
-    defaults = chosen_sampling_defaults(args.generation_config, engine.engine.sampling_defaults)
+    # "auto": None, the engine's own (the model's generation_config.json), read by the server per request
+    defaults = None if args.generation_config == "auto" else chosen_sampling_defaults(args.generation_config, {})
     run_server(engine, args.server_name, args.server_port, args.api_keys, args.model_name, args.log_level,
-               args.tool_call_parser, aliases, defaults)
+               args.tool_call_parser, defaults, aliases)
     return 0
 
 

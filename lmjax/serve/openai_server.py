@@ -326,8 +326,8 @@ async def _guarded(events):
 
 def run_server(engine: AsyncEngine, server_name: str = "127.0.0.1", server_port: int = 23333,
                api_keys: list[str] | None = None, model_name: str | None = None, log_level: str = "info",
-               tool_call_parser: str | None = None, model_aliases: tuple[str, ...] = (),
-               sampling_defaults: dict | None = None) -> None:
+               tool_call_parser: str | None = None, sampling_defaults: dict | None = None,
+               model_aliases: tuple[str, ...] = ()) -> None:
     import uvicorn
 
     app = create_app(engine, api_keys, model_name, model_aliases, tool_call_parser, sampling_defaults)
