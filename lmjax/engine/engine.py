@@ -19,7 +19,7 @@ from lmjax.engine.compile_cache import compile_stats, enable_compilation_cache
 from lmjax.engine.detokenizer import IncrementalDetokenizer
 from lmjax.engine.guided import GuidedDecoding, advance_guide
 from lmjax.engine.model_runner import ModelRunner, StepOutput, bucket
-from lmjax.engine.request import (Completion, Request, check_logit_bias, check_logprobs, check_prompt, new_request_id,
+from lmjax.engine.request import (Completion, Request, check_logprobs, check_prompt, check_token_ids, new_request_id,
                                   truncated_prompt)
 from lmjax.engine.scheduler import ScheduledBatch, Scheduler
 from lmjax.engine.sequence import Sequence
@@ -123,7 +123,8 @@ class LLMEngine(SessionsMixin):
         prompt_token_ids = truncated_prompt(prompt_token_ids, params)
         check_prompt(prompt_token_ids, self.model_config.vocab_size, self.session_len)
         check_logprobs(params, self.model_config.vocab_size, self.config.max_logprobs)
-        check_logit_bias(params, self.model_config.vocab_size)
+        check_token_ids("logit_bias token ids", params.logit_bias or (), self.model_config.vocab_size)
+        check_token_ids("allowed_token_ids", params.allowed_token_ids or (), self.model_config.vocab_size)
         self.guided.check(params)  # compiles a guide: a bad schema or regex fails here, naming it
         n = len(prompt_token_ids)
         # No max_tokens: up to the context, or as far as the whole cache holds one sequence (LMDeploy caps so)

@@ -18,7 +18,6 @@ Shape letters: W 32-bit words of a packed token mask, ceil(V / 32) for the model
 """
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import threading
@@ -31,6 +30,7 @@ from lmjax.config import SamplingParams
 from lmjax.engine.guided_regex import guide_regex
 from lmjax.guided_params import GuidedDecodingParams
 from lmjax.layers.sampler import pack_token_ids
+from lmjax.loader.tokenizer import byte_level_decoder, sentencepiece_byte
 
 logger = logging.getLogger("lmjax.engine")
 INDEX_CACHE_SIZE = 32  # compiled guides kept per engine (a JSON schema's: milliseconds to a second each)
@@ -46,24 +46,15 @@ def _outlines():
 
 # ------------------------------------------------------------------ the tokenizer's vocabulary as bytes
 
-@functools.cache
-def _byte_level_alphabet() -> dict[str, int]:
-    """GPT-2's byte-to-unicode table, inverted: byte-level BPE spells each byte as one printable char."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    others = [b for b in range(256) if b not in printable]
-    return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
-
-
 def _byte_level_bytes(token: str) -> bytes:
-    alphabet = _byte_level_alphabet()
+    alphabet = byte_level_decoder()
     return b"".join(bytes([alphabet[c]]) if c in alphabet else c.encode() for c in token)
 
 
 def _sentencepiece_bytes(token: str) -> bytes:
     """SentencePiece pieces: "▁" is a space, "<0x0A>" a byte of its own (byte fallback)."""
-    if len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
-        return bytes([int(token[3:5], 16)])
-    return token.replace("\u2581", " ").encode()
+    byte = sentencepiece_byte(token)
+    return bytes([byte]) if byte is not None else token.replace("\u2581", " ").encode()
 
 
 def _is_byte_level(tokenizer) -> bool:
@@ -128,11 +119,9 @@ class GuidedDecoding:
         return self._vocabulary
 
     def check(self, params: SamplingParams) -> None:
-        """A ValueError naming the value for allowed_token_ids outside the vocabulary or a guide that cannot
-        be compiled; the guide is compiled (and cached) here, at submission."""
-        bad = [i for i in params.allowed_token_ids or () if not 0 <= i < self.vocab_size]
-        if bad:
-            raise ValueError(f"allowed_token_ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        """A ValueError naming a guide that cannot be compiled, or allowed_token_ids that leave it no first
+        token; the guide is compiled (and cached) here, at submission (the ids' range is checked before, with
+        the request's other ids: LLMEngine.validate_request)."""
         if params.guided_decoding is not None:
             index = self.index(params.guided_decoding)
             if params.allowed_token_ids and not GuideState(self, index, self.allowed_mask(params),

@@ -109,9 +109,15 @@ def check_prompt(prompt_token_ids: list[int], vocab: int, session_len: int) -> N
     if n >= session_len:
         raise ValueError(f"prompt of {n} tokens does not fit the context of {session_len} tokens (session_len, "
                          "vLLM's max_model_len; at least one token must be generated)")
-    bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+    check_token_ids("prompt token ids", prompt_token_ids, vocab)
+
+
+def check_token_ids(what: str, token_ids, vocab: int) -> None:
+    """A ValueError naming the ids outside the vocabulary [0, vocab) (the device would drop or clamp them
+    without a word)."""
+    bad = [t for t in token_ids if not 0 <= t < vocab]
     if bad:
-        raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        raise ValueError(f"{what} {bad[:5]} are outside the vocabulary [0, {vocab})")
 
 
 def check_logprobs(params: SamplingParams, vocab: int, max_logprobs: int) -> None:
@@ -123,14 +129,6 @@ def check_logprobs(params: SamplingParams, vocab: int, max_logprobs: int) -> Non
         if k is not None and k > cap:
             raise ValueError(f"{name}={k} is more than max_logprobs={cap} (EngineConfig(max_logprobs=...), "
                              f"LLM(max_logprobs=...); -1 allows up to the vocabulary, {vocab})")
-
-
-def check_logit_bias(params: SamplingParams, vocab: int) -> None:
-    """A ValueError naming the logit_bias ids outside the vocabulary (vLLM's check at submission), which the
-    device would otherwise drop without a word."""
-    bad = [i for i in params.logit_bias or () if not 0 <= i < vocab]
-    if bad:
-        raise ValueError(f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
 
 
 def truncated_prompt(prompt_token_ids: list[int], params: SamplingParams) -> list[int]:

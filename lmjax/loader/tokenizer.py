@@ -145,11 +145,18 @@ def _with_dict_arguments(message: dict, i: int) -> dict:
 
 
 @functools.lru_cache(maxsize=1)
-def _byte_decoder() -> dict[str, int]:
+def byte_level_decoder() -> dict[str, int]:
     """GPT-2's byte-level BPE alphabet, character -> byte (transformers' own table)."""
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     return {c: b for b, c in bytes_to_unicode().items()}
+
+
+def sentencepiece_byte(piece: str) -> int | None:
+    """The byte a SentencePiece byte-fallback piece ("<0x0A>") stands for; None for any other piece."""
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        return int(piece[3:5], 16)
+    return None
 
 
 def token_bytes(tokenizer, token_id: int) -> bytes:
@@ -158,10 +165,10 @@ def token_bytes(tokenizer, token_id: int) -> bytes:
     Byte-level BPE pieces map through GPT-2's alphabet, SentencePiece byte pieces <0xNN> to their byte;
     other tokens are their decoded text."""
     piece = tokenizer.convert_ids_to_tokens(int(token_id))
-    if isinstance(piece, str) and len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
-        return bytes([int(piece[3:5], 16)])
+    if isinstance(piece, str) and (byte := sentencepiece_byte(piece)) is not None:
+        return bytes([byte])
     decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
-    table = _byte_decoder()
+    table = byte_level_decoder()
     if type(decoder).__name__ == "ByteLevel" and isinstance(piece, str) and all(c in table for c in piece) \
             and int(token_id) not in tokenizer.all_special_ids:
         return bytes(table[c] for c in piece)

@@ -8,9 +8,9 @@ Routes: `GET /v1/models`, `POST /v1/chat/completions`, `POST /v1/completions` (s
 nothing private, but cost work). Errors are OpenAI-style bodies `{"error": {"message", "type", "param",
 "code"}}`: 400 for a malformed or out-of-range request (FastAPI's 422 becomes 400), 401 for a bad key, 404
 for an unknown model. The model answers to its served name and to the aliases it is given, a Hugging Face
-id among them also by its short name (`HuggingFaceTB/SmolLM2-135M-Instruct` and `SmolLM2-135M-Instruct`). With `tool_call_parser` (a name in
-lmjax.serve.tool_parsers) a chat request's `tools` are rendered by the template and its reply parsed for
-calls; without one, `tools` with tool_choice "auto" are a 400 (vLLM's rule).
+id among them also by its short name (`HuggingFaceTB/SmolLM2-135M-Instruct` and `SmolLM2-135M-Instruct`).
+With `tool_call_parser` (a name in lmjax.serve.tool_parsers) a chat request's `tools` are rendered by the
+template and its reply parsed for calls; without one, `tools` with tool_choice "auto" are a 400 (vLLM's rule).
 
 A request is validated and its first output awaited before the response starts, so a prompt over
 session_len is a 400 even when streaming. A client that disconnects cancels its generator, which aborts
@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lmjax.api.async_engine import AsyncEngine
 from lmjax.api.batch import encode_chat
+from lmjax.engine.request import check_token_ids
 from lmjax.loader.tokenizer import render_chat, token_bytes
 from lmjax.serve import responses as R
 from lmjax.serve.metrics import render_metrics
@@ -260,10 +261,10 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
         """vLLM's: the text of token ids (special tokens kept, as vLLM)."""
         if req.model is not None:
             check_model(req.model)
-        vocab = engine.engine.model_config.vocab_size
-        bad = [t for t in req.tokens if not 0 <= t < vocab]
-        if bad:
-            raise APIError(400, f"tokens {bad[:5]} are outside the vocabulary [0, {vocab})")
+        try:
+            check_token_ids("tokens", req.tokens, engine.engine.model_config.vocab_size)
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
         return {"prompt": engine.tokenizer.decode(req.tokens)}
 
     @app.post("/v1/chat/interactive", dependencies=[Depends(authorize)])

@@ -233,7 +233,7 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[Tool] | None = None
-    tool_choice: str | dict | None = None  # "auto" (default), "none"; "required" and named ones are a 400
+    tool_choice: str | dict | None = None  # "auto" (default), "none", "required" or a named function
     functions: list | None = None
     function_call: str | dict | None = None
     # vLLM's chat template switches: continue_final_message renders the last (assistant) message open,
@@ -297,9 +297,10 @@ class ChatCompletionRequest(_Sampling):
         forced, name = self.forced_function()
         if not forced:
             return super()._guide()
-        if self._guides():
+        other = self._guides()
+        if other:
             raise ValueError(f"tool_choice={self.tool_choice!r} constrains the reply to a tool call: it cannot "
-                             f"be combined with {', '.join(self._guides())}")
+                             f"be combined with {', '.join(other)}")
         return GuidedDecodingParams(json=forced_tool_schema(self.tool_dicts(), name))
 
     def tool_call_parser(self, server_parser: ToolParser | None) -> ToolParser | None:
