@@ -333,7 +333,14 @@ def _join(threads: set, timeout: float) -> None:
     """Wait up to `timeout` seconds in all for `threads` to end."""
     deadline = time.monotonic() + timeout
     for thread in threads:
-        thread.join(max(0.0, deadline - time.monotonic()))
+        while True:
+            try:
+                thread.join(max(0.0, deadline - time.monotonic()))
+                break
+            except RuntimeError:  # threading.enumerate lists a thread in limbo: started, not yet running
+                if time.monotonic() >= deadline:
+                    break
+                time.sleep(0.01)
     if any(t.is_alive() for t in threads):
         logger.warning("Orbax writer threads still run after %.0f s: the next conversion of this OUT removes "
                        "what they leave", timeout)
