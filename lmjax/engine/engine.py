@@ -21,6 +21,7 @@ from lmjax.engine.guided import GuidedDecoding, advance_guide
 from lmjax.engine.model_runner import ModelRunner, StepOutput, bucket
 from lmjax.engine.request import (Completion, Request, check_logprobs, check_prompt, check_token_ids, new_request_id,
                                   truncated_prompt)
+from lmjax.engine.multistep import MultiStepMixin
 from lmjax.engine.scheduler import ScheduledBatch, Scheduler
 from lmjax.engine.sequence import Sequence
 from lmjax.engine.sessions import SessionsMixin
@@ -36,7 +37,7 @@ logger = logging.getLogger("lmjax.engine")
 _GREEDY_ROW = SamplingRow(SamplingParams(temperature=0.0), seed=0)
 
 
-class LLMEngine(SessionsMixin):
+class LLMEngine(SessionsMixin, MultiStepMixin):
     def __init__(self, model: str | None = None, config: EngineConfig | None = None, tokenizer: str | None = None):
         self.config = config = config or EngineConfig()
         self.compilation_cache_dir = enable_compilation_cache()  # a second start compiles nothing
@@ -200,15 +201,18 @@ class LLMEngine(SessionsMixin):
                                                                 num_steps))
             self.num_decode_loops += 1
             return self._finish_pending(changed)
-        out = self.runner.execute(batch, self.blocks, [self._row(it) for it in batch.items],
-                                  self._prompt_logprobs_k(batch))
+        pending = self.runner.dispatch_step(batch, self.blocks, [self._row(it) for it in batch.items],
+                                            self._prompt_logprobs_k(batch))
+        self.scheduler.advance(batch)
+        self._decode_after(batch, pending)
+        out = self.runner.read_step(pending)
         if out.prompt is not None:
             self._record_prompt_logprobs(batch, out)
         sampled = {it.seq.seq_id: int(out.token_ids[i]) for i, it in enumerate(batch.items) if it.samples}
         self.num_generated_tokens += len(sampled)
         self.num_prefill_tokens += sum(max(0, min(it.start_pos + it.num_new_tokens, it.seq.num_prompt_tokens)
                                            - it.start_pos) for it in batch.items)
-        self.scheduler.update(batch, sampled)
+        self.scheduler.record(batch, sampled)
         for i, it in enumerate(batch.items):
             if it.samples and it.seq.seq_id in self._by_seq:
                 req, comp = self._by_seq[it.seq.seq_id]
@@ -236,74 +240,6 @@ class LLMEngine(SessionsMixin):
         logger.info("warm-up: %d compilations in %.1f s (batch buckets %s, widths %s)", stats["compilations"],
                     stats["seconds"], sizes, widths)
         return stats
-
-    def _decode_steps(self, batch: ScheduledBatch, ahead: int = 0) -> int:
-        """K > 1 when the next K decode steps need no host decision in between: all items decode,
-        nothing per-step is host-computed (penalties, multi-token bad words, min_tokens bans, guides), and blocks
-        for K more tokens are free (allocated here). While requests wait to join (the batch was full
-        or the cache was), single steps take over when a request's max_tokens comes within K, so
-        its slot frees on time; a request that ends earlier (EOS, a stop string) holds its slot to the
-        end of the K steps.
-
-        `ahead` > 0: a K-step call of this batch is still in flight (its tokens unread); K > 1 means the
-        next call can follow it unchanged, each sequence `ahead` tokens further on. That needs every
-        sequence alive and inside max_tokens after the call in flight, and no waiting request that a
-        free slot could take (the scheduler gets to admit it instead)."""
-        k = self.config.num_scheduler_steps
-        if k <= 1 or self.runner.leading:
-            return 1
-        waiting = self.scheduler.num_waiting
-        if ahead and waiting and len(batch.items) < self.config.max_batch_size:
-            return 1
-        if ahead and self.scheduler.num_running > len(batch.items):
-            return 1  # a sequence joined running outside this batch (a resumed session turn): schedule it
-        for it in batch.items:
-            if it.num_new_tokens != 1 or not it.samples or it.seq.seq_id not in self._by_seq:
-                return 1
-            req, comp = self._by_seq[it.seq.seq_id]
-            p = req.params
-            if p.uses_penalties or req.bad_words_ids or comp.guide or len(it.seq.output_token_ids) < p.min_tokens:
-                return 1
-            if it.seq.num_computed_tokens + ahead + k > self.session_len:
-                return 1
-            remaining = req.max_tokens - len(comp.token_ids) - ahead
-            if ahead and remaining <= 0:
-                return 1  # it ends inside the call in flight: let the batch shrink
-            if waiting:
-                k = min(k, remaining)
-        if k < self.config.num_scheduler_steps:  # K is static in the jitted loop: another K, another
-            return 1  # compilation inside a run (measured: 3 of them, 15 s of a 19 s GPU benchmark)
-        if sum(self.blocks.num_new_blocks(it.seq, ahead + k) for it in batch.items) > self.blocks.num_free_blocks:
-            return 1
-        for it in batch.items:
-            self.blocks.append(it.seq, ahead + k)
-        return k
-
-    def _finish_pending(self, changed: dict) -> list[Request]:
-        """Read the multi-step call in flight and apply its tokens, having first dispatched the next
-        call of the same batch when it may follow unchanged (`_decode_steps(ahead=K)`): the device
-        runs that one while the host post-processes this one, so it never waits for the host."""
-        batch, pending = self._pending
-        self._pending = None
-        k = self._decode_steps(batch, ahead=pending.num_steps)
-        if k > 1:
-            rows = [self._row(it, ahead=pending.num_steps) for it in batch.items]
-            self._pending = (batch, self.runner.dispatch_decode(batch, rows, k, after=pending))
-            self.num_decode_loops += 1
-            self.num_chained_loops += 1
-        self.num_loop_steps_read += pending.num_steps  # all K ran, even past a request's end
-        for out in self.runner.collect(pending):
-            alive = [i for i, it in enumerate(batch.items) if it.seq.seq_id in self._by_seq]
-            if not alive:
-                break
-            sampled = {batch.items[i].seq.seq_id: int(out.token_ids[i]) for i in alive}
-            self.num_generated_tokens += len(sampled)
-            self.scheduler.update(batch, sampled)
-            for i in alive:
-                req, comp = self._by_seq[batch.items[i].seq.seq_id]
-                self._postprocess(req, comp, out, i)
-                changed[req.request_id] = req
-        return list(changed.values())
 
     def _row(self, item, ahead: int = 0) -> SamplingRow:
         """The sampler's view of an item; `ahead` tokens of it are still on the device (their step

@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from lmjax import parallel
 from lmjax.config import SamplingParams
 from lmjax.engine.block_manager import BlockManager
-from lmjax.engine.decode_loop import DecodeInputs, decode_steps
+from lmjax.engine.decode_loop import DecodeInputs, PendingDecode, decode_steps, pending_ids
 from lmjax.engine.scheduler import ScheduledBatch
 from lmjax.env import env_choice, env_int
 from lmjax.layers.attention import AttentionMetadata, cost_follows_context, kv_write_impl
@@ -134,12 +134,18 @@ class StepInputs:
 
 
 @dataclasses.dataclass
-class PendingDecode:
-    """A multi-step decode call on the device whose results the host has not read yet."""
+class PendingStep:
+    """A one-step call (prefill chunks and decode tokens) on the device, its results not read yet."""
 
-    out: SamplerOutput  # device arrays with a leading K axis
-    num_items: int  # real rows (the rest is padding)
-    num_steps: int  # K
+    out: SamplerOutput  # device arrays, one row per item (then padding)
+    prompt: tuple | None  # prompt logprobs' device arrays, when asked for
+    num_items: int
+
+    def start_host_copy(self) -> None:
+        """Queue the results' copy to the host now, to run as soon as the step ends (before a call
+        dispatched after this one): the read then finds them there (H100, 1B: 0.57 -> 0.28 ms)."""
+        for x in jax.tree_util.tree_leaves((self.out, self.prompt)):
+            x.copy_to_host_async()
 
 
 @dataclasses.dataclass
@@ -219,21 +225,23 @@ class ModelRunner:
                             block_size=self.block_size, flags=flags)
 
     def dispatch_decode(self, batch: ScheduledBatch, rows: list[SamplingRow], num_steps: int,
-                        after: PendingDecode | None = None) -> PendingDecode:
+                        after: PendingDecode | PendingStep | None = None) -> PendingDecode:
         """Start `num_steps` decode steps of a decode-only batch on the device and return without
         waiting (block tables must already hold slots for all of them). `after`: a call still in
-        flight for the same items; this one continues where it ends, its input tokens being that
-        call's last tokens, still on the device (the host has not read them)."""
+        flight for the same sequences, in the same order; this one continues where it ends, its input
+        tokens being that call's last sampled ones, still on the device (the host has not read them).
+        After a K-step call the host's num_computed_tokens is K behind; after a one-step call it is
+        not (the engine advances the scheduler when it dispatches one: `Scheduler.advance`)."""
         items, n = batch.items, len(batch.items)
-        ahead = after.num_steps if after is not None else 0
+        ahead = after.num_steps if isinstance(after, PendingDecode) else 0
         B, M = bucket(n, self.min_decode_B), self.table_width(max(len(it.seq.block_table) for it in items))
         positions_B, tables_BM = np.zeros(B, np.int32), np.zeros((B, M), np.int32)
         for b, it in enumerate(items):
             positions_B[b] = it.seq.num_computed_tokens + ahead
             tables_BM[b, :len(it.seq.block_table)] = it.seq.block_table
         # Chained, the input tokens are the previous call's last ones, on the device: the host's
-        # last_token_id is K tokens behind, so only an unchained call reads it.
-        ids_B = after.out.token_ids_B[-1] if after is not None else _last_token_ids(items, B)
+        # last_token_id is behind, so only an unchained call reads it.
+        ids_B = pending_ids(after.out.token_ids_B, rows=B) if after is not None else _last_token_ids(items, B)
         inputs = DecodeInputs(ids_B, positions_B, tables_BM, np.int32(n))
         smeta, flags = build_sampling_metadata(rows, pad_to=B)
         if self.mesh is not None:
@@ -327,14 +335,22 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch, blocks: BlockManager, rows: list[SamplingRow],
                 num_prompt_logprobs: int = -1) -> StepOutput:
         """Run one step; `rows` has one SamplingRow per item (used only for items that sample)."""
+        return self.read_step(self.dispatch_step(batch, blocks, rows, num_prompt_logprobs))
+
+    def dispatch_step(self, batch: ScheduledBatch, blocks: BlockManager, rows: list[SamplingRow],
+                      num_prompt_logprobs: int = -1) -> PendingStep:
+        """Start one step on the device and return without waiting for it."""
         inputs = self.build_inputs(batch, blocks)
         smeta, flags = build_sampling_metadata(rows, pad_to=inputs.last_rows_B.shape[0])
         if self.leading:
             parallel.send_step((inputs, smeta), [*map(int, flags), num_prompt_logprobs], kind=step_kind(smeta))
         out, prompt = self._run(inputs, smeta, flags, num_prompt_logprobs)
-        n = len(batch.items)
-        host = jax.device_get((out, prompt))
-        (tokens, logprobs, top_ids, top_lp, ranks), prompt = host
+        return PendingStep(out, prompt, len(batch.items))
+
+    def read_step(self, pending: PendingStep) -> StepOutput:
+        """Wait for a dispatched step; host copies of its results."""
+        n = pending.num_items
+        (tokens, logprobs, top_ids, top_lp, ranks), prompt = jax.device_get((pending.out, pending.prompt))
         return StepOutput(tokens[:n], logprobs[:n], top_ids[:n], top_lp[:n], prompt, ranks[:n])
 
     def _run(self, inputs: StepInputs, smeta, flags: SamplingFlags, num_prompt_logprobs: int):

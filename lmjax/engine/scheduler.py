@@ -7,6 +7,7 @@ of each sequence's last token. Data flow per engine iteration:
     batch = scheduler.schedule()          # pick items, grow block tables (may preempt)
     sampled = run_step(batch)             # device: {seq_id: token} for items with samples=True
     scheduler.update(batch, sampled)      # advance num_computed_tokens, append tokens, hash blocks
+                                          # (or advance(batch) at dispatch, record(batch, sampled) at read)
     scheduler.finish(seq, reason)         # engine decides EOS / stop / length
 
 Policy: running sequences first, oldest first, each with all its uncomputed tokens, within the token
@@ -192,11 +193,22 @@ class Scheduler:
     def update(self, batch: ScheduledBatch, sampled: dict[int, int]) -> None:
         """Account for a finished device step: `sampled` maps seq_id -> token for sampling items.
         Items whose sequence was aborted or finished in the meantime are skipped."""
+        self.advance(batch)
+        self.record(batch, sampled)
+
+    def advance(self, batch: ScheduledBatch) -> None:
+        """The first half of `update`, which needs no sampled token: the batch's new tokens count as
+        computed and blocks they fill are hashed for the prefix cache. The engine calls it as soon as
+        the step is dispatched, so a decode call can follow before the step's tokens are read."""
         for item in batch.items:
             seq = item.seq
-            if seq.status is not SequenceStatus.RUNNING:
-                continue
-            seq.num_computed_tokens += item.num_new_tokens
-            self.bm.register_full_blocks(seq)
-            if item.samples and seq.seq_id in sampled:
+            if seq.status is SequenceStatus.RUNNING:
+                seq.num_computed_tokens += item.num_new_tokens
+                self.bm.register_full_blocks(seq)
+
+    def record(self, batch: ScheduledBatch, sampled: dict[int, int]) -> None:
+        """The second half of `update`: append each sampling item's token."""
+        for item in batch.items:
+            seq = item.seq
+            if seq.status is SequenceStatus.RUNNING and item.samples and seq.seq_id in sampled:
                 seq.output_token_ids.append(sampled[seq.seq_id])

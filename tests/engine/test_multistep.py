@@ -161,7 +161,9 @@ def test_block_table_width_is_fixed_only_when_attention_follows_context(tiny, mo
 
 def test_text_without_stop_strings_is_decoded_when_read(tiny, monkeypatch):
     """Requests without stop strings keep detokenization off the engine's per-token path: generate
-    decodes each output once at the end; the text is what eager decoding gives."""
+    decodes each output twice, its tokens so far while the device runs the call that reaches max_tokens
+    (off the request's critical path) and that call's tokens at the end; the text is what eager
+    decoding gives."""
     from lmjax.engine import detokenizer
 
     calls = []
@@ -171,7 +173,34 @@ def test_text_without_stop_strings_is_decoded_when_read(tiny, monkeypatch):
     llm = LLM(tiny, max_model_len=256, block_size=16)
     prompts = [{"prompt_token_ids": list(range(4, 20))}, {"prompt_token_ids": list(range(30, 37))}]
     out = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)
-    assert calls == [20, 20]  # one catch-up per request, none per token
+    assert len(calls) == 4 and sum(calls) == 40  # two catch-ups per request, none per token
     tok = llm.get_tokenizer()
     assert [o.outputs[0].text for o in out] == [tok.decode(o.outputs[0].token_ids, skip_special_tokens=True,
                                                            clean_up_tokenization_spaces=False) for o in out]
+
+
+def test_first_decode_call_goes_out_behind_the_prefill(tiny):
+    """A prefill step whose every item samples is followed by its first K-step call before its tokens are
+    read (the call takes them on the device): a call is in flight when the prefill step returns, and the
+    tokens equal one step at a time; when the prefill's token ends the request, that call's tokens are
+    dropped and its blocks freed; min_tokens (EOS and stop ids banned until then) keeps the host's step."""
+    prompt = list(range(4, 40))
+    greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    single = LLM(tiny, max_model_len=256, num_scheduler_steps=1, block_size=16)
+    want = single.generate([{"prompt_token_ids": prompt}], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    engine = LLM(tiny, max_model_len=256, num_scheduler_steps=4, block_size=16).llm_engine
+
+    def run(params, pending_after_prefill):
+        req = engine.add_request(prompt, params)
+        engine.step()
+        assert len(req.completions[0].token_ids) == 1 and (engine._pending is not None) == pending_after_prefill
+        while engine.has_unfinished() or engine._pending is not None:
+            engine.step()
+        assert engine.blocks.num_free_blocks == engine.blocks.num_usable_blocks
+        return req.completions[0]
+
+    assert run(greedy, True).token_ids == want
+    stopped = run(SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[want[0]]), True)
+    assert (stopped.token_ids, stopped.finish_reason) == ([want[0]], "stop")
+    held = run(SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[want[1]], min_tokens=1), False)
+    assert (held.token_ids, held.finish_reason) == (want[:2], "stop")
