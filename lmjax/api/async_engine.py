@@ -130,6 +130,8 @@ class AsyncEngine:
             text, ids = None, list(input_ids)
         else:
             text, ids = self.encode(messages, sequence_start, do_preprocess, chat_template_config, session_id)
+        if params.guided_decoding is not None:
+            await asyncio.to_thread(self._compile_guides, [params])
         async for out in self._run(session_id, ids, params, text, sequence_start, sequence_end, stream_response):
             yield out
 
@@ -212,8 +214,17 @@ class AsyncEngine:
         encoded = [self.encode(p, True, do_preprocess) for p in batch]
         return single, encoded, [self.sampling_params(g, **legacy) for g in configs]
 
+    def _compile_guides(self, params: list[SamplingParams]) -> None:
+        """Compile new guides in the calling thread: the engine thread's check at submission would compile
+        them there (a JSON schema: up to ~0.3 s), stalling every running stream; it then finds them cached.
+        A guide that cannot compile raises its ValueError here, as that check would."""
+        for p in params:
+            if p.guided_decoding is not None:
+                self.engine.guided.index(p.guided_decoding)
+
     def _add_many(self, encoded, params, sinks) -> list[str]:
         """Queue a batch (every request checked before any is queued); its request ids."""
+        self._compile_guides(params)
         return self._thread.call(lambda: self._thread.add_many(
             [(next(self._session_ids), ids, p, text, s) for (text, ids), p, s in zip(encoded, params, sinks)]
         )).result()

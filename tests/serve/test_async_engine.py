@@ -174,3 +174,28 @@ def test_batches_stream_and_index_by_prompt(engine):
     for r in whole:
         assert [t for p in pieces if p.index == r.index for t in p.token_ids] == r.token_ids
     assert [t for p in engine.stream_infer("Hi", gen_config=GREEDY) for t in p.token_ids] == whole[0].token_ids
+
+
+def test_new_guides_compile_outside_the_engine_thread(engine, monkeypatch):
+    """A new guide (a JSON schema compiles for up to ~0.3 s) compiles in the caller's thread, generate's
+    in a worker thread off the event loop, never in the engine thread, where it would stall every running
+    stream; a guide that cannot compile is a ValueError naming it, raised to the caller."""
+    import re
+    import threading
+
+    from lmjax import GuidedDecodingParams
+    from lmjax.engine import guided
+
+    threads = []
+    compile_regex = guided.guide_regex
+    monkeypatch.setattr(guided, "guide_regex", lambda g: threads.append(threading.current_thread().name)
+                        or compile_regex(g))
+    regex = SamplingParams(temperature=0, max_tokens=12, guided_decoding=GuidedDecodingParams(regex=r"[0-9]{3}-ab"))
+    text, _, _ = asyncio.run(_run(engine, "Give me a code.", 901, regex))
+    batch = engine.batch_infer("Pick one.", gen_config=SamplingParams(
+        temperature=0, max_tokens=12, guided_decoding=GuidedDecodingParams(choice=["yes", "no", "maybe"])))
+    assert re.fullmatch(r"[0-9]{3}-ab", text) and batch.text in ("yes", "no", "maybe")
+    assert len(threads) == 2 and "lmjax-engine" not in threads and threads[1] == threading.current_thread().name
+    bad = SamplingParams(max_tokens=4, guided_decoding=GuidedDecodingParams(regex="(unclosed"))
+    with pytest.raises(ValueError, match="unclosed"):
+        asyncio.run(_run(engine, "x", 902, bad))
