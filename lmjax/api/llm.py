@@ -23,6 +23,7 @@ from lmjax.config import EngineConfig, SamplingParams, check_defaults_only
 from lmjax.engine.engine import LLMEngine
 from lmjax.loader.awq import require_awq
 from lmjax.loader.generation_config import check_generation_config_choice, chosen_sampling_defaults
+from lmjax.loader.model_loader import read_model_config
 from lmjax.loader.resolve import resolve_model_path
 from lmjax.loader.tokenizer import render_chat
 
@@ -109,6 +110,8 @@ class LLM:
         check_generation_config_choice(generation_config)
         if not 0 < gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+        if max_model_len is not None:  # from the config alone: a bad length fails before the weights load
+            _check_max_model_len(max_model_len, read_model_config(model).context_len)
         default_seqs, default_tokens = batch_defaults()
         config = EngineConfig(dtype=dtype, tp=tensor_parallel_size, session_len=max_model_len,
                               max_batch_size=max_num_seqs or default_seqs, block_size=block_size, seed=seed,
@@ -119,7 +122,6 @@ class LLM:
                               num_scheduler_steps=num_scheduler_steps, warmup=enforce_eager is False,
                               quant_policy=kv_cache_quant_policy(kv_cache_dtype), max_logprobs=max_logprobs)
         self.llm_engine = LLMEngine(model, config, tokenizer)
-        _check_max_model_len(max_model_len, self.llm_engine.model_config.context_len)
         self._sampling_defaults = chosen_sampling_defaults(generation_config, self.llm_engine.sampling_defaults)
 
     def get_tokenizer(self):

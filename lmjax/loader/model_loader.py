@@ -22,7 +22,7 @@ from jax.sharding import Mesh
 from lmjax import parallel
 from lmjax.layers.quant import quantize_model
 from lmjax.loader.awq import awq_spec, awq_tensors
-from lmjax.loader.gguf import load_gguf
+from lmjax.loader.gguf import gguf_config, load_gguf
 from lmjax.loader.phases import PhaseTimes
 from lmjax.loader.resolve import resolve_model_path
 from lmjax.loader.safetensors_loader import iter_tensors, read_config
@@ -71,6 +71,14 @@ def _checkpoint(path: str):
         config, weights = load_gguf(path, np.float32)
         return config, lambda: iter(weights.items()), path
     raise ValueError(f"model path {path!r} is neither a checkpoint directory nor a .gguf file")
+
+
+def read_model_config(model: str | None = None, **overrides) -> ModelConfig:
+    """The model's config without its weights (a directory's config.json, `lmjax convert`'s included, or a
+    GGUF file's metadata), to check settings against it before a load of seconds to minutes."""
+    path = resolve_model_path(model)
+    hf_config = read_config(path) if os.path.isdir(path) or not path.endswith(".gguf") else gguf_config(path)
+    return parse_config(hf_config, **overrides)
 
 
 def load_model(model: str | None = None, dtype: str = "auto", *, placer: Placer | None = None, tp: int = 1,

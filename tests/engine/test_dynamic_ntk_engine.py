@@ -88,8 +88,10 @@ def test_the_default_context_is_the_scaled_one_and_vllm_bounds_max_model_len(dyn
 
     path, _ = dynamic
     assert LLM(path).llm_engine.session_len == 96
-    with pytest.raises(ValueError, match="max_model_len=97 is longer than the model's context of 96 tokens"):
-        LLM(path, max_model_len=97)
+    with monkeypatch.context() as m:  # checked from the config alone, before the weights load
+        m.setattr("lmjax.engine.engine.load_model", lambda *a, **k: pytest.fail("loaded the weights"))
+        with pytest.raises(ValueError, match="max_model_len=97 is longer than the model's context of 96 tokens"):
+            LLM(path, max_model_len=97)
     monkeypatch.setenv("LMJAX_ALLOW_LONG_MAX_MODEL_LEN", "1")
     assert LLM(path, max_model_len=97).llm_engine.session_len == 97
     monkeypatch.delenv("LMJAX_ALLOW_LONG_MAX_MODEL_LEN")

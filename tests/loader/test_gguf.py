@@ -196,3 +196,12 @@ def test_unknown_tensor_name(tmp_path):
     _write_tiny(path, extra={"blk.0.mystery.weight": np.zeros(4, np.float32)})
     with pytest.raises(GGUFError, match=r"odd.gguf.*blk\.0\.mystery\.weight"):
         load_gguf(str(path))
+
+
+def test_llm_checks_max_model_len_from_the_gguf_metadata(smollm2_gguf, monkeypatch):
+    """vLLM's max_model_len bound, checked from the GGUF's metadata before any weight is read."""
+    from lmjax import LLM
+
+    monkeypatch.setattr("lmjax.engine.engine.load_model", lambda *a, **k: pytest.fail("loaded the weights"))
+    with pytest.raises(ValueError, match="max_model_len=8193 is longer than the model's context of 8192 tokens"):
+        LLM(smollm2_gguf, max_model_len=8193)
