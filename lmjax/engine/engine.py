@@ -1,8 +1,10 @@
 """LLMEngine: the one engine under every facade.
 
 Each `step()` is three named calls: `scheduler.schedule()` picks the ragged batch (decode tokens and
-prefill chunks), `runner.execute()` runs the jitted step (forward + sampling) on the device, and
-`_postprocess()` turns sampled ids into text, stop decisions and finished requests on the host.
+prefill chunks), `runner.dispatch_step()` / `read_step()` run the jitted step (forward + sampling) on the
+device, and `_postprocess()` turns sampled ids into text, stop decisions and finished requests on the
+host. Between dispatch and read, a batch that can go on decoding without the host gets its first K-step
+call (lmjax.engine.multistep), whose tokens later steps read.
 Requests come in through `add_request` (validated before any work), leave through `step()`'s return.
 """
 from __future__ import annotations
