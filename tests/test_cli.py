@@ -174,8 +174,9 @@ def test_chat_sends_non_utf8_input_as_replacement_characters():
             return future
 
     engine, out = Engine(), io.StringIO()
-    run_chat(engine, None, io.StringIO("hi\udcff there\nend\n\ud800x\nexit\n"), out)
-    assert engine.turns == ["hi\ufffd there", "?x"]
+    # LMDeploy's input: a message is the lines up to an empty one; blank lines before it are skipped
+    run_chat(engine, None, io.StringIO("hi\udcff there\nsecond line\n\n\nend\n\n\ud800x\n\nexit"), out)
+    assert engine.turns == ["hi\ufffd there\nsecond line", "?x"]
     assert all(t.encode("utf-8") for t in engine.turns) and out.getvalue().count("ok") == 2
 
 

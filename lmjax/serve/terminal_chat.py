@@ -1,7 +1,8 @@
 """`lmjax chat`: a streaming multi-turn chat in the terminal over one AsyncEngine session.
 
-Each turn is `generate(..., sequence_start=<first turn>, sequence_end=False)`: the session keeps its KV
-cache, so a turn prefills only its own message. 'end' starts a new session, 'exit' (or EOF) quits.
+A message is the lines typed up to an empty one (LMDeploy's "double enter to end input"), so it can span
+lines. Each turn is `generate(..., sequence_start=<first turn>, sequence_end=False)`: the session keeps its
+KV cache, so a turn prefills only its own message. 'end' starts a new session, 'exit' (or EOF) quits.
 A turn that would overflow session_len ends the session with a notice.
 """
 from __future__ import annotations
@@ -28,26 +29,37 @@ def _valid_utf8(text: str) -> str:
         return text.encode("utf-8", "replace").decode("utf-8")
 
 
+def _read_message(stdin) -> str | None:
+    """The lines up to an empty one (blank lines before the first are skipped), joined; None at EOF with
+    nothing read."""
+    lines = []
+    while line := stdin.readline():
+        line = line.rstrip("\n")
+        if line.strip():
+            lines.append(line)
+        elif lines:
+            break
+    return "\n".join(lines) if lines else None
+
+
 def run_chat(engine: AsyncEngine, gen_config, stdin=None, out=None) -> None:
     """Read turns from `stdin` until 'exit' or EOF, streaming each reply to `out`."""
     stdin, out = stdin or sys.stdin, out or sys.stdout
     session_id, first = 1, True
-    out.write(f"lmjax chat: {engine.model_name} (session_len={engine.session_len}). "
-              "Type 'end' for a new session, 'exit' to quit.\n")
+    out.write(f"lmjax chat: {engine.model_name} (session_len={engine.session_len}). End a message with an "
+              "empty line (double enter); 'end' starts a new session, 'exit' quits.\n")
     try:
         while True:
-            out.write("\n>>> ")
+            out.write("\ndouble enter to end input >>> ")
             out.flush()
-            line = stdin.readline()
-            if not line or line.strip() == "exit":
+            text = _read_message(stdin)
+            if text is None or text.strip() == "exit":
                 break
-            text = _valid_utf8(line.rstrip("\n"))
+            text = _valid_utf8(text)
             if text.strip() == "end":
                 engine.end_session(session_id).result()
                 session_id, first = session_id + 1, True
                 out.write("(new session)\n")
-                continue
-            if not text.strip():
                 continue
             try:
                 asyncio.run(_turn(engine, text, session_id, first, gen_config, out))

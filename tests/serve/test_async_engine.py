@@ -123,7 +123,8 @@ def test_terminal_chat_keeps_the_session(engine):
     from lmjax.serve.terminal_chat import run_chat
 
     out = io.StringIO()
-    run_chat(engine, GenerationConfig(max_new_tokens=6), io.StringIO("Hi, I am Bob.\nWho am I?\nend\nexit\n"), out)
+    run_chat(engine, GenerationConfig(max_new_tokens=6), io.StringIO("Hi, I am Bob.\n\nWho am I?\n\nend\n\nexit\n"),
+             out)
     text = out.getvalue()
     assert text.count(">>> ") == 4 and "(new session)" in text
     assert engine.stats()["num_sessions"] == 0
