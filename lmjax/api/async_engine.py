@@ -28,8 +28,8 @@ from collections.abc import AsyncIterator, Iterator
 from lmjax.api.batch import encode_chat, encode_text
 from lmjax.api.engine_thread import EngineThread, GenOut, merge_outputs
 from lmjax.api.outputs import Response, batch_index
-from lmjax.api.pipeline import _LEGACY_ARGS, _engine_config
-from lmjax.config import ChatTemplateConfig, GenerationConfig, SamplingParams
+from lmjax.api.pipeline import _LEGACY_ARGS, _engine_config, check_adapter, with_legacy
+from lmjax.config import ChatTemplateConfig, SamplingParams
 from lmjax.engine.engine import LLMEngine
 
 __all__ = ["AsyncEngine", "GenOut"]
@@ -66,13 +66,13 @@ class AsyncEngine:
                 raise TypeError(f"{sorted(legacy)} cannot be combined with a SamplingParams gen_config")
             params = dataclasses.replace(gen_config)
         else:
-            overrides = {_LEGACY_ARGS[k]: v for k, v in legacy.items() if k in _LEGACY_ARGS and v is not None}
-            if legacy.get("stop_words") is not None:
-                overrides["stop_words"] = legacy["stop_words"]
             unknown = set(legacy) - set(_LEGACY_ARGS) - {"stop_words"}
             if unknown:
                 raise TypeError(f"unexpected arguments {sorted(unknown)}; pass sampling settings in gen_config")
-            params = dataclasses.replace(gen_config or GenerationConfig(), **overrides).to_sampling_params()
+            config = with_legacy(gen_config, legacy)
+            if legacy.get("stop_words") is not None:
+                config = dataclasses.replace(config, stop_words=legacy["stop_words"])
+            params = config.to_sampling_params()
         extra = [w for w in self.chat_template.stop_words or [] if w not in (params.stop or [])]
         if extra:
             params.stop = list(params.stop or []) + extra
@@ -115,10 +115,12 @@ class AsyncEngine:
     async def generate(self, messages, session_id: int, gen_config=None, chat_template_config=None,
                        stream_response: bool = True, sequence_start: bool = True, sequence_end: bool = True,
                        step: int = 0, do_preprocess: bool = True, input_ids: list[int] | None = None,
-                       stop: bool | str | list[str] | None = None, **legacy) -> AsyncIterator[GenOut]:
+                       stop: bool | str | list[str] | None = None, adapter_name: str | None = None,
+                       **legacy) -> AsyncIterator[GenOut]:
         """Yield GenOuts: with `stream_response`, one per step carrying the new text (`response`) and
         `token_ids`; otherwise one per completion at the end, with the whole text. Raises ValueError
         (before any work) for a bad prompt or setting, e.g. one over session_len."""
+        check_adapter(adapter_name)
         if isinstance(stop, bool):  # LMDeploy's old `stop=True`: stop the session's running turn
             if stop:
                 await self.stop_session(session_id)
@@ -171,10 +173,14 @@ class AsyncEngine:
         return SessionGenerator(self, session_id)
 
     # ------------------------------------------------------------------ synchronous batch
-    def batch_infer(self, prompts, gen_config=None, do_preprocess: bool = True, **legacy) -> Response | list[Response]:
+    def batch_infer(self, prompts, gen_config=None, do_preprocess: bool = True,
+                    chat_template_config: ChatTemplateConfig | None = None, adapter_name: str | None = None,
+                    **legacy) -> Response | list[Response]:
         """Run a batch to completion from synchronous code (any thread; not inside the engine thread).
-        A Response's `index` is its prompt's position (completion i of n > 1: position * n + i)."""
-        single, encoded, params = self._batch(prompts, gen_config, do_preprocess, legacy)
+        A Response's `index` is its prompt's position (completion i of n > 1: position * n + i).
+        `chat_template_config`: this call's template instead of the engine's."""
+        check_adapter(adapter_name)
+        single, encoded, params = self._batch(prompts, gen_config, do_preprocess, legacy, chat_template_config)
         sinks = [queue.SimpleQueue() for _ in encoded]
         self._add_many(encoded, params, [s.put for s in sinks])
         out = [r for p, (s, sp) in enumerate(zip(sinks, params)) for r in _drain(s, p, sp.n)]
@@ -182,10 +188,13 @@ class AsyncEngine:
 
     __call__ = batch_infer
 
-    def stream_infer(self, prompts, gen_config=None, do_preprocess: bool = True, **legacy) -> Iterator[Response]:
+    def stream_infer(self, prompts, gen_config=None, do_preprocess: bool = True,
+                     chat_template_config: ChatTemplateConfig | None = None, adapter_name: str | None = None,
+                     **legacy) -> Iterator[Response]:
         """Synchronous streaming of a prompt or a batch (as `batch_infer` takes them): Responses carrying
         the new text of one completion, `index` as in `batch_infer`."""
-        _, encoded, params = self._batch(prompts, gen_config, do_preprocess, legacy)
+        check_adapter(adapter_name)
+        _, encoded, params = self._batch(prompts, gen_config, do_preprocess, legacy, chat_template_config)
         items: queue.SimpleQueue = queue.SimpleQueue()
         rids = self._add_many(encoded, params, [functools.partial(_tagged, items.put, p) for p in range(len(encoded))])
         left, done = len(encoded), False
@@ -204,14 +213,14 @@ class AsyncEngine:
                 for rid in rids:
                     self._thread.abort(rid)
 
-    def _batch(self, prompts, gen_config, do_preprocess: bool, legacy: dict):
+    def _batch(self, prompts, gen_config, do_preprocess: bool, legacy: dict, template=None):
         """(single prompt?, [(text, ids)], [SamplingParams]) of a prompt or a batch of them."""
         single = isinstance(prompts, str) or (bool(prompts) and isinstance(prompts[0], dict))
         batch = [prompts] if single else list(prompts)
         configs = gen_config if isinstance(gen_config, (list, tuple)) else [gen_config] * len(batch)
         if len(configs) != len(batch):
             raise ValueError(f"gen_config has {len(configs)} entries for {len(batch)} prompts")
-        encoded = [self.encode(p, True, do_preprocess) for p in batch]
+        encoded = [self.encode(p, True, do_preprocess, template) for p in batch]
         return single, encoded, [self.sampling_params(g, **legacy) for g in configs]
 
     def _compile_guides(self, params: list[SamplingParams]) -> None:

@@ -28,6 +28,23 @@ from lmjax.models.forward import prompt_logits
 _LEGACY_ARGS = {"request_output_len": "max_new_tokens", "top_k": "top_k", "top_p": "top_p",
                 "temperature": "temperature", "repetition_penalty": "repetition_penalty",
                 "ignore_eos": "ignore_eos"}
+# The legacy arguments' own defaults (LMDeploy's call table: request_output_len 512, top_k 40, top_p 0.8,
+# temperature 0.8): a call that passes some of them and no gen_config samples with these, as LMDeploy built
+# its GenerationConfig from them. A call with neither gets GenerationConfig()'s (greedy), as LMDeploy now does.
+_LEGACY_DEFAULTS = GenerationConfig(max_new_tokens=512, top_k=40, top_p=0.8, temperature=0.8)
+
+
+def with_legacy(gen_config: GenerationConfig | None, legacy: dict) -> GenerationConfig:
+    """gen_config (or the defaults above) with the legacy sampling arguments that are not None."""
+    overrides = {_LEGACY_ARGS[k]: v for k, v in legacy.items() if k in _LEGACY_ARGS and v is not None}
+    base = gen_config if gen_config is not None else _LEGACY_DEFAULTS if overrides else GenerationConfig()
+    return dataclasses.replace(base, **overrides) if overrides else base
+
+
+def check_adapter(adapter_name) -> None:
+    """LMDeploy's per-call LoRA adapter: lmjax serves no adapters."""
+    if adapter_name is not None:
+        raise NotImplementedError(f"adapter_name={adapter_name!r}: lmjax serves no LoRA adapters")
 
 
 def _engine_config(backend_config, tp: int | None) -> EngineConfig:
@@ -62,7 +79,9 @@ class Session:
 class Pipeline:
     def __init__(self, model_path: str | None, backend_config=None, chat_template_config=None,
                  log_level: str = "ERROR", tp: int | None = None, model_name: str | None = None,
-                 backend: str | None = None):
+                 backend: str | None = None, instance_num: int | None = None):
+        """`instance_num`: LMDeploy's count of TurboMind instances, accepted and unused (one engine
+        serves every request, as AsyncEngine)."""
         logging.getLogger("lmjax").setLevel(log_level)
         if backend not in (None, "turbomind", "pytorch"):
             raise ValueError(f"backend must be 'turbomind' or 'pytorch', got {backend!r}")
@@ -74,13 +93,13 @@ class Pipeline:
         self._session_ids = iter(range(1, 1 << 62))
 
     def _gen_config(self, gen_config, legacy: dict) -> GenerationConfig | SamplingParams:
-        gen_config = gen_config or GenerationConfig()
-        if not isinstance(gen_config, (GenerationConfig, SamplingParams)):
+        if not isinstance(gen_config, (GenerationConfig, SamplingParams, type(None))):
             raise TypeError(f"gen_config must be a GenerationConfig (or SamplingParams), got {type(gen_config).__name__}")
-        overrides = {_LEGACY_ARGS[k]: v for k, v in legacy.items() if v is not None}
-        if overrides and isinstance(gen_config, SamplingParams):
-            raise TypeError(f"legacy arguments {sorted(legacy)} go with a GenerationConfig, not SamplingParams")
-        return dataclasses.replace(gen_config, **overrides) if overrides else gen_config
+        if isinstance(gen_config, SamplingParams):
+            if any(v is not None for v in legacy.values()):
+                raise TypeError(f"legacy arguments {sorted(legacy)} go with a GenerationConfig, not SamplingParams")
+            return gen_config
+        return with_legacy(gen_config, legacy)
 
     def _params(self, gen_config: GenerationConfig | SamplingParams):
         """The engine's SamplingParams (a SamplingParams is taken as it is, as AsyncEngine takes it)."""
@@ -91,25 +110,28 @@ class Pipeline:
             params.stop = list(params.stop or []) + [w for w in extra if w not in (params.stop or [])]
         return params
 
-    def _encode(self, prompt, do_preprocess: bool):
+    def _encode(self, prompt, do_preprocess: bool, template: ChatTemplateConfig | None = None):
         if do_preprocess:
-            return encode_chat(self.tokenizer, prompt, self.chat_template)
+            return encode_chat(self.tokenizer, prompt, template or self.chat_template)
         if not isinstance(prompt, str):
             raise TypeError(f"with do_preprocess=False a prompt must be a str, got {type(prompt).__name__}")
         return prompt, encode_text(self.tokenizer, prompt)
 
-    def _submit(self, prompts, gen_config, do_preprocess, legacy):
+    def _submit(self, prompts, gen_config, do_preprocess, legacy, template=None):
         single = isinstance(prompts, str) or (prompts and isinstance(prompts[0], dict))
         batch = [prompts] if single else list(prompts)
         configs = per_prompt(gen_config, len(batch), "gen_config")
         params = [self._params(self._gen_config(g, legacy)) for g in configs]
-        requests = submit_all(self.engine, [self._encode(p, do_preprocess) for p in batch], params)
+        requests = submit_all(self.engine, [self._encode(p, do_preprocess, template) for p in batch], params)
         return single, requests
 
     def __call__(self, prompts, gen_config=None, do_preprocess: bool = True, use_tqdm: bool = False,
+                 chat_template_config: ChatTemplateConfig | None = None, adapter_name: str | None = None,
                  **legacy) -> Response | list[Response]:
+        """`chat_template_config`: this call's template instead of the pipeline's."""
         _check_legacy(legacy)
-        single, requests = self._submit(prompts, gen_config, do_preprocess, legacy)
+        check_adapter(adapter_name)
+        single, requests = self._submit(prompts, gen_config, do_preprocess, legacy, chat_template_config)
         run_to_completion(self.engine, requests, use_tqdm)
         out = [response(r, c, index=batch_index(p, r.params.n, c.index))
                for p, r in enumerate(requests) for c in r.completions]
@@ -118,10 +140,13 @@ class Pipeline:
     batch_infer = __call__
     infer = __call__  # LMDeploy >= 0.7's name (batch_infer its older one)
 
-    def stream_infer(self, prompts, gen_config=None, do_preprocess: bool = True, **legacy) -> Iterator[Response]:
+    def stream_infer(self, prompts, gen_config=None, do_preprocess: bool = True,
+                     chat_template_config: ChatTemplateConfig | None = None, adapter_name: str | None = None,
+                     **legacy) -> Iterator[Response]:
         """Yield Responses carrying the new text of one prompt (`index`) as it is generated."""
         _check_legacy(legacy)
-        _, requests = self._submit(prompts, gen_config, do_preprocess, legacy)
+        check_adapter(adapter_name)
+        _, requests = self._submit(prompts, gen_config, do_preprocess, legacy, chat_template_config)
         position = {r.request_id: i for i, r in enumerate(requests)}
         for r in stream_steps(self.engine, requests):
             for c in r.completions:
