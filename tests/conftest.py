@@ -42,10 +42,11 @@ TINY_LLAMA = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidd
                   num_key_value_heads=2, max_position_embeddings=512)
 
 
-def write_tiny_llama(path, **config_overrides) -> str:
+def write_tiny_llama(path, tokenizer=None, **config_overrides) -> str:
     """Save a tiny random Llama (TINY_LLAMA, `config_overrides` replacing or adding LlamaConfig fields;
-    weights from torch seed 0) and benchmarks/random_model.py's word-level tokenizer under `path`; returns
-    the path as a str."""
+    weights from torch seed 0) and a tokenizer under `path`; returns the path as a str. `tokenizer`:
+    a writer (vocab_size, out_dir), by default benchmarks/random_model.py's word-level one ("t0".."tN");
+    sentencepiece_tokenizer.write_sentencepiece_tokenizer writes a SentencePiece-style one."""
     import sys
 
     import torch
@@ -57,8 +58,19 @@ def write_tiny_llama(path, **config_overrides) -> str:
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(**{**TINY_LLAMA, **config_overrides})
     transformers.LlamaForCausalLM(cfg).save_pretrained(path)
-    write_tokenizer(cfg.vocab_size, str(path))
+    (tokenizer or write_tokenizer)(cfg.vocab_size, str(path))
     return str(path)
+
+
+def continuation_text(tokenizer, prompt_ids, output_ids, skip_special_tokens: bool = True) -> str:
+    """A completion's text as vLLM (and the engine) give it: what decoding prompt + output adds to the
+    prompt's own text. A word-level ("t0 t1") or SentencePiece tokenizer starts it with a space, byte-level
+    BPE gives decode(output_ids) itself."""
+    def decode(ids):
+        return tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+    head, full = decode(prompt_ids), decode(list(prompt_ids) + list(output_ids))
+    assert full.startswith(head), (head, full)
+    return full[len(head):]
 
 
 def smollm2_gguf_path() -> str:

@@ -13,12 +13,21 @@ stream never carries broken characters. `flush()` at the end emits whatever is s
 a character left unfinished at the very end (generation stopped inside it): its bytes never became text,
 and vLLM and LMDeploy drop it too.
 
-At the end, `text` (the concatenation of everything returned) equals
+Without prompt context (the default), at the end `text` (the concatenation of everything returned) equals
 `tokenizer.decode(output_ids, skip_special_tokens=..., clean_up_tokenization_spaces=False)` without that
 trailing U+FFFD.
-With `continue_prompt=True` the first window starts inside the prompt instead (as vLLM does), so
-text reads as a continuation of the prompt: a SentencePiece tokenizer then keeps the leading
-space of the first output word.
+With `continue_prompt=True` (the engine's mode, as vLLM and LMDeploy) the first window starts inside
+the prompt: the prompt's last tokens are context whose text counts as emitted, so `text` = decode(prompt
+tail + output) minus decode(prompt tail) and reads as a continuation of the prompt. A SentencePiece
+tokenizer (Metaspace / Strip decoder: "▁Paris") then keeps the first output word's leading space
+(" Paris."); byte-level BPE text is unchanged (its tokens carry their own spaces). Skipped special tokens
+decode to nothing, as in a full decode: after a BOS-only prompt the first word's space is dropped as at
+the start of any sequence ("Paris.", as vLLM), after "<|im_start|>assistant\n" the text goes on from
+"assistant\n". The tail starts on a character (SentencePiece's byte fallback turns a whole run of byte
+tokens into U+FFFD when it starts mid-character). A prompt that ends inside a character (a byte-level or
+byte-fallback split) leaves that character's tokens unemitted: if the output's first tokens complete it,
+the whole character starts the text (vLLM's DecodeStream does the same); if not, the prompt's broken bytes
+are dropped, as `flush()` drops an unfinished character at the end: the text never starts with U+FFFD.
 """
 from __future__ import annotations
 
@@ -26,6 +35,8 @@ from collections.abc import Sequence
 
 REPLACEMENT_CHAR = "\ufffd"
 PROMPT_CONTEXT_TOKENS = 5  # enough left context for any leading-space / byte-merge decision
+MAX_PROMPT_CONTEXT_TOKENS = 24  # as far back as vLLM looks for a prompt tail that starts on a character
+MAX_UNFINISHED_TOKENS = 3  # a character has at most 4 bytes: at most 3 of them end a prompt unfinished
 
 
 class IncrementalDetokenizer:
@@ -40,10 +51,14 @@ class IncrementalDetokenizer:
         self._backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
         self.skip_special_tokens = skip_special_tokens
         self.spaces_between_special_tokens = spaces_between_special_tokens
-        context = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:]) if continue_prompt else []
+        found = self._prompt_context(prompt_token_ids) if continue_prompt else ([], 0)
+        context, emitted = found or ([], 0)
         self._ids = context              # context tokens, then every output token
         self._prefix_offset = 0          # window start: where the last emitted chunk began
-        self._read_offset = len(context)  # tokens before this have been emitted as text
+        self._read_offset = emitted      # tokens before this have been emitted as text
+        # U+FFFD starting the first emission are bytes of a character the prompt left unfinished (or may be,
+        # when no tail starts on a character), not output text
+        self._prompt_unfinished = found is None or emitted < len(context)
         self.output_ids: list[int] = []
         self.text = ""
 
@@ -68,9 +83,25 @@ class IncrementalDetokenizer:
         return self._decode(window[:emitted]), self._decode(window)
 
     def _emit(self, new_text: str) -> str:
+        if self._prompt_unfinished:  # the output did not complete the prompt's last character: not its text
+            new_text, self._prompt_unfinished = new_text.lstrip(REPLACEMENT_CHAR), False
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
         self.text += new_text
         return new_text
+
+    def _prompt_context(self, prompt_ids: Sequence[int]) -> tuple[list[int], int] | None:
+        """The prompt's tail that the output continues, and how many of its tokens count as emitted: the
+        tail's text must start on a character (a window that starts mid-character decodes wrongly: byte
+        fallback turns a whole run of byte tokens into U+FFFD), so it grows from PROMPT_CONTEXT_TOKENS up
+        to MAX_PROMPT_CONTEXT_TOKENS; the last 1-3 tokens of a character the prompt leaves unfinished are
+        not emitted, so the output token that completes it emits the whole character. None: no such tail."""
+        n = len(prompt_ids)
+        for unfinished in range(min(MAX_UNFINISHED_TOKENS, n) + 1):
+            for size in range(min(PROMPT_CONTEXT_TOKENS, n), min(MAX_PROMPT_CONTEXT_TOKENS, n) + 1):
+                text = self._decode(list(prompt_ids[n - size:n - unfinished]))
+                if (size == n or not text.startswith(REPLACEMENT_CHAR)) and not text.endswith(REPLACEMENT_CHAR):
+                    return list(prompt_ids[n - size:]), size - unfinished  # (the prompt's start is a char's)
+        return None
 
     def _decode(self, ids: list[int]) -> str:
         if not ids:

@@ -143,8 +143,9 @@ class LLMEngine(SessionsMixin, MultiStepMixin):
         p = req.params
         seq = Sequence(next(self._seq_ids), list(req.prompt_token_ids), params=p,
                        cache_salt=self._cache_salt(len(req.prompt_token_ids)))
+        # The text continues the prompt (vLLM, LMDeploy): SentencePiece keeps the first word's space
         detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, p.skip_special_tokens,
-                                       p.spaces_between_special_tokens)
+                                       p.spaces_between_special_tokens, continue_prompt=True)
         comp = Completion(index, seq, seed, detok, StopStringMatcher(p.stop, p.include_stop_str_in_output),
                           logprobs=[] if p.logprobs is not None else None,
                           guide=self.guided.new_state(p, req.allowed_W))  # guided: its own walk of the guide

@@ -10,6 +10,9 @@ tokens the state allows into the completion's SamplingRow (outlines writes it st
 2 us for a 49k vocabulary); the sampler sets every other logit to -inf, greedy rows included
 (lmjax.layers.sampler.apply_allowed). After the step, the state advances by the sampled token; when the
 output is complete (only EOS could follow) the request ends right there, with finish reason "stop".
+With byte-level BPE and SentencePiece vocabularies the text is the bytes the guide walked: it continues
+the prompt (lmjax.engine.detokenizer), so a first "▁Paris" (b" Paris" here) is " Paris" there too, and a
+regex that counts that space fullmatches the text.
 
 Guided rows need the host between steps, so they decode one step at a time (LLMEngine._decode_steps);
 `allowed_token_ids` alone is a fixed mask and rides along in multi-step calls.

@@ -165,6 +165,16 @@ def test_stop_token_text_is_left_out_and_min_tokens_holds_stop_strings(pruned, p
     assert len(late.token_ids) >= 6 and late.text.startswith(full.text[:full.text.index(stop) + len(stop)])
 
 
+def test_byte_level_text_is_the_output_decoded_alone(pruned):
+    """The text continues the prompt (vLLM's); byte-level BPE tokens carry their own spaces, so that is
+    still the output decoded alone: plain, Chinese and chat-templated prompts."""
+    tok = pruned.get_tokenizer()
+    for out in pruned.generate(_mixed_prompts(tok)[:8], GREEDY, use_tqdm=False):
+        c = out.outputs[0]
+        assert c.text == tok.decode(c.token_ids, skip_special_tokens=True,
+                                    clean_up_tokenization_spaces=False).rstrip("\ufffd")
+
+
 def test_stop_string_split_across_tokens(pruned, prompts):
     tok = pruned.get_tokenizer()
     full = pruned.generate([prompts[1]], GREEDY, use_tqdm=False)[0].outputs[0]
