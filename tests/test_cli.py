@@ -166,7 +166,7 @@ def test_chat_sends_non_utf8_input_as_replacement_characters():
 
         async def generate(self, text, session_id, gen_config, **kw):
             self.turns.append(text)
-            yield type("Piece", (), {"response": "ok"})
+            yield type("Piece", (), {"response": "ok", "finish_reason": "stop", "generate_token_len": 1})
 
         def end_session(self, session_id):
             future = asyncio.Future(loop=asyncio.new_event_loop())

@@ -9,7 +9,7 @@ from tqdm.auto import tqdm
 
 from lmjax.config import ChatTemplateConfig, SamplingParams
 from lmjax.engine.engine import LLMEngine
-from lmjax.engine.request import Request
+from lmjax.engine.request import ContextOverflowError, Request
 
 Messages = list[dict]
 logger = logging.getLogger("lmjax.engine")
@@ -38,12 +38,20 @@ def per_prompt(value, count: int, name: str) -> list:
 
 
 def submit_all(engine: LLMEngine, prompts: Sequence[tuple[str | None, list[int]]],
-               params: Sequence[SamplingParams]) -> list[Request]:
+               params: Sequence[SamplingParams], overflow_as_length: bool = False) -> list[Request]:
     """Queue every request, but only after all of them passed validation: a bad one costs no work and
-    leaves no other request queued."""
-    for (_, ids), p in zip(prompts, params):
-        engine.validate_request(ids, p)
-    return [engine.add_request(ids, p, prompt=text) for (text, ids), p in zip(prompts, params)]
+    leaves no other request queued. `overflow_as_length` (LMDeploy's facades): a prompt that leaves no
+    room in session_len is not an error but a request already finished with reason "length"."""
+    overflowed = {}
+    for i, ((_, ids), p) in enumerate(zip(prompts, params)):
+        try:
+            engine.validate_request(ids, p)
+        except ContextOverflowError as e:
+            if not overflow_as_length:
+                raise
+            overflowed[i] = e
+    return [engine.overflowed_request(ids, p, overflowed[i], text) if i in overflowed
+            else engine.add_request(ids, p, prompt=text) for i, ((text, ids), p) in enumerate(zip(prompts, params))]
 
 
 def run_to_completion(engine: LLMEngine, requests: list[Request], use_tqdm: bool = False) -> list[Request]:
@@ -66,7 +74,9 @@ def run_to_completion(engine: LLMEngine, requests: list[Request], use_tqdm: bool
 
 
 def stream_steps(engine: LLMEngine, requests: list[Request]) -> Iterator[Request]:
-    """Yield each request every time it changes, until all are finished (aborting them if abandoned)."""
+    """Yield each request every time it changes, until all are finished (aborting them if abandoned);
+    those finished before any step (`submit_all`'s overflowed ones) first."""
+    yield from (r for r in requests if r.finished)
     try:
         while not all(r.finished for r in requests):
             mine = {r.request_id for r in requests}

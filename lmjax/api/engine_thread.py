@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 from lmjax.config import SamplingParams
 from lmjax.engine.engine import LLMEngine
-from lmjax.engine.request import Request
+from lmjax.engine.request import ContextOverflowError, Request
 
 logger = logging.getLogger("lmjax.engine")
 Sink = Callable[[object], None]
@@ -96,6 +96,8 @@ class EngineThread:
         def command():
             try:
                 self._add(request_id, session_id, ids, params, text, sequence_start, sequence_end, sink)
+            except ContextOverflowError as e:  # LMDeploy's "run out of tokens": an empty "length" output
+                self._overflowed(session_id, ids, params, e, sink, sequence_start, sequence_end)
             except Exception as e:  # noqa: BLE001  (ValueError for a bad prompt; the caller raises it)
                 _quietly(sink, e) and _quietly(sink, None)
         self._commands.put(command)
@@ -113,12 +115,33 @@ class EngineThread:
     def add_many(self, batch: list[tuple]) -> list[str]:
         """(session id, ids, params, text, sink) each: every request validated before any is queued.
         Returns their request ids."""
-        for _, ids, params, _, _ in batch:
-            self.engine.validate_request(ids, params)
+        overflowed = {}
+        for i, (_, ids, params, _, _) in enumerate(batch):
+            try:
+                self.engine.validate_request(ids, params)
+            except ContextOverflowError as e:
+                overflowed[i] = e
         rids = [f"{session_id}-{next(_ids)}" for session_id, *_ in batch]
-        for rid, (session_id, ids, params, text, sink) in zip(rids, batch):
-            self._add(rid, session_id, ids, params, text, True, True, sink)
+        for i, (rid, (session_id, ids, params, text, sink)) in enumerate(zip(rids, batch)):
+            if i in overflowed:
+                self._overflowed(session_id, ids, params, overflowed[i], sink, True, True)
+            else:
+                self._add(rid, session_id, ids, params, text, True, True, sink)
         return rids
+
+    def _overflowed(self, session_id, ids, params, error: ContextOverflowError, sink: Sink, sequence_start: bool,
+                    sequence_end: bool) -> None:
+        """LMDeploy's answer to a turn that leaves no room in session_len: each completion an empty output
+        with finish reason "length" (the error logged); a session's last turn (`sequence_end`) ends it."""
+        kept = None if sequence_start else self.engine.sessions.get(session_id)
+        history = len(kept.token_ids) if kept is not None else 0
+        req = self.engine.overflowed_request(ids, params, error)
+        for c in req.completions:
+            _quietly(sink, GenOut("", history, len(ids), 0, "length", [], c.logprobs, c.index))
+            self.finished["length"] += 1
+        if sequence_end and not sequence_start:
+            self.end_session(session_id)
+        _quietly(sink, None)
 
     def stop_session(self, session_id) -> None:
         request_id = self._running.get(session_id)

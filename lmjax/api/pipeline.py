@@ -122,7 +122,9 @@ class Pipeline:
         batch = [prompts] if single else list(prompts)
         configs = per_prompt(gen_config, len(batch), "gen_config")
         params = [self._params(self._gen_config(g, legacy)) for g in configs]
-        requests = submit_all(self.engine, [self._encode(p, do_preprocess, template) for p in batch], params)
+        # a prompt over session_len gives an empty "length" Response (LMDeploy's), not an error for the batch
+        requests = submit_all(self.engine, [self._encode(p, do_preprocess, template) for p in batch], params,
+                              overflow_as_length=True)
         return single, requests
 
     def __call__(self, prompts, gen_config=None, do_preprocess: bool = True, use_tqdm: bool = False,

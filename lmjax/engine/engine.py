@@ -21,8 +21,8 @@ from lmjax.engine.compile_cache import compile_stats, enable_compilation_cache
 from lmjax.engine.detokenizer import IncrementalDetokenizer
 from lmjax.engine.guided import GuidedDecoding, advance_guide
 from lmjax.engine.model_runner import ModelRunner, StepOutput, bucket
-from lmjax.engine.request import (Completion, Request, check_logprobs, check_prompt, check_token_ids, new_request_id,
-                                  truncated_prompt)
+from lmjax.engine.request import (Completion, ContextOverflowError, Request, check_logprobs, check_prompt,
+                                  check_token_ids, new_request_id, truncated_prompt)
 from lmjax.engine.multistep import MultiStepMixin
 from lmjax.engine.scheduler import ScheduledBatch, Scheduler
 from lmjax.engine.sequence import Sequence
@@ -152,6 +152,19 @@ class LLMEngine(SessionsMixin, MultiStepMixin):
         req.completions.append(comp)
         self._by_seq[seq.seq_id] = (req, comp)
         self.scheduler.add(seq)
+
+    def overflowed_request(self, prompt_token_ids: list[int], params: SamplingParams, error: ContextOverflowError,
+                           prompt: str | None = None) -> Request:
+        """LMDeploy's answer to a prompt that leaves no room in session_len: a request already finished,
+        each completion empty with finish reason "length", the error logged; nothing is queued."""
+        logger.error("run out of tokens: %s", error)
+        req = Request(new_request_id(), prompt, list(prompt_token_ids), params, 0, error=str(error))
+        for i in range(params.n):
+            seq = Sequence(next(self._seq_ids), list(prompt_token_ids), params=params)
+            empty = Completion(i, seq, 0, IncrementalDetokenizer(self.tokenizer), StopStringMatcher(None),
+                               logprobs=[] if params.logprobs is not None else None, finish_reason="length")
+            req.completions.append(empty)
+        return req
 
     def _cache_salt(self, num_prompt_tokens: int):
         """Dynamic NTK rotates a prompt's keys with a base set by the prompt's length once it passes the

@@ -101,13 +101,20 @@ def new_request_id() -> str:
     return str(next(_request_ids))
 
 
+class ContextOverflowError(ValueError):
+    """A prompt (a session's history included) that leaves no room to generate within session_len. vLLM's
+    LLM and the OpenAI routes raise it; LMDeploy's facades answer it with an empty output whose finish
+    reason is "length" (LMDeploy's "run out of tokens")."""
+
+
 def check_prompt(prompt_token_ids: list[int], vocab: int, session_len: int) -> None:
-    """A ValueError naming what is wrong with a prompt: empty, no room to generate, ids outside the vocab."""
+    """A ValueError naming what is wrong with a prompt: empty, no room to generate (ContextOverflowError),
+    ids outside the vocab."""
     n = len(prompt_token_ids)
     if n == 0:
         raise ValueError("prompt is empty: give at least one token")
     if n >= session_len:
-        raise ValueError(f"prompt of {n} tokens does not fit the context of {session_len} tokens (session_len, "
+        raise ContextOverflowError(f"prompt of {n} tokens does not fit the context of {session_len} tokens (session_len, "
                          "vLLM's max_model_len; at least one token must be generated)")
     check_token_ids("prompt token ids", prompt_token_ids, vocab)
 

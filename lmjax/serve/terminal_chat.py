@@ -14,7 +14,12 @@ from lmjax.api.async_engine import AsyncEngine
 
 
 async def _turn(engine: AsyncEngine, text: str, session_id: int, first: bool, gen_config, out) -> None:
+    """Stream one reply; a ValueError when the session has no room left for it (LMDeploy's engine answers
+    that with an empty "length" output)."""
     async for piece in engine.generate(text, session_id, gen_config, sequence_start=first, sequence_end=False):
+        if piece.finish_reason == "length" and piece.generate_token_len == 0:
+            raise ValueError(f"the session's {piece.history_token_len} tokens and this message's "
+                             f"{piece.input_token_len} leave no room in session_len={engine.session_len}")
         out.write(piece.response)
         out.flush()
     out.write("\n")

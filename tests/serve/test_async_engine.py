@@ -56,8 +56,10 @@ def test_session_turn_prefills_only_new_tokens_and_matches_whole_history(engine)
 def test_session_is_bounded_by_session_len(engine):
     async def main():
         await _run(engine, "Hello", 3, GREEDY, sequence_end=False)
-        with pytest.raises(ValueError, match="session_len"):
-            await _run(engine, "word " * 1100, 3, GREEDY, sequence_start=False, sequence_end=False)
+        # LMDeploy's "run out of tokens": an empty output, finish reason "length"; the session is kept
+        text, ids, last = await _run(engine, "word " * 1100, 3, GREEDY, sequence_start=False, sequence_end=False)
+        assert (text, ids, last.finish_reason, last.generate_token_len) == ("", [], "length", 0)
+        assert engine.id2step[3] > 0 and 3 in engine.engine.sessions
         with pytest.raises(ValueError, match="no history"):
             await _run(engine, "Hi", 4, GREEDY, sequence_start=False)
         await engine.end_session(3)
@@ -123,10 +125,12 @@ def test_terminal_chat_keeps_the_session(engine):
     from lmjax.serve.terminal_chat import run_chat
 
     out = io.StringIO()
-    run_chat(engine, GenerationConfig(max_new_tokens=6), io.StringIO("Hi, I am Bob.\n\nWho am I?\n\nend\n\nexit\n"),
-             out)
+    overlong = "word " * 1100  # past session_len: the chat says so and starts a new session
+    run_chat(engine, GenerationConfig(max_new_tokens=6),
+             io.StringIO(f"Hi, I am Bob.\n\nWho am I?\n\n{overlong}\n\nend\n\nexit\n"), out)
     text = out.getvalue()
-    assert text.count(">>> ") == 4 and "(new session)" in text
+    assert text.count(">>> ") == 5 and "(new session)" in text
+    assert "leave no room in session_len=1024; starting a new session" in text
     assert engine.stats()["num_sessions"] == 0
 
 
