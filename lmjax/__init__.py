@@ -2,12 +2,17 @@
 
 The public names load on first use (PEP 562), so `import lmjax.cli` imports no JAX: `lmjax --help` stays
 instant, and `lmjax convert --tp N` can still set XLA's host device count before JAX starts.
+
+As in LMDeploy, `lmjax.serve(model_path, ...)` launches the api_server in a subprocess and returns an
+`APIClient` (lmjax.serve.launch); `lmjax.serve` is also the serving subpackage, a module that can be called.
+`version_info` is the LMDeploy API release lmjax mirrors, not lmjax's own (lmjax/version.py says why).
 """
 from __future__ import annotations
 
 import importlib
 
 from lmjax.env import apply_xla_flag_defaults
+from lmjax.version import __version__, version_info  # noqa: F401  (light: no JAX)
 
 apply_xla_flag_defaults()  # before any JAX backend starts: XLA reads its flags once (see lmjax.env)
 
@@ -18,12 +23,17 @@ _EXPORTS = {
     "EngineConfig": "lmjax.config", "GenerationConfig": "lmjax.config", "SamplingParams": "lmjax.config",
     "GuidedDecodingParams": "lmjax.guided_params", "StructuredOutputsParams": "lmjax.guided_params",
     "PytorchEngineConfig": "lmjax.lmdeploy_config", "TurbomindEngineConfig": "lmjax.lmdeploy_config",
+    "client": "lmjax.serve.launch",
 }
-__all__ = sorted(_EXPORTS)
-__version__ = "0.1.0"
+# Subpackages that are public names too: `lmjax.serve` (callable, see lmjax/serve/__init__.py)
+_SUBPACKAGES = ("serve",)
+# serve and client need the serve extra (httpx): a star import must work without it
+__all__ = sorted({*_EXPORTS, "__version__", "version_info"} - {"client"})
 
 
 def __getattr__(name: str):
+    if name in _SUBPACKAGES:  # importing it binds it here too, so later lookups skip this function
+        return importlib.import_module(f"{__name__}.{name}")
     if name not in _EXPORTS:
         raise AttributeError(f"module 'lmjax' has no attribute {name!r}")
     value = getattr(importlib.import_module(_EXPORTS[name]), name)
@@ -32,4 +42,4 @@ def __getattr__(name: str):
 
 
 def __dir__():
-    return sorted(set(globals()) | set(_EXPORTS))
+    return sorted(set(globals()) | set(_EXPORTS) | set(_SUBPACKAGES))

@@ -48,7 +48,19 @@ class AsyncEngine:
         kwargs.pop("instance_num", None)  # LMDeploy's instance count: one engine serves every request here
         if kwargs:
             raise TypeError(f"AsyncEngine got unexpected arguments {sorted(kwargs)}")
-        self.engine = LLMEngine(model_path, _engine_config(backend_config, tp))
+        self._attach(LLMEngine(model_path, _engine_config(backend_config, tp)), model_name, chat_template_config)
+
+    @classmethod
+    def over(cls, engine: LLMEngine, chat_template_config: ChatTemplateConfig | None = None,
+             model_name: str | None = None) -> AsyncEngine:
+        """An AsyncEngine serving an engine already loaded (a pipeline's): from now on only its thread may
+        step that engine."""
+        self = cls.__new__(cls)
+        self._attach(engine, model_name, chat_template_config)
+        return self
+
+    def _attach(self, engine: LLMEngine, model_name: str | None, chat_template_config) -> None:
+        self.engine = engine
         self.tokenizer = self.engine.tokenizer
         self.session_len = self.engine.session_len
         self.model_name = model_name or _default_name(self.engine.model_path)

@@ -87,6 +87,17 @@ class EngineThread:
         self._commands.put(command)
         return future
 
+    def call_stepping(self, fn: Callable[[], object]) -> concurrent.futures.Future:
+        """`call` for a function that steps the engine itself (a synchronous batch run to its end): the
+        requests of this thread's callers that it advanced, or finished, get their outputs afterwards."""
+        def stepping():
+            try:
+                return fn()
+            finally:
+                for live in list(self._live.values()):
+                    self._deliver(live)
+        return self.call(stepping)
+
     def submit(self, session_id, ids: list[int], params: SamplingParams, text: str | None, sequence_start: bool,
                sequence_end: bool, sink: Sink) -> str:
         """Queue one request; errors (a prompt over session_len, a busy session) arrive in the sink."""

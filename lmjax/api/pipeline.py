@@ -91,6 +91,7 @@ class Pipeline:
         self.chat_template = chat_template_config or ChatTemplateConfig(model_name=model_name)
         self.tokenizer = self.engine.tokenizer
         self._session_ids = iter(range(1, 1 << 62))
+        self._async_engine = None  # LMDeploy's AsyncEngine methods, on an engine thread from their first use
 
     def _gen_config(self, gen_config, legacy: dict) -> GenerationConfig | SamplingParams:
         if not isinstance(gen_config, (GenerationConfig, SamplingParams, type(None))):
@@ -133,11 +134,14 @@ class Pipeline:
         """`chat_template_config`: this call's template instead of the pipeline's."""
         _check_legacy(legacy)
         check_adapter(adapter_name)
-        single, requests = self._submit(prompts, gen_config, do_preprocess, legacy, chat_template_config)
-        run_to_completion(self.engine, requests, use_tqdm)
-        out = [response(r, c, index=batch_index(p, r.params.n, c.index))
-               for p, r in enumerate(requests) for c in r.completions]
-        return out[0] if single and len(out) == 1 else out
+
+        def run():
+            single, requests = self._submit(prompts, gen_config, do_preprocess, legacy, chat_template_config)
+            run_to_completion(self.engine, requests, use_tqdm)
+            out = [response(r, c, index=batch_index(p, r.params.n, c.index))
+                   for p, r in enumerate(requests) for c in r.completions]
+            return out[0] if single and len(out) == 1 else out
+        return self._exclusive(run)
 
     batch_infer = __call__
     infer = __call__  # LMDeploy >= 0.7's name (batch_infer its older one)
@@ -148,6 +152,10 @@ class Pipeline:
         """Yield Responses carrying the new text of one prompt (`index`) as it is generated."""
         _check_legacy(legacy)
         check_adapter(adapter_name)
+        if self._async_engine is not None:  # its thread steps the engine now
+            yield from self._async_engine.stream_infer(prompts, gen_config, do_preprocess, chat_template_config,
+                                                       **legacy)
+            return
         _, requests = self._submit(prompts, gen_config, do_preprocess, legacy, chat_template_config)
         position = {r.request_id: i for i, r in enumerate(requests)}
         for r in stream_steps(self.engine, requests):
@@ -197,8 +205,11 @@ class Pipeline:
             if len(ids) < 2:
                 raise ValueError(f"get_ppl needs at least 2 tokens a sequence; input_ids[{i}] has {len(ids)}")
         scored = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
-        requests = submit_all(self.engine, [(None, list(ids)) for ids in batch], [scored] * len(batch))
-        run_to_completion(self.engine, requests)
+
+        def run():
+            requests = submit_all(self.engine, [(None, list(ids)) for ids in batch], [scored] * len(batch))
+            return run_to_completion(self.engine, requests)
+        requests = self._exclusive(run)
         return [-sum(e[t] for t, e in zip(r.prompt_token_ids[1:], r.prompt_logprobs[1:])) / (len(r.prompt_token_ids) - 1)
                 for r in requests]
 
@@ -213,10 +224,53 @@ class Pipeline:
         return prompt_logits(nnx.merge(runner.graphdef, runner.state), [list(ids) for ids in batch],
                              quant_policy=self.engine.config.quant_policy, kv_maps=self.engine.kv_maps)
 
+    # ------------------------------------------------------------------ LMDeploy's pipeline is an AsyncEngine
+    @property
+    def session_len(self) -> int:
+        return self.engine.session_len
+
+    def _async(self):
+        """The AsyncEngine view (lmjax.api.async_engine) behind `generate` and the session methods; its
+        thread starts on their first use, and from then on every method steps the engine through it."""
+        if self._async_engine is None:
+            from lmjax.api.async_engine import AsyncEngine  # it imports this module
+
+            self._async_engine = AsyncEngine.over(self.engine, self.chat_template)
+        return self._async_engine
+
+    def generate(self, *args, **kwargs):
+        """AsyncEngine.generate: an async generator of GenOuts for one session turn."""
+        return self._async().generate(*args, **kwargs)
+
+    def stop_session(self, session_id: int):
+        return self._async().stop_session(session_id)
+
+    def end_session(self, session_id: int):
+        return self._async().end_session(session_id)
+
+    def get_generator(self, stop: bool, session_id: int):
+        return self._async().get_generator(stop, session_id)
+
+    @property
+    def id2step(self) -> dict:
+        return self._async().id2step
+
+    def _exclusive(self, run):
+        """run() (it steps the engine to its end) here, or once the engine thread exists, on that thread
+        (async callers' requests wait meanwhile, and get their outputs after)."""
+        if self._async_engine is None:
+            return run()
+        return self._async_engine._thread.call_stepping(run).result()
+
     def close(self) -> None:
-        """Abort whatever is still running (LMDeploy frees its engine here; lmjax's goes with the object)."""
-        for request_id in list(self.engine.requests):
-            self.engine.abort(request_id)
+        """Abort whatever is still running and stop the engine thread, if one started (LMDeploy frees its
+        engine here; lmjax's goes with the object)."""
+        def abort_all():
+            for request_id in list(self.engine.requests):
+                self.engine.abort(request_id)
+        self._exclusive(abort_all)
+        if self._async_engine is not None:
+            self._async_engine.close()
 
     def __enter__(self) -> "Pipeline":
         return self

@@ -5,6 +5,10 @@ Every endpoint method is a generator, as in LMDeploy: it yields the whole respon
 raises `APIClientError` carrying the status and the server's OpenAI-style error message; a server that
 cannot be reached raises `APIConnectionError`, a builtin `ConnectionError` (LMDeploy's client raises
 requests' ConnectionError, also an OSError, so code written for it catches this one too).
+
+Code that talks HTTP itself next to the client, as lagent's async LMDeploy wrappers do, posts to
+`client.completions_v1_url` with `headers=client.headers` and decodes each line with `json_loads`: both
+are LMDeploy's, kept here under the same names.
 """
 from __future__ import annotations
 
@@ -16,6 +20,16 @@ from collections.abc import Iterator
 import httpx
 
 logger = logging.getLogger("lmjax.serve")
+
+
+def json_loads(content: str | bytes):
+    """LMDeploy's helper: JSON text or bytes -> object; content that is not JSON logs a warning and gives
+    '' (LMDeploy's answer, which code written for it may test for)."""
+    try:
+        return json.loads(content)
+    except ValueError:  # JSONDecodeError, or bytes that are not UTF-8
+        logger.warning("weird json content %r", content)
+        return ""
 
 
 class APIClientError(RuntimeError):
@@ -35,11 +49,16 @@ _UNREACHABLE = (httpx.NetworkError, httpx.ConnectTimeout, httpx.RemoteProtocolEr
 class APIClient:
     def __init__(self, api_server_url: str, api_key: str | None = None, timeout: float = 600.0, **kwargs):
         self.api_server_url = api_server_url.rstrip("/")
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._http = httpx.Client(base_url=self.api_server_url, headers=headers, timeout=timeout)
+        self.api_key = api_key
+        # LMDeploy's public headers: what the client itself sends is what callers posting on their own reuse
+        self.headers = {"content-type": "application/json"}
+        if api_key:
+            self.headers["Authorization"] = f"Bearer {api_key}"
+        self._http = httpx.Client(base_url=self.api_server_url, headers=self.headers, timeout=timeout)
         self.chat_completions_v1_url = f"{self.api_server_url}/v1/chat/completions"
         self.completions_v1_url = f"{self.api_server_url}/v1/completions"
         self.chat_interactive_v1_url = f"{self.api_server_url}/v1/chat/interactive"
+        self.chat_intractive_v1_url = self.chat_interactive_v1_url  # LMDeploy's spelling of the attribute
         self.models_v1_url = f"{self.api_server_url}/v1/models"
         self.encode_v1_url = f"{self.api_server_url}/v1/encode"
         self._models: list[str] | None = None
@@ -76,12 +95,13 @@ class APIClient:
 
     def chat_interactive_v1(self, prompt: str | list[dict], session_id: int = -1, interactive_mode: bool = False,
                             stream: bool = False, stop: str | list[str] | None = None,
-                            request_output_len: int | None = None, top_p: float = 0.8, top_k: int = 40,
+                            request_output_len: int | None = 512, top_p: float = 0.8, top_k: int = 40,
                             temperature: float = 0.8, repetition_penalty: float = 1.0, ignore_eos: bool = False,
                             skip_special_tokens: bool = True, cancel: bool = False, seed: int | None = None,
                             **kwargs) -> Iterator[dict]:
         """LMDeploy's session endpoint: `interactive_mode=True` keeps the session's history (and KV cache)
-        on the server for the next call with the same `session_id`."""
+        on the server for the next call with the same `session_id`. `request_output_len` defaults to 512 as
+        in LMDeploy's client; None runs to the session's end."""
         body = _payload(locals(), kwargs)
         yield from self._post("/v1/chat/interactive", body, stream, sse=False)
 

@@ -162,7 +162,6 @@ def _post(server, path, body, key=KEY, raw=None):
     ("/v1/completions", {"prompt": "hi", "model": "no-such-model"}, None, KEY, 404),
     ("/v1/completions", {"prompt": "hi " * 3000}, None, KEY, 400),  # over session_len
     ("/v1/completions", {"prompt": "hi " * 3000, "stream": True}, None, KEY, 400),
-    ("/v1/chat/interactive", {"prompt": "hi " * 3000, "session_id": 99}, None, KEY, 400),
     ("/v1/completions", {"prompt": "hi"}, None, None, 401),
     ("/v1/completions", {"prompt": "hi"}, None, "sk-wrong", 401),
     ("/v1/models", None, None, "sk-wrong", 401),
