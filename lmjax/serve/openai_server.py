@@ -38,7 +38,8 @@ from lmjax.serve.metrics import render_metrics
 from lmjax.serve.protocol import ChatCompletionRequest, CompletionRequest, EncodeRequest, InteractiveRequest
 from lmjax.serve.streams import first_and_rest, merge, until_disconnect
 from lmjax.serve.tokenize_protocol import DetokenizeRequest, TokenizeRequest
-from lmjax.serve.tool_parsers import ToolStream, get_tool_parser
+from lmjax.serve.tool_parsers import get_tool_parser
+from lmjax.serve.tool_stream import ToolStream
 
 logger = logging.getLogger("lmjax.serve")
 

@@ -12,7 +12,8 @@ import time
 import uuid
 
 from lmjax.api.engine_thread import GenOut, merge_outputs
-from lmjax.serve.tool_parsers import ToolParser, ToolStream
+from lmjax.serve.tool_parsers import ToolParser
+from lmjax.serve.tool_stream import ToolStream
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,16 +137,19 @@ def chat_body(head: Head, choices: Choices, k: int, decode, to_bytes=None, tools
 
 def tool_delta(stream: ToolStream, out: GenOut) -> tuple[dict, str | None]:
     """(delta, finish_reason) of one streamed piece when the reply is parsed for tool calls: the content that
-    is surely not a call; at the end the rest of it and the calls, whole (`index`, id, type, name, arguments)."""
+    is surely not a call and the calls' new pieces (lmjax.serve.tool_stream); at the end the rest of both."""
     content = stream.feed(out.response)
     if out.finish_reason is None:
-        return ({"content": content} if content else {}), None
+        return _with_calls({"content": content} if content else {}, stream.take_call_deltas()), None
     rest, calls = stream.finish()
     delta = {"content": content + rest} if content + rest else {}
-    if not calls:
-        return delta, out.finish_reason
-    delta["tool_calls"] = [{"index": j, **c.to_dict()} for j, c in enumerate(calls)]
-    return delta, stream.parser.calls_finish_reason
+    if not calls:  # (pieces of a call that turned out malformed went out already)
+        return _with_calls(delta, stream.take_call_deltas()), out.finish_reason
+    return _with_calls(delta, stream.final_call_deltas(calls)), stream.parser.calls_finish_reason
+
+
+def _with_calls(delta: dict, calls: list[dict]) -> dict:
+    return {**delta, "tool_calls": calls} if calls else delta
 
 
 def completion_body(head: Head, choices: Choices, k: int, decode, echo: list[Echo] | None) -> dict:

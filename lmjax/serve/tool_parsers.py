@@ -11,9 +11,12 @@ The server picks one by name (`--tool-call-parser NAME`, `get_tool_parser`):
 As in vLLM, a reply whose calls do not parse (bad JSON, no name) is returned whole as content: a model's
 malformed call is the model's answer, never a server error.
 
-Streaming (`ToolStream`): content goes out as it comes until a call may be starting; text that could be the
-beginning of a start marker (and trailing whitespace, which the non-streaming content drops before a call) is
-held back. At the end the whole text is parsed as above, so a stream and a non-streaming reply agree.
+Streaming (lmjax.serve.tool_stream.ToolStream): content goes out as it comes until a call may be starting;
+text that could be the beginning of a start marker (and trailing whitespace, which the non-streaming content
+drops before a call) is held back. Calls stream as the model writes them (`stream_first`, `stream_gap`: where
+they begin and what separates them). At the end the whole text is parsed as above, so a stream and a
+non-streaming reply agree. A call's `arguments` is the JSON text the model wrote for them (an object or
+array; vLLM re-serializes it), so the streamed pieces add up to it.
 """
 from __future__ import annotations
 
@@ -21,6 +24,10 @@ import dataclasses
 import json
 import re
 import uuid
+
+from lmjax.serve.json_scan import scan_object
+
+_NEVER = re.compile(r"(?!)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,13 +41,18 @@ class ToolCall:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
-def call_from_json(obj) -> ToolCall:
-    """A ToolCall from a decoded {"name", "arguments" | "parameters"} object; ValueError if it is not one."""
+def call_from_json(obj, raw: str | None = None, start: int = 0) -> ToolCall:
+    """A ToolCall from a decoded {"name", "arguments" | "parameters"} object; ValueError if it is not one.
+    `raw[start:]` holds the object as written: its arguments' own text is kept (what a stream sends)."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         raise ValueError(f"not a tool call (no 'name' string): {obj!r}")
     args = obj.get("arguments", obj.get("parameters", {}))
-    # a model may write the arguments as a JSON string already: keep it as the model wrote it
-    return ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
+    if isinstance(args, str):  # a model may write the arguments as a JSON string already: keep it
+        return ToolCall(obj["name"], args)
+    span = scan_object(raw, start).args if raw is not None else None
+    if span is not None and span[1] is not None and span[2] in "{[":
+        return ToolCall(obj["name"], raw[span[0]:span[1]])
+    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
 
 
 def _held_prefix(text: str, marker: str) -> int:
@@ -56,6 +68,19 @@ class ToolParser:
     name = ""
     start_marker = ""  # where a call begins; text before it is content
     calls_finish_reason = "tool_calls"  # a reply's finish_reason when it holds calls (vLLM's, for "auto")
+    stream_gap = _NEVER  # what separates one call object from the next (ending where the next begins)
+    stream_name: str | None = None  # the calls' name when the reply does not say it (a forced function)
+    stream_needs_args = False  # a call streams only once its arguments key is seen (JSON that may be content)
+
+    def stream_first(self, text: str) -> int | None:
+        """Where the first call object ('{') begins in the text so far; None: no call to stream (yet)."""
+        return None
+
+    def stream_args(self, text: str, first: int, scan) -> tuple[int, int | None] | None:
+        """The arguments' span to stream of a scanned call (object or array values only)."""
+        if scan.args is None or scan.args[2] not in "{[":
+            return None
+        return scan.args[0], scan.args[1]
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """(content or None, calls); no calls -> (text, [])."""
@@ -85,6 +110,10 @@ class HermesParser(ToolParser):
     name = "hermes"
     start_marker = "<tool_call>"
     end_marker = "</tool_call>"
+    stream_gap = re.compile(r"\s*</tool_call>\s*<tool_call>\s*(?=\{)")
+
+    def stream_first(self, text: str) -> int | None:
+        return _object_after(text, re.compile(r"<tool_call>\s*(?=\{)"))
 
     def _calls(self, text: str) -> list[ToolCall]:
         """Each `<tool_call>` holds one JSON object, then `</tool_call>` (or the end of the reply). The JSON is
@@ -95,7 +124,7 @@ class HermesParser(ToolParser):
             body = start + len(self.start_marker)
             body += len(text[body:]) - len(text[body:].lstrip())
             obj, end = decoder.raw_decode(text, body)
-            calls.append(call_from_json(obj))
+            calls.append(call_from_json(obj, text, body))
             rest = text[end:].lstrip()
             if rest.startswith(self.end_marker):
                 pos = len(text) - len(rest) + len(self.end_marker)
@@ -110,9 +139,16 @@ class InternLMParser(ToolParser):
     name = "internlm"
     start_marker = "<|action_start|>"
     _CALL = re.compile(r"<\|action_start\|>\s*<\|plugin\|>(.*?)(?:<\|action_end\|>|$)", re.DOTALL)
+    stream_gap = re.compile(r"\s*<\|action_end\|>\s*<\|action_start\|>\s*<\|plugin\|>\s*(?=\{)")
+
+    def stream_first(self, text: str) -> int | None:
+        return _object_after(text, re.compile(r"<\|action_start\|>\s*<\|plugin\|>\s*(?=\{)"))
 
     def _calls(self, text: str) -> list[ToolCall]:
-        calls = [call_from_json(json.loads(m.group(1))) for m in self._CALL.finditer(text)]
+        calls = []
+        for m in self._CALL.finditer(text):
+            body = m.group(1)
+            calls.append(call_from_json(json.loads(body), body, len(body) - len(body.lstrip())))
         if text.count(self.start_marker) != len(calls):  # an <|interpreter|> action or a broken one
             raise ValueError("an action that is not a plugin call")
         return calls
@@ -121,6 +157,14 @@ class InternLMParser(ToolParser):
 class Llama3Parser(ToolParser):
     name = "llama3"
     start_marker = "<|python_tag|>"
+    stream_gap = re.compile(r"\s*;\s*(?=\{)")
+    stream_needs_args = True  # {"name": "Alice", "age": 30} is an answer, not a call
+
+    def stream_first(self, text: str) -> int | None:
+        tag = text.find(self.start_marker)
+        start = tag + len(self.start_marker) if tag >= 0 else 0
+        first = len(text) - len(text[start:].lstrip())
+        return first if first < len(text) and text[first] == "{" else None
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         tag = text.find(self.start_marker)
@@ -138,12 +182,12 @@ class Llama3Parser(ToolParser):
         """JSON objects separated by `;` (and whitespace), nothing else."""
         decoder, calls, pos = json.JSONDecoder(), [], 0
         while True:
-            pos = len(body) - len(body[pos:].lstrip())
+            pos = start = len(body) - len(body[pos:].lstrip())
             obj, pos = decoder.raw_decode(body, pos)
             if not isinstance(obj, dict) or not ("parameters" in obj or "arguments" in obj):
                 # a JSON answer that merely has a "name" ({"name": "Alice", "age": 30}) is content (vLLM's too)
                 raise ValueError(f"not a tool call (no 'parameters'): {obj!r}")
-            calls.append(call_from_json(obj))
+            calls.append(call_from_json(obj, body, start))
             rest = body[pos:].lstrip()
             if not rest:
                 return calls
@@ -171,6 +215,14 @@ class ForcedToolParser(ToolParser):
 
     def __init__(self, function: str | None):
         self.function = function  # None: "required", the reply is [{"name", "parameters"}, ...]
+        self.stream_name = function  # a named function's reply streams as its arguments; "required" whole
+
+    def stream_first(self, text: str) -> int | None:
+        first = len(text) - len(text.lstrip())
+        return first if self.function is not None and text[first:first + 1] == "{" else None
+
+    def stream_args(self, text: str, first: int, scan) -> tuple[int, int | None]:
+        return first, scan.end  # the whole reply is the arguments
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         try:
@@ -212,25 +264,7 @@ def get_tool_parser(name: str) -> ToolParser:
         raise ValueError(f"unknown tool call parser {name!r}; choose one of {sorted(PARSERS)}") from None
 
 
-class ToolStream:
-    """One streamed choice: `feed(delta)` -> content that can go out now; `finish()` -> (the rest of the
-    content, calls) once the reply is complete."""
-
-    def __init__(self, parser: ToolParser):
-        self.parser, self.text, self.sent = parser, "", 0
-
-    def feed(self, delta: str) -> str:
-        self.text += delta
-        end = self.parser.content_end(self.text)
-        if end <= self.sent:
-            return ""
-        out, self.sent = self.text[self.sent:end], end
-        return out
-
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        content, calls = self.parser.parse(self.text)
-        if not calls:
-            return self.text[self.sent:], []
-        content = content or ""
-        # what went out is the start of the content (content_end never passes a marker)
-        return content[self.sent:] if content.startswith(self.text[:self.sent]) else "", calls
+def _object_after(text: str, opener: re.Pattern) -> int | None:
+    """Where the first call object begins, after its opening marker (`opener` ends at the '{')."""
+    m = opener.search(text)
+    return m.end() if m else None

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 import openai
-from lmjax.serve.tool_parsers import PARSERS, ToolStream, get_tool_parser
+from lmjax.serve.tool_parsers import PARSERS, get_tool_parser
+from lmjax.serve.tool_stream import ToolStream
 from server_process import api_server
 
 CHAINS = [
