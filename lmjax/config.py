@@ -15,8 +15,9 @@ keyword is a `TypeError` that lists it and suggests the nearest valid field.
 """
 from __future__ import annotations
 
+import copy
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from lmjax.guided_params import GuidedDecodingParams, as_guided, from_response_format
@@ -95,8 +96,8 @@ class SamplingParams:
     top_k: int = 0
     min_p: float = 0.0
     seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop: str | list[str] | None = field(default_factory=list)  # None -> [] as vLLM normalises both
+    stop_token_ids: list[int] | None = field(default_factory=list)
     bad_words: list[str] | None = None
     bad_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
@@ -140,7 +141,8 @@ class SamplingParams:
         for name, kind in (("stop", str), ("bad_words", str), ("stop_token_ids", int), ("bad_token_ids", int),
                            ("allowed_token_ids", int)):
             setattr(self, name, _as_list(getattr(self, name), name, kind))
-        _check(not self.stop or all(self.stop), f"stop strings must be non-empty, got {self.stop!r}")
+        self.stop, self.stop_token_ids = self.stop or [], self.stop_token_ids or []
+        _check(all(self.stop), f"stop strings must be non-empty, got {self.stop!r}")
         _check(self.allowed_token_ids != [], "allowed_token_ids must not be empty (None: every id)")
         self.logit_bias = check_logit_bias(self.logit_bias)
         self.guided_decoding, self.structured_outputs = as_guided(self.guided_decoding, self.structured_outputs), None
@@ -148,6 +150,17 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def all_stop_token_ids(self) -> set[int]:
+        """vLLM's: the ids that end generation. vLLM adds the model's EOS ids (unless ignore_eos) when the
+        request is submitted; these params do not know the model, so here (as on a fresh vLLM object) it is
+        set(stop_token_ids). The engine adds its EOS ids itself (LLMEngine.eos_token_ids)."""
+        return set(self.stop_token_ids)
+
+    def clone(self) -> SamplingParams:
+        """A deep copy (vLLM's), e.g. to set one prompt's fields without touching a shared object."""
+        return copy.deepcopy(self)
 
     @property
     def uses_penalties(self) -> bool:
@@ -308,6 +321,11 @@ def _warn_once(message: str) -> None:
     import logging
 
     logging.getLogger("lmjax").warning(message)
+
+
+def warn_no_effect(owner: str, name: str, value, why: str) -> None:
+    """A setting that only tunes an engine lmjax does not have: accepted, logged once per value."""
+    _warn_once(f"{owner}({name}={value!r}) has no effect in lmjax: {why}")
 
 
 @_strict_fields

@@ -1,26 +1,34 @@
 """LMDeploy's engine configs, `TurbomindEngineConfig` and `PytorchEngineConfig`, with their names and
 defaults; `to_engine_config()` lowers either onto lmjax's `EngineConfig`. A field lmjax cannot honour
-yet raises `NotImplementedError` when set to anything but its default: never silently ignored.
+yet raises `NotImplementedError` when set to anything but its default: never silently ignored. The
+exception, each class's `TUNING_ONLY`: knobs of TurboMind's / the PyTorch engine's own scheduler or
+allocator, which change how fast, never what, LMDeploy generates; lmjax has no such part, so they are
+accepted and a non-default value is logged once as having no effect.
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, fields
+from typing import ClassVar
 
-from lmjax.config import DTYPES, EngineConfig, _check, _strict_fields
+from lmjax.config import DTYPES, EngineConfig, _check, _strict_fields, warn_no_effect
 
 
 def _lower(cfg, renames: dict[str, str], frontend: tuple[str, ...]) -> EngineConfig:
     """Map `cfg`'s fields onto EngineConfig: `renames` maps differing names, same-named fields
-    pass through, `frontend` fields are read by the pipeline (not the engine), and any other
-    field must keep its default or NotImplementedError names it."""
+    pass through, `frontend` fields are read by the pipeline (not the engine), `TUNING_ONLY` fields
+    are accepted with a warning, and any other field must keep its default or NotImplementedError
+    names it."""
     engine_names = {f.name for f in fields(EngineConfig)}
     kwargs = {}
     for f in fields(cfg):
         value, target = getattr(cfg, f.name), renames.get(f.name, f.name)
         if f.name in frontend:
             continue
-        if target in engine_names:
+        if f.name in cfg.TUNING_ONLY:
+            if value != f.default:
+                warn_no_effect(type(cfg).__name__, f.name, value, cfg.TUNING_ONLY[f.name])
+        elif target in engine_names:
             if value is not None:
                 kwargs[target] = value
         elif value != f.default:
@@ -62,8 +70,20 @@ class TurbomindEngineConfig:
     revision: str | None = None
     communicator: str = "nccl"
 
+    # Kept refusing (they change results or need what lmjax lacks): kv_bits (the cache's bits: quant_policy
+    # says), group_size (AWQ's group size is read from the checkpoint), model_format 'llama' / 'gptq'
+    # (TurboMind's converted layout, GPTQ weights: lmjax cannot load them).
+    TUNING_ONLY: ClassVar[dict[str, str]] = {
+        "cache_chunk_size": "lmjax allocates the whole KV cache at start-up, not in chunks",
+        "num_tokens_per_iter": "prefill chunking follows max_prefill_token_num",
+        "max_prefill_iters": "prefill chunking follows max_prefill_token_num",
+        "use_context_fmha": "TurboMind's fused prefill-attention kernel switch; lmjax has its own kernels",
+    }
+
     def __post_init__(self):
         _check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        _check(self.num_tokens_per_iter >= 0,  # LMDeploy's own check
+               f"num_tokens_per_iter must be >= 0, got {self.num_tokens_per_iter!r}")
         formats = (None, "hf", "llama", "awq", "gptq")
         _check(self.model_format in formats,
                f"model_format must be one of {formats}, got {self.model_format!r}")
@@ -111,10 +131,20 @@ class PytorchEngineConfig:
     dp_rank: int = 0
     distributed_executor_backend: str | None = None
 
+    # Kept refusing: adapters (LoRA, which lmjax does not serve).
+    TUNING_ONLY: ClassVar[dict[str, str]] = {
+        "eviction_type": "a preempted request keeps its tokens and its KV cache is recomputed, never "
+                         "copied to the CPU",
+        "num_cpu_blocks": "there is no CPU swap space: preemption recomputes",
+        "prefill_interval": "lmjax's scheduler admits waiting requests whenever batch slots, token budget and "
+                            "KV blocks allow",
+    }
+
     def __post_init__(self):
         _check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         _check(self.eviction_type in ("recompute", "copy"),
                f"eviction_type must be 'recompute' or 'copy', got {self.eviction_type!r}")
+        _check(self.num_cpu_blocks >= 0, f"num_cpu_blocks must be >= 0, got {self.num_cpu_blocks!r}")
 
     def to_engine_config(self) -> EngineConfig:
         if self.device_type != "cuda":

@@ -5,8 +5,10 @@ max_model_len -> session_len, max_num_seqs -> max_batch_size, max_num_batched_to
 max_prefill_token_num (both default by device, as vLLM's do: 1024 sequences and 16,384 batched tokens on a
 GPU with >= 70 GiB that is not an A100, else 256 and 8,192), enforce_eager=False -> warmup (vLLM captures a CUDA graph per batch size at start-up;
 lmjax compiles the decode step of every batch bucket; the default None compiles each bucket when first
-reached, since on a CPU a start-up warm-up costs seconds per bucket). Arguments that only matter to vLLM's CUDA internals are accepted at their defaults;
-any other value raises, never silently ignored. kv_cache_dtype="int8" / "int4" quantizes the KV cache
+reached, since on a CPU a start-up warm-up costs seconds per bucket). Arguments that only tune vLLM's own
+machinery (swap_space, CUDA-graph capture sizes, ...: `_VLLM_TUNING`) take any value, a non-default one logged
+once as having no effect; the other vLLM-only ones (`_VLLM_ONLY_DEFAULTS`) raise at anything but their
+default, never silently ignored. kv_cache_dtype="int8" / "int4" quantizes the KV cache
 (LMDeploy's quant_policy 8 / 4); vLLM's float8 values raise.
 """
 from __future__ import annotations
@@ -19,8 +21,9 @@ import jax
 
 from lmjax.api.batch import encode_text, per_prompt, run_to_completion, submit_all
 from lmjax.api.outputs import RequestOutput, request_output
-from lmjax.config import EngineConfig, SamplingParams, check_defaults_only
+from lmjax.config import EngineConfig, SamplingParams, check_defaults_only, warn_no_effect
 from lmjax.engine.engine import LLMEngine
+from lmjax.guided_params import GuidedDecodingParams
 from lmjax.loader.awq import require_awq
 from lmjax.loader.generation_config import check_generation_config_choice, chosen_sampling_defaults
 from lmjax.loader.model_loader import read_model_config
@@ -29,12 +32,25 @@ from lmjax.loader.tokenizer import render_chat
 
 logger = logging.getLogger("lmjax.api")
 
-# vLLM arguments with no lmjax meaning: allowed only at these values.
+# vLLM arguments with no lmjax meaning that would change what is generated or need a missing feature:
+# allowed only at these values. tokenizer_mode="slow" stays refused: LLMEngine loads the tokenizer (fast, or
+# a GGUF file's, which has no slow form) and takes no mode; a slow one could also tokenize differently.
+# skip_tokenizer_init: lmjax always detokenizes; revision / tokenizer_revision: another checkpoint;
+# cpu_offload_gb > 0: a model that needs it would not fit (lmjax has no weight offload).
 _VLLM_ONLY_DEFAULTS = {"tokenizer_mode": "auto", "skip_tokenizer_init": False, "trust_remote_code": False,
-                       "revision": None, "tokenizer_revision": None, "swap_space": 4,
-                       "cpu_offload_gb": 0, "max_context_len_to_capture": None,
-                       "max_seq_len_to_capture": 8192, "disable_custom_all_reduce": False,
-                       "disable_async_output_proc": False}
+                       "revision": None, "tokenizer_revision": None, "cpu_offload_gb": 0}
+
+# vLLM arguments that only tune parts lmjax does not have: any value is accepted, a non-default one is logged
+# once as having no effect. {name: (default, why)}
+_VLLM_TUNING = {
+    "swap_space": (4, "no CPU swap space: a preempted request is recomputed (vLLM: 0 is safe with best_of=1)"),
+    "max_context_len_to_capture": (None, "no CUDA graphs (lmjax compiles a step per batch bucket)"),
+    "max_seq_len_to_capture": (8192, "no CUDA graphs (lmjax compiles a step per batch bucket)"),
+    "disable_custom_all_reduce": (False, "no custom all-reduce kernel (XLA's collectives)"),
+    "disable_async_output_proc": (False, "no asynchronous output processor"),
+    # vLLM's LLM defaults it to True; lmjax logs no periodic stats (LLMEngine.stats() gives the counters)
+    "disable_log_stats": (True, "lmjax logs no periodic engine stats; see llm.llm_engine.stats()"),
+}
 
 
 def _check_quantization(model, quantization: str | None) -> None:
@@ -51,6 +67,47 @@ def _check_quantization(model, quantization: str | None) -> None:
 def _no_lora(lora_request) -> None:
     if lora_request is not None:
         raise NotImplementedError(f"lora_request={lora_request!r} is not supported by lmjax (no LoRA adapters)")
+
+
+def _no_prompt_adapter(prompt_adapter_request) -> None:
+    if prompt_adapter_request is not None:
+        raise NotImplementedError(f"prompt_adapter_request={prompt_adapter_request!r} is not supported by lmjax "
+                                  "(no prompt adapters)")
+
+
+# vLLM's guided_options_request (LLMGuidedOptions dict / GuidedDecodingRequest): field -> GuidedDecodingParams'
+_GUIDED_OPTIONS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                   "guided_grammar": "grammar", "guided_json_object": "json_object",
+                   "guided_decoding_backend": "backend", "guided_whitespace_pattern": "whitespace_pattern"}
+
+
+def _guide_from_options(options) -> GuidedDecodingParams | None:
+    """vLLM's guided_options_request (a dict or an object with its guided_* fields; a GuidedDecodingParams
+    passes as it is) as GuidedDecodingParams. GuidedDecodingParams checks it: exactly one kind of guide; guided_grammar is its NotImplementedError
+    (lmjax has no grammars)."""
+    if options is None or isinstance(options, GuidedDecodingParams):
+        return options
+    if isinstance(options, dict):
+        unknown = sorted(set(options) - set(_GUIDED_OPTIONS))
+        if unknown:
+            raise TypeError(f"guided_options_request has unknown field(s) {unknown}; valid: {list(_GUIDED_OPTIONS)}")
+        values = options
+    else:
+        values = {name: getattr(options, name, None) for name in _GUIDED_OPTIONS}
+    return GuidedDecodingParams(**{_GUIDED_OPTIONS[k]: v for k, v in values.items() if v is not None})
+
+
+def _with_guide(params: list[SamplingParams], guide: GuidedDecodingParams | None) -> list[SamplingParams]:
+    """vLLM's rule: guided_options_request applies to every prompt, and may not meet a SamplingParams that
+    has its own guided_decoding. Unlike vLLM, the caller's SamplingParams are not modified (clones are)."""
+    if guide is None:
+        return params
+    if any(p.guided_decoding is not None for p in params):
+        raise ValueError("give guided_options_request or SamplingParams.guided_decoding, not both")
+    clones = [p.clone() for p in params]
+    for c in clones:
+        c.guided_decoding = guide
+    return clones
 
 
 def batch_defaults(device=None) -> tuple[int, int]:
@@ -77,11 +134,22 @@ def _check_max_model_len(max_model_len: int | None, context_len: int) -> None:
                      "to allow it, at the risk of wrong outputs past that length")
 
 
+def _check_swap_space(swap) -> None:
+    """Accepted but unused (_VLLM_TUNING); still a number of GiB >= 0, so a typo is not taken silently."""
+    if isinstance(swap, bool) or not isinstance(swap, (int, float)) or swap < 0:
+        raise ValueError(f"swap_space must be a number of GiB >= 0, got {swap!r}")
+
+
 def _check_vllm_only(kwargs: dict) -> None:
-    unknown = sorted(set(kwargs) - set(_VLLM_ONLY_DEFAULTS))
+    unknown = sorted(set(kwargs) - set(_VLLM_ONLY_DEFAULTS) - set(_VLLM_TUNING))
     if unknown:
         raise TypeError(f"LLM() got an unexpected keyword argument {unknown[0]!r}")
-    kwargs = {k: v for k, v in kwargs.items() if not (k == "trust_remote_code" and v)}  # nothing remote to run
+    _check_swap_space(kwargs.get("swap_space", 4))
+    for name, value in kwargs.items():
+        if name in _VLLM_TUNING and value != _VLLM_TUNING[name][0]:
+            warn_no_effect("LLM", name, value, _VLLM_TUNING[name][1])
+    kwargs = {k: v for k, v in kwargs.items() if k in _VLLM_ONLY_DEFAULTS
+              and not (k == "trust_remote_code" and v)}  # nothing remote to run
     check_defaults_only("LLM", kwargs, _VLLM_ONLY_DEFAULTS)
 
 
@@ -168,9 +236,12 @@ class LLM:
 
     def generate(self, prompts=None, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  prompt_token_ids: list[int] | list[list[int]] | None = None, use_tqdm: bool = True,
-                 lora_request=None) -> list[RequestOutput]:
-        """Completions for `prompts` (str, token-id list, or dict, one or a list), in input order."""
+                 lora_request=None, prompt_adapter_request=None, guided_options_request=None) -> list[RequestOutput]:
+        """Completions for `prompts` (str, token-id list, or dict, one or a list), in input order.
+        guided_options_request: vLLM's older way to guide every prompt ({"guided_json": schema}, ...)."""
         _no_lora(lora_request)
+        _no_prompt_adapter(prompt_adapter_request)
+        guide = _guide_from_options(guided_options_request)  # a bad one fails before any prompt is encoded
         if prompts is None and prompt_token_ids is None:
             raise ValueError("generate() needs prompts or prompt_token_ids")
         if prompts is None:
@@ -180,6 +251,7 @@ class LLM:
             prompts = [prompts]
         encoded = [self._encode(p) for p in prompts]
         params = per_prompt(sampling_params or self.get_default_sampling_params(), len(encoded), "sampling_params")
+        params = _with_guide(params, guide)
         requests = submit_all(self.llm_engine, encoded, params)
         run_to_completion(self.llm_engine, requests, use_tqdm)
         return [request_output(r, self.llm_engine.tokenizer) for r in requests]

@@ -23,6 +23,7 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    lora_request: object | None = None  # vLLM's; always None: lmjax serves no LoRA adapters
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -36,6 +37,13 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None
     outputs: list[CompletionOutput]
     finished: bool
+    # vLLM's fields after `finished`, in its positional order. metrics: vLLM's RequestMetrics (arrival, first
+    # token, finish times); None, as vLLM gives when stats are off, since lmjax's engine records no such times.
+    # lora_request: no LoRA adapters; encoder_prompt*: decoder-only models only.
+    metrics: object | None = None
+    lora_request: object | None = None
+    encoder_prompt: str | None = None
+    encoder_prompt_token_ids: list[int] | None = None
     num_cached_tokens: int = 0
 
 
@@ -66,13 +74,20 @@ def completion_output(c: Completion, tokenizer=None) -> CompletionOutput:
 def request_output(r: Request, tokenizer=None) -> RequestOutput:
     prompt_logprobs = _logprob_dicts(r.prompt_logprobs, tokenizer, r.prompt_token_ids, r.prompt_ranks)
     return RequestOutput(r.request_id, r.prompt, r.prompt_token_ids, prompt_logprobs,
-                         [completion_output(c, tokenizer) for c in r.completions], r.finished, r.num_cached_tokens)
+                         [completion_output(c, tokenizer) for c in r.completions], r.finished,
+                         num_cached_tokens=r.num_cached_tokens)
 
 
 @dataclasses.dataclass
 class Response:
     """LMDeploy's pipeline result: `index` is the prompt's position in the batch (with n > 1, completion i
-    of prompt p has index p * n + i, as the OpenAI server numbers its choices)."""
+    of prompt p has index p * n + i, as the OpenAI server numbers its choices).
+
+    The first six fields are LMDeploy's, in its positional order (lagent builds `Response('', 0, 0, uid)`;
+    as in current LMDeploy the 4th is finish_reason). LMDeploy's logits / last_hidden_state (filled only
+    for GenerationConfig(output_logits= / output_last_hidden_state=), which lmjax refuses) are always None
+    here; they come last, not before `index` as in LMDeploy, because lmjax's own builders pass index and
+    session_id (lmjax's extra) by position."""
 
     text: str
     generate_token_len: int
@@ -82,6 +97,8 @@ class Response:
     logprobs: list[dict[int, float]] | None = None
     index: int = 0
     session_id: int | None = None
+    logits: object | None = None
+    last_hidden_state: object | None = None
 
     def __repr__(self) -> str:
         return (f"Response(text={self.text!r}, generate_token_len={self.generate_token_len}, "
@@ -96,4 +113,4 @@ def batch_index(position: int, n: int, completion: int) -> int:
 def response(r: Request, c: Completion, session_id: int | None = None, index: int | None = None) -> Response:
     """index: the Response's `index` (LMDeploy: the prompt's position in the batch); default the completion's."""
     return Response(c.text, len(c.token_ids), len(r.prompt_token_ids), c.finish_reason, list(c.token_ids),
-                    c.logprobs, c.index if index is None else index, session_id)
+                    c.logprobs, index=c.index if index is None else index, session_id=session_id)

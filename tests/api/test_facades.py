@@ -127,8 +127,8 @@ def test_bad_configs_name_the_value(make, match):
 
 
 def test_unsupported_engine_field_raises_not_ignored():
-    with pytest.raises(NotImplementedError, match="num_cpu_blocks"):
-        lmjax.pipeline(MODEL, backend_config=PytorchEngineConfig(num_cpu_blocks=10))
+    with pytest.raises(NotImplementedError, match="adapters"):
+        lmjax.pipeline(MODEL, backend_config=PytorchEngineConfig(adapters={"a": "/p"}))
 
 
 def test_unrenderable_messages_are_named(pipe):
@@ -150,8 +150,8 @@ def test_prompt_over_session_len_is_an_empty_length_response(pipe):
 def test_llm_rejects_bad_prompts_and_unknown_args(smollm2_pruned):
     with pytest.raises(TypeError, match="not_an_arg"):
         LLM(MODEL, not_an_arg=1)
-    with pytest.raises(NotImplementedError, match=r"LLM\(swap_space=8\)"):  # before any loading
-        LLM(MODEL, trust_remote_code=True, swap_space=8)  # trust_remote_code: nothing remote to run
+    with pytest.raises(NotImplementedError, match=r"LLM\(cpu_offload_gb=8\)"):  # before any loading
+        LLM(MODEL, trust_remote_code=True, cpu_offload_gb=8)  # trust_remote_code: nothing remote to run
     with pytest.raises(ValueError, match="quantization='awq'.*not an AWQ checkpoint"):
         LLM(MODEL, quantization="awq")
     llm = LLM(smollm2_pruned, max_model_len=256)
