@@ -4,7 +4,8 @@ as a call only with "parameters" / "arguments" (a JSON answer such as {"name": "
 content, as in vLLM)."""
 import json
 
-from lmjax.serve.tool_parsers import ToolStream, get_tool_parser
+from lmjax.serve.tool_parsers import get_tool_parser
+from lmjax.serve.tool_stream import ToolStream
 
 
 def test_hermes_argument_holding_the_closing_tag():
