@@ -68,7 +68,8 @@ class StepProfile:
         self._wrap(engine, "sampling_rows", engine._row, attr="_row")
         self._wrap(runner, "build_inputs", runner.build_inputs, on_result=self._record_shapes)
         self._wrap(runner, "dispatch", runner._step, attr="_step")
-        self._wrap(runner, "execute", runner.execute)
+        self._wrap(runner, "execute", runner.dispatch_step, attr="dispatch_step")  # a one-step call: its dispatch
+        self._wrap(runner, "execute", runner.read_step, attr="read_step")  # and its read, as one part
         self._wrap(engine, "postprocess", engine._postprocess, attr="_postprocess")
         self._wrap(model_runner, "sampling_metadata", model_runner.build_sampling_metadata,
                    attr="build_sampling_metadata")

@@ -9,7 +9,7 @@ from tqdm.auto import tqdm
 
 from lmjax.config import ChatTemplateConfig, SamplingParams
 from lmjax.engine.engine import LLMEngine
-from lmjax.engine.request import ContextOverflowError, Request
+from lmjax.engine.request import Request
 
 Messages = list[dict]
 logger = logging.getLogger("lmjax.engine")
@@ -42,14 +42,9 @@ def submit_all(engine: LLMEngine, prompts: Sequence[tuple[str | None, list[int]]
     """Queue every request, but only after all of them passed validation: a bad one costs no work and
     leaves no other request queued. `overflow_as_length` (LMDeploy's facades): a prompt that leaves no
     room in session_len is not an error but a request already finished with reason "length"."""
-    overflowed = {}
-    for i, ((_, ids), p) in enumerate(zip(prompts, params)):
-        try:
-            engine.validate_request(ids, p)
-        except ContextOverflowError as e:
-            if not overflow_as_length:
-                raise
-            overflowed[i] = e
+    overflowed = engine.validate_batch([(ids, p) for (_, ids), p in zip(prompts, params)])
+    if overflowed and not overflow_as_length:
+        raise next(iter(overflowed.values()))
     return [engine.overflowed_request(ids, p, overflowed[i], text) if i in overflowed
             else engine.add_request(ids, p, prompt=text) for i, ((text, ids), p) in enumerate(zip(prompts, params))]
 

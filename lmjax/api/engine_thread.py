@@ -126,12 +126,7 @@ class EngineThread:
     def add_many(self, batch: list[tuple]) -> list[str]:
         """(session id, ids, params, text, sink) each: every request validated before any is queued.
         Returns their request ids."""
-        overflowed = {}
-        for i, (_, ids, params, _, _) in enumerate(batch):
-            try:
-                self.engine.validate_request(ids, params)
-            except ContextOverflowError as e:
-                overflowed[i] = e
+        overflowed = self.engine.validate_batch([(ids, params) for _, ids, params, _, _ in batch])
         rids = [f"{session_id}-{next(_ids)}" for session_id, *_ in batch]
         for i, (rid, (session_id, ids, params, text, sink)) in enumerate(zip(rids, batch)):
             if i in overflowed:

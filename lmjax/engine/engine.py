@@ -139,6 +139,18 @@ class LLMEngine(SessionsMixin, MultiStepMixin):
                              f"{self.blocks.num_usable_blocks} blocks of {self.config.block_size} tokens there are")
         return max_tokens
 
+    def validate_batch(self, batch) -> dict[int, ContextOverflowError]:
+        """`validate_request` for each (prompt ids, params) of a batch, all before any is queued: the other
+        errors raise; the prompts that leave no room in session_len come back by position (LMDeploy's
+        facades answer them with `overflowed_request`, vLLM's raise)."""
+        overflowed = {}
+        for i, (ids, params) in enumerate(batch):
+            try:
+                self.validate_request(ids, params)
+            except ContextOverflowError as e:
+                overflowed[i] = e
+        return overflowed
+
     def _add_completion(self, req: Request, index: int, seed: int) -> None:
         p = req.params
         seq = Sequence(next(self._seq_ids), list(req.prompt_token_ids), params=p,

@@ -257,10 +257,6 @@ class ModelRunner:
         return [StepOutput(tokens[k, :n], logprobs[k, :n], top_ids[k, :n], top_lp[k, :n], None, ranks[k, :n])
                 for k in range(pending.num_steps)]
 
-    def execute_decode(self, batch: ScheduledBatch, rows: list[SamplingRow], num_steps: int) -> list[StepOutput]:
-        """dispatch_decode, then collect."""
-        return self.collect(self.dispatch_decode(batch, rows, num_steps))
-
     def table_width(self, num_blocks: int) -> int:
         """Block-table width M of a step whose longest sequence holds `num_blocks` blocks."""
         return self.max_M if self.fixed_M else bucket(num_blocks, 1)
@@ -332,14 +328,10 @@ class ModelRunner:
                                  block_tables_BM=tables, cu_q_lens_B1=cu)
         return StepInputs(ids_T=ids, positions_T=positions, attn=attn, last_rows_B=last, next_ids_T=next_ids)
 
-    def execute(self, batch: ScheduledBatch, blocks: BlockManager, rows: list[SamplingRow],
-                num_prompt_logprobs: int = -1) -> StepOutput:
-        """Run one step; `rows` has one SamplingRow per item (used only for items that sample)."""
-        return self.read_step(self.dispatch_step(batch, blocks, rows, num_prompt_logprobs))
-
     def dispatch_step(self, batch: ScheduledBatch, blocks: BlockManager, rows: list[SamplingRow],
                       num_prompt_logprobs: int = -1) -> PendingStep:
-        """Start one step on the device and return without waiting for it."""
+        """Start one step on the device and return without waiting for it (`read_step` reads it); `rows`
+        has one SamplingRow per item (used only for items that sample)."""
         inputs = self.build_inputs(batch, blocks)
         smeta, flags = build_sampling_metadata(rows, pad_to=inputs.last_rows_B.shape[0])
         if self.leading:

@@ -9,6 +9,7 @@ import json
 import re
 
 _WS = re.compile(r"\s*")
+_SCALAR = re.compile(r"[^\s,\]}]*")  # a number, true, false or null
 ARGUMENT_KEYS = ("arguments", "parameters")
 
 
@@ -40,7 +41,7 @@ def value_end(text: str, i: int) -> int | None:
     if text[i] == '"':
         return string_end(text, i)
     if text[i] not in "{[":
-        m = re.compile(r"[^\s,\]}]*").match(text, i)
+        m = _SCALAR.match(text, i)
         return m.end() if m.end() < len(text) else None  # a number may still grow
     depth, j = 0, i
     while j < len(text):

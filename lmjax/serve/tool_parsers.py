@@ -71,10 +71,12 @@ class ToolParser:
     stream_gap = _NEVER  # what separates one call object from the next (ending where the next begins)
     stream_name: str | None = None  # the calls' name when the reply does not say it (a forced function)
     stream_needs_args = False  # a call streams only once its arguments key is seen (JSON that may be content)
+    stream_opener: re.Pattern | None = None  # the first call's marker, ending where its object begins
 
     def stream_first(self, text: str) -> int | None:
         """Where the first call object ('{') begins in the text so far; None: no call to stream (yet)."""
-        return None
+        m = self.stream_opener.search(text) if self.stream_opener is not None else None
+        return m.end() if m else None
 
     def stream_args(self, text: str, first: int, scan) -> tuple[int, int | None] | None:
         """The arguments' span to stream of a scanned call (object or array values only)."""
@@ -111,9 +113,7 @@ class HermesParser(ToolParser):
     start_marker = "<tool_call>"
     end_marker = "</tool_call>"
     stream_gap = re.compile(r"\s*</tool_call>\s*<tool_call>\s*(?=\{)")
-
-    def stream_first(self, text: str) -> int | None:
-        return _object_after(text, re.compile(r"<tool_call>\s*(?=\{)"))
+    stream_opener = re.compile(r"<tool_call>\s*(?=\{)")
 
     def _calls(self, text: str) -> list[ToolCall]:
         """Each `<tool_call>` holds one JSON object, then `</tool_call>` (or the end of the reply). The JSON is
@@ -140,9 +140,7 @@ class InternLMParser(ToolParser):
     start_marker = "<|action_start|>"
     _CALL = re.compile(r"<\|action_start\|>\s*<\|plugin\|>(.*?)(?:<\|action_end\|>|$)", re.DOTALL)
     stream_gap = re.compile(r"\s*<\|action_end\|>\s*<\|action_start\|>\s*<\|plugin\|>\s*(?=\{)")
-
-    def stream_first(self, text: str) -> int | None:
-        return _object_after(text, re.compile(r"<\|action_start\|>\s*<\|plugin\|>\s*(?=\{)"))
+    stream_opener = re.compile(r"<\|action_start\|>\s*<\|plugin\|>\s*(?=\{)")
 
     def _calls(self, text: str) -> list[ToolCall]:
         calls = []
@@ -262,9 +260,3 @@ def get_tool_parser(name: str) -> ToolParser:
         return PARSERS[name]()
     except KeyError:
         raise ValueError(f"unknown tool call parser {name!r}; choose one of {sorted(PARSERS)}") from None
-
-
-def _object_after(text: str, opener: re.Pattern) -> int | None:
-    """Where the first call object begins, after its opening marker (`opener` ends at the '{')."""
-    m = opener.search(text)
-    return m.end() if m else None

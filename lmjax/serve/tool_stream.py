@@ -13,8 +13,8 @@ The scan (lmjax.serve.json_scan) walks the text so far: it needs no complete JSO
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
-import json
 import uuid
 
 from lmjax.serve.json_scan import scan_calls
@@ -109,5 +109,5 @@ def _merged(deltas: list[dict]) -> list[dict]:
             fn = out[-1].setdefault("function", {})
             fn["arguments"] = fn.get("arguments", "") + d.get("function", {}).get("arguments", "")
         else:
-            out.append(json.loads(json.dumps(d)))  # a copy: later pieces extend it
+            out.append(copy.deepcopy(d))  # later pieces extend it
     return out
