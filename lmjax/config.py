@@ -113,15 +113,21 @@ class SamplingParams:
     guided_decoding: GuidedDecodingParams | None = None
     structured_outputs: GuidedDecodingParams | None = None  # an alias: moved to guided_decoding
     logit_bias: dict[int, float] | None = None
+    # vLLM's (V0) per-request processors, on the host: see lmjax.engine.host_outputs
+    logits_processors: list | None = None
+    # lmjax extensions, LMDeploy's GenerationConfig fields: "generation" or "all" (lmjax.engine.host_outputs)
+    output_logits: str | None = None
+    output_last_hidden_state: str | None = None
     # vLLM fields lmjax does not implement: accepted at their defaults only
     best_of: int | None = None
     detokenize: bool = True
-    logits_processors: list | None = None
 
     def __post_init__(self):
         _check_numbers(self, SAMPLING_NUMBERS + ("presence_penalty", "frequency_penalty"))
         best_of = self.best_of if self.best_of in (None, self.n) else None
-        _check_defaults_only(self, {"detokenize": True, "logits_processors": None, "best_of": best_of})
+        _check_defaults_only(self, {"detokenize": True, "best_of": best_of})
+        self.logits_processors = _check_processors(self.logits_processors)
+        _check_output_kinds(self)
         _check(self.truncate_prompt_tokens is None or (isinstance(self.truncate_prompt_tokens, int)
                                                        and self.truncate_prompt_tokens >= 1),
                f"truncate_prompt_tokens must be None or an int >= 1, got {self.truncate_prompt_tokens!r}")
@@ -159,13 +165,48 @@ class SamplingParams:
         return set(self.stop_token_ids)
 
     def clone(self) -> SamplingParams:
-        """A deep copy (vLLM's), e.g. to set one prompt's fields without touching a shared object."""
-        return copy.deepcopy(self)
+        """A deep copy (vLLM's), e.g. to set one prompt's fields without touching a shared object. The
+        logits processors are shared, not copied (as vLLM: they may hold a tokenizer or a model)."""
+        return copy.deepcopy(self, memo={id(f): f for f in self.logits_processors or ()})
 
     @property
     def uses_penalties(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
+
+
+OUTPUT_KINDS = (None, "generation", "all")
+
+
+def _check_processors(processors) -> list | None:
+    """None or a list of callables (a lone callable becomes a list of one)."""
+    if processors is None:
+        return None
+    items = [processors] if callable(processors) else list(processors)
+    bad = [f for f in items if not callable(f)]
+    _check(not bad, f"logits_processors must be callables, got {bad[0]!r}" if bad else "")
+    return items or None
+
+
+def _check_output_kinds(obj) -> None:
+    for name in ("output_logits", "output_last_hidden_state"):
+        value = getattr(obj, name)
+        _check(value in OUTPUT_KINDS, f"{name} must be None, 'generation' or 'all', got {value!r}")
+
+
+class _AllIds:
+    """An LMDeploy logits processor, `f(input_ids, logits)` with input_ids the sequence's ids so far (prompt
+    and output), called as vLLM's three-argument form `f(prompt_ids, output_ids, logits)`."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, prompt_ids, output_ids, logits):
+        import numpy as np  # light module: numpy only when a processor runs
+        return self.fn(np.asarray([*prompt_ids, *output_ids], np.int64), logits)
+
+    def __repr__(self) -> str:
+        return f"LMDeploy processor {self.fn!r}"
 
 
 class _DefaultTopK(int):
@@ -208,15 +249,15 @@ class GenerationConfig:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     response_format: dict | None = None  # {"type": "json_schema" | "regex_schema" | "json_object", ...}
-    # LMDeploy fields lmjax does not implement: accepted at None only
+    # LMDeploy's (input_ids, logits) -> logits callables, and its outputs: lmjax.engine.host_outputs
     logits_processors: list | None = None
     output_logits: str | None = None
     output_last_hidden_state: str | None = None
 
     def __post_init__(self):
         _check_numbers(self, SAMPLING_NUMBERS)
-        _check_defaults_only(self, {"logits_processors": None, "output_logits": None,
-                                    "output_last_hidden_state": None})
+        self.logits_processors = _check_processors(self.logits_processors)
+        _check_output_kinds(self)
         from_response_format(self.response_format)  # a bad one fails here, naming it
         _check_sampling(self.temperature, self.top_p, self.top_k, self.min_p,
                         self.repetition_penalty, self.n, self.logprobs)
@@ -244,7 +285,9 @@ class GenerationConfig:
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            guided_decoding=from_response_format(self.response_format))
+            guided_decoding=from_response_format(self.response_format),
+            logits_processors=[_AllIds(f) for f in self.logits_processors or ()] or None,
+            output_logits=self.output_logits, output_last_hidden_state=self.output_last_hidden_state)
 
 
 # Engine features that have a field but no implementation yet: a non-default value raises.

@@ -18,7 +18,9 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
+from typing import Any
 
+from lmjax.api.outputs import host_arrays
 from lmjax.config import SamplingParams
 from lmjax.engine.engine import LLMEngine
 from lmjax.engine.request import ContextOverflowError, Request
@@ -45,6 +47,8 @@ class GenOut:
     index: int = 0
     cached_token_len: int = 0
     prompt_logprobs: list[dict[int, float] | None] | None = None  # with SamplingParams.prompt_logprobs
+    logits: Any = None  # output_logits' rows, on a completion's last output (lmjax.engine.host_outputs)
+    last_hidden_state: Any = None
 
 
 @dataclasses.dataclass(eq=False)
@@ -227,7 +231,7 @@ class EngineThread:
             logprobs = None if c.logprobs is None else c.logprobs[end - len(ids):end]
             if not self._emit(live, GenOut(text, live.history, len(req.prompt_token_ids) - live.history, end,
                                            c.finish_reason, ids, logprobs, c.index, req.num_cached_tokens,
-                                           req.prompt_logprobs)):
+                                           req.prompt_logprobs, **host_arrays(c))):
                 return
             if c.finished:
                 live.done.add(c.index)
@@ -277,4 +281,5 @@ def merge_outputs(acc: GenOut | None, item: GenOut) -> GenOut:
     if acc.logprobs is not None and item.logprobs:
         acc.logprobs += item.logprobs
     acc.generate_token_len, acc.finish_reason = item.generate_token_len, item.finish_reason
+    acc.logits, acc.last_hidden_state = item.logits, item.last_hidden_state
     return acc

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import jax
 
 from lmjax.api.batch import encode_text, per_prompt, run_to_completion, submit_all
+from lmjax.api.beam_search import BeamSearchOutput, BeamSearchParams, beam_search as run_beam_search
 from lmjax.api.outputs import RequestOutput, request_output
 from lmjax.config import EngineConfig, SamplingParams, check_defaults_only, warn_no_effect
 from lmjax.engine.engine import LLMEngine
@@ -255,6 +256,17 @@ class LLM:
         requests = submit_all(self.llm_engine, encoded, params)
         run_to_completion(self.llm_engine, requests, use_tqdm)
         return [request_output(r, self.llm_engine.tokenizer) for r in requests]
+
+    def beam_search(self, prompts, params: BeamSearchParams, lora_request=None, use_tqdm: bool = False,
+                    concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
+        """vLLM's beam search (lmjax.api.beam_search says how, and where lmjax differs): for each prompt (the
+        forms generate takes: str, token ids, {'prompt': ...}, {'prompt_token_ids': ...}; one or a list) a
+        BeamSearchOutput whose `sequences` are the best params.beam_width beams, best first."""
+        _no_lora(lora_request)
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        token_ids = [ids for _, ids in (self._encode(p) for p in prompts)]
+        return run_beam_search(self.llm_engine, token_ids, params, use_tqdm, concurrency_limit)
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True, chat_template: str | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,

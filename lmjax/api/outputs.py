@@ -84,10 +84,11 @@ class Response:
     of prompt p has index p * n + i, as the OpenAI server numbers its choices).
 
     The first six fields are LMDeploy's, in its positional order (lagent builds `Response('', 0, 0, uid)`;
-    as in current LMDeploy the 4th is finish_reason). LMDeploy's logits / last_hidden_state (filled only
-    for GenerationConfig(output_logits= / output_last_hidden_state=), which lmjax refuses) are always None
-    here; they come last, not before `index` as in LMDeploy, because lmjax's own builders pass index and
-    session_id (lmjax's extra) by position."""
+    as in current LMDeploy the 4th is finish_reason). logits / last_hidden_state: float32 numpy arrays
+    [rows, vocab] / [rows, hidden] for GenerationConfig(output_logits= / output_last_hidden_state=) ("generation"
+    or "all": lmjax.engine.host_outputs), on a completion's final Response (numpy: LMDeploy gives torch
+    tensors); else None. They come last, not before `index` as in LMDeploy, because lmjax's own builders pass
+    index and session_id (lmjax's extra) by position."""
 
     text: str
     generate_token_len: int
@@ -113,4 +114,11 @@ def batch_index(position: int, n: int, completion: int) -> int:
 def response(r: Request, c: Completion, session_id: int | None = None, index: int | None = None) -> Response:
     """index: the Response's `index` (LMDeploy: the prompt's position in the batch); default the completion's."""
     return Response(c.text, len(c.token_ids), len(r.prompt_token_ids), c.finish_reason, list(c.token_ids),
-                    c.logprobs, index=c.index if index is None else index, session_id=session_id)
+                    c.logprobs, index=c.index if index is None else index, session_id=session_id,
+                    **host_arrays(c))
+
+
+def host_arrays(c: Completion) -> dict:
+    """A finished completion's output_logits / output_last_hidden_state rows as arrays (else None)."""
+    rows = c.host_rows if c.finished else None
+    return {"logits": rows and rows.stacked("logits"), "last_hidden_state": rows and rows.stacked("hidden")}

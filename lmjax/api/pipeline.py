@@ -16,7 +16,7 @@ import numpy as np
 from flax import nnx
 
 from lmjax.api.batch import encode_chat, encode_text, per_prompt, run_to_completion, stream_steps, submit_all
-from lmjax.api.outputs import Response, batch_index, response
+from lmjax.api.outputs import Response, batch_index, host_arrays, response
 from lmjax.config import ChatTemplateConfig, EngineConfig, GenerationConfig, SamplingParams
 from lmjax.engine.engine import LLMEngine
 from lmjax.engine.request import check_prompt
@@ -165,7 +165,7 @@ class Pipeline:
                     end = len(c.token_ids)
                     logprobs = None if c.logprobs is None else c.logprobs[end - len(ids):end]
                     yield Response(text, end, len(r.prompt_token_ids), c.finish_reason, ids, logprobs,
-                                   batch_index(position[r.request_id], r.params.n, c.index))
+                                   batch_index(position[r.request_id], r.params.n, c.index), **host_arrays(c))
 
     def chat(self, prompt: str, session: Session | None = None, gen_config=None, stream_response: bool = False,
              **legacy) -> Session | Iterator[Response]:

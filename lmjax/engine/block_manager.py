@@ -138,7 +138,7 @@ class BlockManager:
         if seq.num_computed_tokens or seq.block_table:
             raise ValueError(f"match_prefix needs a fresh sequence; seq {seq.seq_id} has cached tokens")
         seq.num_prefix_cached_tokens = 0
-        if not self.enable_prefix_caching or _wants_prompt_logprobs(seq):
+        if not self.enable_prefix_caching or _computes_whole_prompt(seq):
             return 0
         max_blocks = (seq.num_tokens - 1) // self.block_size
         self._extend_hashes(seq, max_blocks)
@@ -194,6 +194,9 @@ class BlockManager:
             self.hash_to_block.setdefault(h, block)
 
 
-def _wants_prompt_logprobs(seq: Sequence) -> bool:
-    """A request for prompt logprobs computes its whole prompt: a cached block has no logits to give."""
-    return getattr(getattr(seq, "params", None), "prompt_logprobs", None) is not None
+def _computes_whole_prompt(seq: Sequence) -> bool:
+    """A request for prompt logprobs (or every position's logits or hidden states) computes its whole prompt:
+    a cached block has no logits to give."""
+    p = getattr(seq, "params", None)
+    return getattr(p, "prompt_logprobs", None) is not None or "all" in (
+        getattr(p, "output_logits", None), getattr(p, "output_last_hidden_state", None))

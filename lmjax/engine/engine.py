@@ -20,6 +20,7 @@ from lmjax.engine.cache_sizing import kv_cache_blocks
 from lmjax.engine.compile_cache import compile_stats, enable_compilation_cache
 from lmjax.engine.detokenizer import IncrementalDetokenizer
 from lmjax.engine.guided import GuidedDecoding, advance_guide
+from lmjax.engine.host_outputs import NO_EXTRAS, HostOutputsMixin, HostRows, needs_host
 from lmjax.engine.model_runner import ModelRunner, StepOutput, bucket
 from lmjax.engine.request import (Completion, ContextOverflowError, Request, check_logprobs, check_prompt,
                                   check_token_ids, new_request_id, truncated_prompt)
@@ -39,7 +40,7 @@ logger = logging.getLogger("lmjax.engine")
 _GREEDY_ROW = SamplingRow(SamplingParams(temperature=0.0), seed=0)
 
 
-class LLMEngine(SessionsMixin, MultiStepMixin):
+class LLMEngine(SessionsMixin, MultiStepMixin, HostOutputsMixin):
     def __init__(self, model: str | None = None, config: EngineConfig | None = None, tokenizer: str | None = None):
         self.config = config = config or EngineConfig()
         self.compilation_cache_dir = enable_compilation_cache()  # a second start compiles nothing
@@ -129,6 +130,9 @@ class LLMEngine(SessionsMixin, MultiStepMixin):
         check_token_ids("logit_bias token ids", params.logit_bias or (), self.model_config.vocab_size)
         check_token_ids("allowed_token_ids", params.allowed_token_ids or (), self.model_config.vocab_size)
         self.guided.check(params)  # compiles a guide: a bad schema or regex fails here, naming it
+        if needs_host(params) and self.runner.leading:
+            raise NotImplementedError("logits_processors, output_logits and output_last_hidden_state are not "
+                                      "supported by a multi-process (multi-host) engine")
         n = len(prompt_token_ids)
         # No max_tokens: up to the context, or as far as the whole cache holds one sequence (LMDeploy caps so)
         longest = self.session_len if params.max_tokens else min(self.session_len, self.cache_tokens)
@@ -160,7 +164,8 @@ class LLMEngine(SessionsMixin, MultiStepMixin):
                                        p.spaces_between_special_tokens, continue_prompt=True)
         comp = Completion(index, seq, seed, detok, StopStringMatcher(p.stop, p.include_stop_str_in_output),
                           logprobs=[] if p.logprobs is not None else None,
-                          guide=self.guided.new_state(p, req.allowed_W))  # guided: its own walk of the guide
+                          guide=self.guided.new_state(p, req.allowed_W),  # guided: its own walk of the guide
+                          host_rows=HostRows() if p.output_logits or p.output_last_hidden_state else None)
         req.completions.append(comp)
         self._by_seq[seq.seq_id] = (req, comp)
         self.scheduler.add(seq)
@@ -229,14 +234,19 @@ class LLMEngine(SessionsMixin, MultiStepMixin):
                                                                 num_steps))
             self.num_decode_loops += 1
             return self._finish_pending(changed)
+        extras = self._extras(batch)
         pending = self.runner.dispatch_step(batch, self.blocks, [self._row(it) for it in batch.items],
-                                            self._prompt_logprobs_k(batch))
+                                            self._prompt_logprobs_k(batch), extras)
+        failed = {} if extras.sample else self._process_logits(batch, pending)
         self.scheduler.advance(batch)
         self._decode_after(batch, pending)
         out = self.runner.read_step(pending)
         if out.prompt is not None:
             self._record_prompt_logprobs(batch, out)
-        sampled = {it.seq.seq_id: int(out.token_ids[i]) for i, it in enumerate(batch.items) if it.samples}
+        if extras != NO_EXTRAS:
+            self._record_extras(batch, pending)
+        sampled = {it.seq.seq_id: int(out.token_ids[i]) for i, it in enumerate(batch.items)
+                   if it.samples and it.seq.seq_id not in failed}
         self.num_generated_tokens += len(sampled)
         self.num_prefill_tokens += sum(max(0, min(it.start_pos + it.num_new_tokens, it.seq.num_prompt_tokens)
                                            - it.start_pos) for it in batch.items)
@@ -244,7 +254,11 @@ class LLMEngine(SessionsMixin, MultiStepMixin):
         for i, it in enumerate(batch.items):
             if it.samples and it.seq.seq_id in self._by_seq:
                 req, comp = self._by_seq[it.seq.seq_id]
-                self._postprocess(req, comp, out, i)
+                if it.seq.seq_id in failed:
+                    req.error = failed[it.seq.seq_id]
+                    self._finish(req, comp, "error")
+                else:
+                    self._postprocess(req, comp, out, i)
                 changed[req.request_id] = req
         return list(changed.values())
 

@@ -28,6 +28,7 @@ from lmjax import parallel
 from lmjax.config import SamplingParams
 from lmjax.engine.block_manager import BlockManager
 from lmjax.engine.decode_loop import DecodeInputs, PendingDecode, decode_steps, pending_ids
+from lmjax.engine.host_outputs import NO_EXTRAS, Extras
 from lmjax.engine.scheduler import ScheduledBatch
 from lmjax.env import env_choice, env_int
 from lmjax.layers.attention import AttentionMetadata, cost_follows_context, kv_write_impl
@@ -137,9 +138,11 @@ class StepInputs:
 class PendingStep:
     """A one-step call (prefill chunks and decode tokens) on the device, its results not read yet."""
 
-    out: SamplerOutput  # device arrays, one row per item (then padding)
+    out: SamplerOutput | None  # device arrays, one row per item (then padding); None until the host samples
     prompt: tuple | None  # prompt logprobs' device arrays, when asked for
     num_items: int
+    extra: dict = dataclasses.field(default_factory=dict)  # lmjax.engine.host_outputs' rows, on the device
+    smeta: tuple | None = None  # (SamplingMetadata, SamplingFlags) for a step the host samples
 
     def start_host_copy(self) -> None:
         """Queue the results' copy to the host now, to run as soon as the step ends (before a call
@@ -165,6 +168,12 @@ def _prompt_logprobs(logits_TV, next_ids_T, k: int):
     chosen_T = jnp.take_along_axis(logprobs_TV, jnp.maximum(next_ids_T, 0)[:, None], axis=-1)[:, 0]
     top_lp_TK, top_ids_TK = jax.lax.top_k(logprobs_TV, k) if k else (logprobs_TV[:, :0], logprobs_TV[:, :0])
     return chosen_T, top_ids_TK.astype(jnp.int32), top_lp_TK, token_rank(logprobs_TV, chosen_T)
+
+
+def _sample_rows(raw_BV, idx_R, processed_RV, smeta, *, flags: SamplingFlags) -> SamplerOutput:
+    """Sample from the raw logits with rows idx_R (out of bounds: padding) replaced by processed ones."""
+    logits_BV = raw_BV.at[idx_R].set(processed_RV, mode="drop")
+    return sample(logits_BV, smeta, **flags._asdict(), raw_BV=raw_BV)
 
 
 def _last_token_ids(items, B: int) -> np.ndarray:
@@ -196,25 +205,36 @@ class ModelRunner:
         self.fixed_M = cost_follows_context()  # one block-table width: fewer compilations
         self.num_compilations = 0
         self.leading = False  # process 0 driving follower processes (see lead / follow)
-        self._step = jax.jit(self._step_fn, donate_argnums=(1,), static_argnames=("flags", "num_prompt_logprobs"))
+        self._step = jax.jit(self._step_fn, donate_argnums=(1,),
+                             static_argnames=("flags", "num_prompt_logprobs", "extras"))
+        self._sample_rows = jax.jit(_sample_rows, static_argnames=("flags",))
         self._decode = jax.jit(self._decode_fn, donate_argnums=(1,), static_argnames=("flags", "num_steps"))
 
     def _model(self, params: list) -> nnx.Module:
         return nnx.merge(self.graphdef, jax.tree_util.tree_unflatten(self._params_def, params))
 
-    def _step_fn(self, params, caches, inputs: StepInputs, smeta, *, flags: SamplingFlags, num_prompt_logprobs):
+    def _step_fn(self, params, caches, inputs: StepInputs, smeta, *, flags: SamplingFlags, num_prompt_logprobs,
+                 extras: Extras = NO_EXTRAS):
         # Runs once per compilation (tracing), never per step: count and log it.
         self.num_compilations += 1
-        logger.info("compiling step #%d: T=%d B=%d M=%d %s prompt_logprobs=%d", self.num_compilations,
+        logger.info("compiling step #%d: T=%d B=%d M=%d %s prompt_logprobs=%d%s", self.num_compilations,
                     inputs.ids_T.shape[0], inputs.last_rows_B.shape[0], inputs.attn.block_tables_BM.shape[1],
-                    flags, num_prompt_logprobs)
+                    flags, num_prompt_logprobs, "" if extras == NO_EXTRAS else f" {extras}")
         model = self._model(params)
         hidden_TD, caches = model(inputs.ids_T, inputs.positions_T, caches, inputs.attn)
-        out = sample(self._logits(model, hidden_TD[inputs.last_rows_B]), smeta, **flags._asdict())
+        last_BD = hidden_TD[inputs.last_rows_B]
+        last_BV = self._logits(model, last_BD)
+        out = sample(last_BV, smeta, **flags._asdict()) if extras.sample else None
+        all_TV = self._logits(model, hidden_TD) if num_prompt_logprobs >= 0 or extras.all_logits else None
         prompt = None
         if num_prompt_logprobs >= 0:
-            prompt = _prompt_logprobs(self._logits(model, hidden_TD), inputs.next_ids_T, num_prompt_logprobs)
-        return out, prompt, caches
+            prompt = _prompt_logprobs(all_TV, inputs.next_ids_T, num_prompt_logprobs)
+        extra = {name: x for name, x, wanted in (
+            ("last_logits", last_BV, extras.last_logits or not extras.sample),
+            ("last_hidden", last_BD.astype(jnp.float32), extras.last_hidden),
+            ("all_logits", all_TV, extras.all_logits), ("all_hidden", hidden_TD.astype(jnp.float32), extras.all_hidden),
+        ) if wanted}
+        return out, prompt, extra, caches
 
     def _decode_fn(self, params, caches, inputs: DecodeInputs, smeta, *, flags: SamplingFlags, num_steps: int):
         self.num_compilations += 1
@@ -283,7 +303,7 @@ class ModelRunner:
                                              np.zeros((B, M), np.int32), np.zeros(B + 1, np.int32))
                     inputs = StepInputs(np.zeros(T, np.int32), np.zeros(T, np.int32), attn, zeros_B,
                                         np.full(T, -1, np.int32))
-                    out, _ = self._run(inputs, smeta, flags, -1)
+                    out, _, _ = self._run(inputs, smeta, flags, -1)
                 jax.block_until_ready(out)
 
     def _logits(self, model, hidden_XD):
@@ -329,15 +349,30 @@ class ModelRunner:
         return StepInputs(ids_T=ids, positions_T=positions, attn=attn, last_rows_B=last, next_ids_T=next_ids)
 
     def dispatch_step(self, batch: ScheduledBatch, blocks: BlockManager, rows: list[SamplingRow],
-                      num_prompt_logprobs: int = -1) -> PendingStep:
+                      num_prompt_logprobs: int = -1, extras: Extras = NO_EXTRAS) -> PendingStep:
         """Start one step on the device and return without waiting for it (`read_step` reads it); `rows`
-        has one SamplingRow per item (used only for items that sample)."""
+        has one SamplingRow per item (used only for items that sample). `extras`: rows for the host
+        (lmjax.engine.host_outputs); with extras.sample False, `sample_processed` must run before the read."""
         inputs = self.build_inputs(batch, blocks)
         smeta, flags = build_sampling_metadata(rows, pad_to=inputs.last_rows_B.shape[0])
-        if self.leading:
+        if self.leading:  # followers run NO_EXTRAS steps only: the engine refuses host outputs across hosts
             parallel.send_step((inputs, smeta), [*map(int, flags), num_prompt_logprobs], kind=step_kind(smeta))
-        out, prompt = self._run(inputs, smeta, flags, num_prompt_logprobs)
-        return PendingStep(out, prompt, len(batch.items))
+        out, prompt, extra = self._run(inputs, smeta, flags, num_prompt_logprobs, extras)
+        return PendingStep(out, prompt, len(batch.items), extra, None if extras.sample else (smeta, flags))
+
+    def sample_processed(self, pending: PendingStep, rows_R: list[int], logits_RV: list) -> None:
+        """Sample a step dispatched with extras.sample False: rows `rows_R` of its logits replaced by the
+        host's processed `logits_RV` (the other rows sampled from the model's); logprobs stay the raw ones."""
+        smeta, flags = pending.smeta
+        R = bucket(len(rows_R), 1)
+        idx_R = np.full(R, pending.extra["last_logits"].shape[0], np.int32)  # padding: out of bounds, dropped
+        idx_R[:len(rows_R)] = rows_R
+        processed_RV = np.zeros((R, pending.extra["last_logits"].shape[1]), np.float32)
+        if rows_R:
+            processed_RV[:len(rows_R)] = logits_RV
+        with parallel.use_mesh(self.mesh):
+            pending.out = self._sample_rows(pending.extra["last_logits"], idx_R, processed_RV, smeta, flags=flags)
+        pending.smeta = None
 
     def read_step(self, pending: PendingStep) -> StepOutput:
         """Wait for a dispatched step; host copies of its results."""
@@ -345,13 +380,14 @@ class ModelRunner:
         (tokens, logprobs, top_ids, top_lp, ranks), prompt = jax.device_get((pending.out, pending.prompt))
         return StepOutput(tokens[:n], logprobs[:n], top_ids[:n], top_lp[:n], prompt, ranks[:n])
 
-    def _run(self, inputs: StepInputs, smeta, flags: SamplingFlags, num_prompt_logprobs: int):
+    def _run(self, inputs: StepInputs, smeta, flags: SamplingFlags, num_prompt_logprobs: int,
+             extras: Extras = NO_EXTRAS):
         if self.mesh is not None:
             inputs, smeta = parallel.replicate((inputs, smeta), self.mesh)
         with parallel.use_mesh(self.mesh):
-            out, prompt, self.caches = self._step(self.params, self.caches, inputs, smeta,
-                                                  flags=flags, num_prompt_logprobs=num_prompt_logprobs)
-        return out, prompt
+            out, prompt, extra, self.caches = self._step(self.params, self.caches, inputs, smeta, flags=flags,
+                                                         num_prompt_logprobs=num_prompt_logprobs, extras=extras)
+        return out, prompt, extra
 
     # ------------------------------------------------------------------ one scheduler, many processes
     def lead(self) -> None:

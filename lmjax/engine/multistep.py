@@ -5,6 +5,7 @@ so at batch 1 the device never waits for the host. Mixed into LLMEngine, whose s
 runner and `_pending` (the call in flight: (batch, PendingDecode)) it uses."""
 from __future__ import annotations
 
+from lmjax.engine.host_outputs import needs_host
 from lmjax.engine.request import Request
 from lmjax.engine.scheduler import ScheduledBatch, ScheduledItem
 
@@ -55,7 +56,8 @@ class MultiStepMixin:
                 return 1
             req, comp = self._by_seq[it.seq.seq_id]
             p = req.params
-            if p.uses_penalties or req.bad_words_ids or comp.guide or len(it.seq.output_token_ids) < p.min_tokens:
+            if (p.uses_penalties or req.bad_words_ids or comp.guide or needs_host(p)
+                    or len(it.seq.output_token_ids) < p.min_tokens):
                 return 1
             if it.seq.num_computed_tokens + ahead + k > self.session_len:
                 return 1

@@ -38,6 +38,7 @@ class Completion:
     _lag: int = 0  # newest output tokens not detokenized yet (see `text`)
     hidden_tail: int = 0  # 1 when the last token stopped the request and its text is left out (vLLM)
     guide: Any = None  # its lmjax.engine.guided.GuideState, for a guided request
+    host_rows: Any = None  # lmjax.engine.host_outputs.HostRows, with output_logits / output_last_hidden_state
 
     @property
     def token_ids(self) -> list[int]:

@@ -194,13 +194,15 @@ def warp(logits_BV: jax.Array, meta: SamplingMetadata, use_top_k_top_p: bool, ma
 
 
 def sample(logits_BV: jax.Array, meta: SamplingMetadata, *, all_greedy: bool, use_penalties: bool,
-           use_top_k_top_p: bool, num_logprobs: int, max_top_k: int = 0, ranks: bool = False) -> SamplerOutput:
-    """One token per row. Call inside jit with the flags static (see SamplingFlags)."""
+           use_top_k_top_p: bool, num_logprobs: int, max_top_k: int = 0, ranks: bool = False,
+           raw_BV: jax.Array | None = None) -> SamplerOutput:
+    """One token per row. Call inside jit with the flags static (see SamplingFlags). `raw_BV`: the model's
+    logits when `logits_BV` went through logits processors first (logprobs are the raw ones)."""
     if logits_BV.shape[0] != meta.temperature_B.shape[0]:
         raise ValueError(f"logits_BV has {logits_BV.shape[0]} rows but the metadata has "
                          f"{meta.temperature_B.shape[0]}: pad both to the same batch bucket")
-    raw_BV = logits_BV.astype(jnp.float32)
-    logits_BV = raw_BV
+    logits_BV = logits_BV.astype(jnp.float32)
+    raw_BV = logits_BV if raw_BV is None else raw_BV.astype(jnp.float32)
     if meta.bias_ids_BN is not None:
         logits_BV = apply_logit_bias(logits_BV, meta.bias_ids_BN, meta.bias_values_BN)
     logits_BV = apply_penalties(logits_BV, meta) if use_penalties else logits_BV
