@@ -13,6 +13,7 @@ default, never silently ignored. kv_cache_dtype="int8" / "int4" quantizes the KV
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Sequence
@@ -21,6 +22,7 @@ import jax
 
 from lmjax.api.batch import encode_text, per_prompt, run_to_completion, submit_all
 from lmjax.api.beam_search import BeamSearchOutput, BeamSearchParams, beam_search as run_beam_search
+from lmjax.api.embed import EmbeddingRequestOutput, PoolingParams, embed_token_ids
 from lmjax.api.outputs import RequestOutput, request_output
 from lmjax.config import EngineConfig, SamplingParams, check_defaults_only, warn_no_effect
 from lmjax.engine.engine import LLMEngine
@@ -63,6 +65,11 @@ def _check_quantization(model, quantization: str | None) -> None:
         raise NotImplementedError(f"LLM(quantization={quantization!r}) is not supported by lmjax: AWQ checkpoints "
                                   "load with 'awq' or None; `lmjax convert --quant w8|w4` quantizes others")
     require_awq(resolve_model_path(model), "LLM(quantization='awq')")
+
+
+def _as_list(prompts) -> list:
+    """One prompt (a str, a dict or a list of token ids) or a list of them, as a list."""
+    return [prompts] if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)) else prompts
 
 
 def _no_lora(lora_request) -> None:
@@ -248,9 +255,7 @@ class LLM:
         if prompts is None:
             prompts = prompt_token_ids if prompt_token_ids and isinstance(prompt_token_ids[0], list) \
                 else [prompt_token_ids]
-        elif isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        encoded = [self._encode(p) for p in prompts]
+        encoded = [self._encode(p) for p in _as_list(prompts)]
         params = per_prompt(sampling_params or self.get_default_sampling_params(), len(encoded), "sampling_params")
         params = _with_guide(params, guide)
         requests = submit_all(self.llm_engine, encoded, params)
@@ -263,10 +268,19 @@ class LLM:
         forms generate takes: str, token ids, {'prompt': ...}, {'prompt_token_ids': ...}; one or a list) a
         BeamSearchOutput whose `sequences` are the best params.beam_width beams, best first."""
         _no_lora(lora_request)
-        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        token_ids = [ids for _, ids in (self._encode(p) for p in prompts)]
+        token_ids = [ids for _, ids in (self._encode(p) for p in _as_list(prompts))]
         return run_beam_search(self.llm_engine, token_ids, params, use_tqdm, concurrency_limit)
+
+    def embed(self, prompts, *, truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
+              pooling_params: PoolingParams | None = None, lora_request=None) -> list[EmbeddingRequestOutput]:
+        """vLLM's embeddings (lmjax.api.embed): per prompt (the forms generate takes) the final-norm hidden
+        state of its last token, L2-normalized unless pooling_params.normalize is False."""
+        _no_lora(lora_request)
+        pooling = pooling_params or PoolingParams()
+        if truncate_prompt_tokens is not None:
+            pooling = dataclasses.replace(pooling, truncate_prompt_tokens=truncate_prompt_tokens)
+        encoded = [self._encode(p) for p in _as_list(prompts)]
+        return embed_token_ids(self.llm_engine, encoded, pooling, use_tqdm)
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True, chat_template: str | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,

@@ -161,3 +161,23 @@ def _finished_request(llm, prompt: str, params: SamplingParams):
     while not req.finished:
         engine.step()
     return req
+
+
+def test_embed_is_the_normalized_last_hidden_state(llm, hf):
+    from lmjax import PoolingParams
+
+    prompts = ["t5 t9 t12 t30", "t7 t8"]
+    outs = llm.embed(prompts, use_tqdm=False)
+    raw = llm.embed([{"prompt_token_ids": outs[1].prompt_token_ids}], use_tqdm=False,
+                    pooling_params=PoolingParams(normalize=False))[0]
+    for out in outs:
+        with torch.no_grad():
+            ref = hf(torch.tensor([out.prompt_token_ids]), output_hidden_states=True).hidden_states[-1][0, -1].numpy()
+        np.testing.assert_allclose(out.outputs.embedding, ref / np.linalg.norm(ref), atol=1e-5)
+        assert out.outputs.hidden_size == 64
+    np.testing.assert_allclose(np.linalg.norm(raw.outputs.embedding) * np.asarray(outs[1].outputs.embedding),
+                               raw.outputs.embedding, atol=1e-5)
+    assert llm.embed("t7 t8", truncate_prompt_tokens=2, use_tqdm=False)[0].prompt_token_ids == \
+        outs[1].prompt_token_ids[-2:]
+    with pytest.raises(NotImplementedError, match="dimensions=32"):
+        PoolingParams(dimensions=32)
