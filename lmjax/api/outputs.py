@@ -37,8 +37,8 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None
     outputs: list[CompletionOutput]
     finished: bool
-    # vLLM's fields after `finished`, in its positional order. metrics: vLLM's RequestMetrics (arrival, first
-    # token, finish times); None, as vLLM gives when stats are off, since lmjax's engine records no such times.
+    # vLLM's fields after `finished`, in its positional order. metrics: vLLM V0's RequestMetrics (arrival, first
+    # scheduled, first / last token, finish times: lmjax.engine.request.RequestMetrics).
     # lora_request: no LoRA adapters; encoder_prompt*: decoder-only models only.
     metrics: object | None = None
     lora_request: object | None = None
@@ -75,7 +75,7 @@ def request_output(r: Request, tokenizer=None) -> RequestOutput:
     prompt_logprobs = _logprob_dicts(r.prompt_logprobs, tokenizer, r.prompt_token_ids, r.prompt_ranks)
     return RequestOutput(r.request_id, r.prompt, r.prompt_token_ids, prompt_logprobs,
                          [completion_output(c, tokenizer) for c in r.completions], r.finished,
-                         num_cached_tokens=r.num_cached_tokens)
+                         metrics=dataclasses.replace(r.metrics), num_cached_tokens=r.num_cached_tokens)
 
 
 @dataclasses.dataclass

@@ -228,6 +228,10 @@ class LLMEngine(SessionsMixin, MultiStepMixin, HostOutputsMixin):
             changed[req.request_id] = req
         if not batch.items:
             return list(changed.values())
+        now = time.time()
+        for it in batch.items:
+            if it.seq.seq_id in self._by_seq:
+                self._by_seq[it.seq.seq_id][0].metrics.scheduled(now)
         num_steps = self._decode_steps(batch)
         if num_steps > 1:
             self._pending = (batch, self.runner.dispatch_decode(batch, [self._row(it) for it in batch.items],
@@ -320,6 +324,7 @@ class LLMEngine(SessionsMixin, MultiStepMixin, HostOutputsMixin):
     # ------------------------------------------------------------------ results out
     def _postprocess(self, req: Request, comp: Completion, out: StepOutput, i: int) -> None:
         token = int(out.token_ids[i])
+        req.metrics.token(time.time())
         req.num_cached_tokens = max(req.num_cached_tokens, comp.seq.num_prefix_cached_tokens)
         comp.cumulative_logprob += float(out.logprobs[i])
         if comp.logprobs is not None:
@@ -365,6 +370,7 @@ class LLMEngine(SessionsMixin, MultiStepMixin, HostOutputsMixin):
             self.sessions[session_id] = comp.seq
         self._by_seq.pop(comp.seq.seq_id, None)
         if req.finished:
+            req.metrics.finished_time = time.time()
             self.requests.pop(req.request_id, None)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 from typing import Any
 
 from lmjax.config import SamplingParams
@@ -78,6 +79,27 @@ class Completion:
         return text, ids
 
 
+@dataclasses.dataclass
+class RequestMetrics:
+    """vLLM's (V0) RequestMetrics, wall-clock seconds (time.time()): when the request arrived, first had a step
+    (time_in_queue = the wait), got its first and latest tokens (as the host read them: a multi-step call's
+    tokens all at once) and finished."""
+    arrival_time: float = dataclasses.field(default_factory=time.time)
+    last_token_time: float = 0.0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    time_in_queue: float | None = None
+    finished_time: float | None = None
+
+    def scheduled(self, now: float) -> None:
+        if self.first_scheduled_time is None:
+            self.first_scheduled_time, self.time_in_queue = now, now - self.arrival_time
+
+    def token(self, now: float) -> None:
+        self.first_token_time = self.first_token_time or now
+        self.last_token_time = now
+
+
 @dataclasses.dataclass(eq=False)
 class Request:
     request_id: str
@@ -92,6 +114,7 @@ class Request:
     num_cached_tokens: int = 0
     error: str | None = None
     allowed_W: Any = None  # allowed_token_ids as a packed mask (lmjax.engine.guided), fixed for its life
+    metrics: RequestMetrics = dataclasses.field(default_factory=RequestMetrics)
 
     @property
     def finished(self) -> bool:

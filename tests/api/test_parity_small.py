@@ -4,6 +4,7 @@ clone() and all_stop_token_ids, RequestOutput / CompletionOutput's vLLM fields, 
 last_hidden_state, and the LMDeploy engine configs' tuning-only fields."""
 import dataclasses
 import logging
+import time
 import types
 
 import pytest
@@ -140,8 +141,13 @@ def test_request_output_has_vllms_fields_in_order(llm):
     names = [f.name for f in dataclasses.fields(RequestOutput)]
     assert names == ["request_id", "prompt", "prompt_token_ids", "prompt_logprobs", "outputs", "finished",
                      "metrics", "lora_request", "encoder_prompt", "encoder_prompt_token_ids", "num_cached_tokens"]
+    before = time.time()
     out = llm.generate([[5, 6]], GREEDY, use_tqdm=False)[0]
-    assert (out.metrics, out.lora_request, out.encoder_prompt, out.encoder_prompt_token_ids) == (None,) * 4
+    m = out.metrics  # vLLM V0's RequestMetrics: wall-clock times in order
+    assert before <= m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.last_token_time \
+        <= m.finished_time <= time.time()
+    assert m.time_in_queue == m.first_scheduled_time - m.arrival_time
+    assert (out.lora_request, out.encoder_prompt, out.encoder_prompt_token_ids) == (None,) * 3
     assert out.outputs[0].lora_request is None and isinstance(out.outputs[0], CompletionOutput)
 
 
