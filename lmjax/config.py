@@ -118,14 +118,15 @@ class SamplingParams:
     # lmjax extensions, LMDeploy's GenerationConfig fields: "generation" or "all" (lmjax.engine.host_outputs)
     output_logits: str | None = None
     output_last_hidden_state: str | None = None
+    detokenize: bool = True  # False: token ids only, text "" (vLLM's)
     # vLLM fields lmjax does not implement: accepted at their defaults only
     best_of: int | None = None
-    detokenize: bool = True
 
     def __post_init__(self):
         _check_numbers(self, SAMPLING_NUMBERS + ("presence_penalty", "frequency_penalty"))
         best_of = self.best_of if self.best_of in (None, self.n) else None
-        _check_defaults_only(self, {"detokenize": True, "best_of": best_of})
+        _check_defaults_only(self, {"best_of": best_of})
+        _check(isinstance(self.detokenize, bool), f"detokenize must be True or False, got {self.detokenize!r}")
         self.logits_processors = _check_processors(self.logits_processors)
         _check_output_kinds(self)
         _check(self.truncate_prompt_tokens is None or (isinstance(self.truncate_prompt_tokens, int)
@@ -149,6 +150,8 @@ class SamplingParams:
             setattr(self, name, _as_list(getattr(self, name), name, kind))
         self.stop, self.stop_token_ids = self.stop or [], self.stop_token_ids or []
         _check(all(self.stop), f"stop strings must be non-empty, got {self.stop!r}")
+        _check(self.detokenize or not self.stop, f"stop strings are only supported when detokenize is True, got "
+                                                 f"stop={self.stop!r} with detokenize=False")
         _check(self.allowed_token_ids != [], "allowed_token_ids must not be empty (None: every id)")
         self.logit_bias = check_logit_bias(self.logit_bias)
         self.guided_decoding, self.structured_outputs = as_guided(self.guided_decoding, self.structured_outputs), None

@@ -72,6 +72,7 @@ def completion_output(c: Completion, tokenizer=None) -> CompletionOutput:
 
 
 def request_output(r: Request, tokenizer=None) -> RequestOutput:
+    tokenizer = tokenizer if r.params.detokenize else None  # vLLM: no decoded_token without detokenize
     prompt_logprobs = _logprob_dicts(r.prompt_logprobs, tokenizer, r.prompt_token_ids, r.prompt_ranks)
     return RequestOutput(r.request_id, r.prompt, r.prompt_token_ids, prompt_logprobs,
                          [completion_output(c, tokenizer) for c in r.completions], r.finished,

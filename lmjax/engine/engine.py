@@ -354,7 +354,7 @@ class LLMEngine(SessionsMixin, MultiStepMixin, HostOutputsMixin):
             self._finish(req, comp, "length")
 
     def _finish(self, req: Request, comp: Completion, reason: str, flush: bool = True) -> None:
-        if flush:
+        if flush and req.params.detokenize:
             comp.catch_up_text()
             tail = comp.stops.feed(comp.detokenizer.flush())
             comp.add_text(tail.text + comp.stops.flush())

@@ -65,8 +65,10 @@ class Completion:
         self._text = self.text + piece
 
     def defer_text(self) -> None:
-        """One more output token whose text is decoded on the next read of `text`."""
-        self._lag += 1
+        """One more output token whose text is decoded on the next read of `text` (never, with
+        SamplingParams.detokenize False: the text stays "")."""
+        if self.seq.params is None or self.seq.params.detokenize:
+            self._lag += 1
 
     @property
     def finished(self) -> bool:

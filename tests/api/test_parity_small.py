@@ -179,3 +179,15 @@ def test_lmdeploy_tuning_fields_are_accepted_with_a_warning(cfg, name, caplog):
 def test_lmdeploy_fields_that_change_results_still_raise(make, match):
     with pytest.raises((NotImplementedError, ValueError), match=match):
         make()
+
+
+def test_detokenize_false_gives_ids_only(llm):
+    """vLLM's detokenize=False: the same tokens, no text, no decoded tokens in the logprobs."""
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=2, prompt_logprobs=1)
+    text, ids = (llm.generate([[5, 6, 7]], p, use_tqdm=False)[0]
+                 for p in (params, dataclasses.replace(params, detokenize=False)))
+    assert ids.outputs[0].token_ids == text.outputs[0].token_ids and text.outputs[0].text
+    assert ids.outputs[0].text == ""
+    assert all(lp.decoded_token is None for step in ids.outputs[0].logprobs for lp in step.values())
+    assert all(lp.decoded_token is None for step in ids.prompt_logprobs[1:] for lp in step.values())
+    assert all(lp.decoded_token for step in text.outputs[0].logprobs for lp in step.values())
