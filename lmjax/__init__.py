@@ -19,7 +19,8 @@ apply_xla_flag_defaults()  # before any JAX backend starts: XLA reads its flags 
 _EXPORTS = {
     "AsyncEngine": "lmjax.api.async_engine", "LLM": "lmjax.api.llm", "CompletionOutput": "lmjax.api.outputs",
     "BeamSearchParams": "lmjax.api.beam_search", "PoolingParams": "lmjax.api.embed",
-    "EmbeddingRequestOutput": "lmjax.api.embed",
+    "EmbeddingRequestOutput": "lmjax.api.embed", "LLMEngine": "lmjax.api.vllm_engine",
+    "EngineArgs": "lmjax.api.vllm_engine", "RequestOutputKind": "lmjax.config",
     "Logprob": "lmjax.api.outputs", "RequestOutput": "lmjax.api.outputs", "Response": "lmjax.api.outputs",
     "Pipeline": "lmjax.api.pipeline", "pipeline": "lmjax.api.pipeline", "ChatTemplateConfig": "lmjax.config",
     "EngineConfig": "lmjax.config", "GenerationConfig": "lmjax.config", "SamplingParams": "lmjax.config",

@@ -16,6 +16,7 @@ keyword is a `TypeError` that lists it and suggests the nearest valid field.
 from __future__ import annotations
 
 import copy
+import enum
 import functools
 from dataclasses import dataclass, field
 from typing import Any
@@ -73,6 +74,14 @@ def _check_sampling(temperature, top_p, top_k, min_p, repetition_penalty, n, log
            f"logprobs must be None or an int >= 0, got {logprobs!r}")
 
 
+class RequestOutputKind(enum.Enum):
+    """vLLM's: each RequestOutput of a streaming engine (lmjax.LLMEngine.step) holds everything so far
+    (CUMULATIVE), only what is new since the last one (DELTA), or comes once, when finished (FINAL_ONLY)."""
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 @_strict_fields
 @dataclass
 class SamplingParams:
@@ -119,6 +128,7 @@ class SamplingParams:
     output_logits: str | None = None
     output_last_hidden_state: str | None = None
     detokenize: bool = True  # False: token ids only, text "" (vLLM's)
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # vLLM's: what lmjax.LLMEngine.step returns
     # vLLM fields lmjax does not implement: accepted at their defaults only
     best_of: int | None = None
 
@@ -127,6 +137,8 @@ class SamplingParams:
         best_of = self.best_of if self.best_of in (None, self.n) else None
         _check_defaults_only(self, {"best_of": best_of})
         _check(isinstance(self.detokenize, bool), f"detokenize must be True or False, got {self.detokenize!r}")
+        _check(isinstance(self.output_kind, RequestOutputKind),
+               f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         self.logits_processors = _check_processors(self.logits_processors)
         _check_output_kinds(self)
         _check(self.truncate_prompt_tokens is None or (isinstance(self.truncate_prompt_tokens, int)

@@ -71,6 +71,24 @@ def completion_output(c: Completion, tokenizer=None) -> CompletionOutput:
                             c.stop_reason)
 
 
+def delta_output(r: Request, tokenizer=None, first: bool = False) -> RequestOutput:
+    """vLLM's DELTA output: per completion the text, token ids and logprobs new since its previous delta
+    (Completion.take_delta); the prompt's logprobs only with the `first` one."""
+    tokenizer = tokenizer if r.params.detokenize else None
+    outputs = []
+    for c in r.completions:
+        text, ids = c.take_delta()
+        end = len(c.token_ids)
+        logprobs = None if c.logprobs is None else _logprob_dicts(
+            c.logprobs[end - len(ids):end], tokenizer, ids, c.ranks[end - len(ids):end])
+        outputs.append(CompletionOutput(c.index, text, ids, c.cumulative_logprob, logprobs, c.finish_reason,
+                                        c.stop_reason))
+    prompt_logprobs = _logprob_dicts(r.prompt_logprobs, tokenizer, r.prompt_token_ids, r.prompt_ranks) \
+        if first else None
+    return RequestOutput(r.request_id, r.prompt, r.prompt_token_ids, prompt_logprobs, outputs, r.finished,
+                         metrics=dataclasses.replace(r.metrics), num_cached_tokens=r.num_cached_tokens)
+
+
 def request_output(r: Request, tokenizer=None) -> RequestOutput:
     tokenizer = tokenizer if r.params.detokenize else None  # vLLM: no decoded_token without detokenize
     prompt_logprobs = _logprob_dicts(r.prompt_logprobs, tokenizer, r.prompt_token_ids, r.prompt_ranks)

@@ -100,6 +100,8 @@ class LLMEngine(SessionsMixin, MultiStepMixin, HostOutputsMixin):
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
                     request_id: str | None = None) -> Request:
         """Validate and queue a request; raises ValueError (naming the value) before any work."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use by an unfinished request")
         if params.truncate_prompt_tokens and len(prompt_token_ids) > params.truncate_prompt_tokens:
             prompt_token_ids, prompt = truncated_prompt(prompt_token_ids, params), None  # the text no longer matches
         max_tokens = self.validate_request(prompt_token_ids, params)
