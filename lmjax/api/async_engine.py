@@ -243,6 +243,17 @@ class AsyncEngine:
             if p.guided_decoding is not None:
                 self.engine.guided.index(p.guided_decoding)
 
+    def submit_batch(self, encoded, params, sinks) -> list[str]:
+        """Queue a batch of (text, token ids) prompts with their SamplingParams, each request's outputs (GenOut,
+        then None at its end, or an exception) handed to its sink on the engine thread; every request is
+        checked before any is queued and all are queued between two steps. Their request ids (for `abort`)."""
+        return self._add_many(encoded, params, sinks)
+
+    def abort(self, request_ids) -> None:
+        """Cancel requests by id (a finished one's abort does nothing)."""
+        for rid in request_ids:
+            self._thread.abort(rid)
+
     def _add_many(self, encoded, params, sinks) -> list[str]:
         """Queue a batch (every request checked before any is queued); its request ids."""
         self._compile_guides(params)

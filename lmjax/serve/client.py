@@ -112,6 +112,13 @@ class APIClient:
         body = next(self._post("/v1/encode", _payload(locals(), {}), stream=False, sse=False))
         return body["input_ids"], body["length"]
 
+    def embeddings_v1(self, model: str, input: str | list, encoding_format: str | None = None,
+                      normalize: bool | None = None, truncate_prompt_tokens: int | None = None,
+                      **kwargs) -> dict:
+        """lmjax's addition (LMDeploy's client has none): OpenAI's /v1/embeddings body, its `data[i].embedding`
+        floats (or base64 with encoding_format="base64"), one per input in order."""
+        return next(self._post("/v1/embeddings", _payload(locals(), kwargs), stream=False, sse=False))
+
     def chat(self, prompt: str, session_id: int, request_output_len: int = 512, stream: bool = False,
              top_p: float = 0.8, top_k: int = 40, temperature: float = 0.8, repetition_penalty: float = 1.0,
              ignore_eos: bool = False) -> Iterator[tuple[str, int, str | None]]:

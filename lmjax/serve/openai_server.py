@@ -1,6 +1,7 @@
 """OpenAI-compatible HTTP server (FastAPI + uvicorn) over one AsyncEngine.
 
 Routes: `GET /v1/models`, `POST /v1/chat/completions`, `POST /v1/completions` (streaming over SSE or not),
+`POST /v1/embeddings` (OpenAI's and vLLM's: lmjax.serve.embeddings),
 `POST /v1/chat/interactive` (LMDeploy's session endpoint: newline-delimited JSON when streaming),
 `POST /v1/encode` (LMDeploy's tokenizer endpoint), `POST /tokenize` and `POST /detokenize` (vLLM's),
 `GET /health`, `GET /metrics` (Prometheus text). `/v1/*`, `/tokenize` and `/detokenize` need
@@ -34,6 +35,7 @@ from lmjax.api.batch import encode_chat
 from lmjax.engine.request import check_token_ids
 from lmjax.loader.tokenizer import render_chat, token_bytes
 from lmjax.serve import responses as R
+from lmjax.serve.embeddings import EmbeddingRequest, embed, embedding_body, prompt_ids
 from lmjax.serve.metrics import render_metrics
 from lmjax.serve.protocol import ChatCompletionRequest, CompletionRequest, EncodeRequest, InteractiveRequest
 from lmjax.serve.streams import first_and_rest, merge, until_disconnect
@@ -232,6 +234,27 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
                 yield R.sse(R.usage_chunk(head, "text_completion", choices))
             yield R.sse("[DONE]")
         return StreamingResponse(_guarded(events()), media_type="text/event-stream")
+
+    # ---- /v1/embeddings (lmjax.serve.embeddings) ----
+    @app.post("/v1/embeddings", dependencies=[Depends(authorize)])
+    async def embeddings(req: EmbeddingRequest, raw: Request):
+        """All inputs of a request run as one batch; a bad input is a 400 naming it before any work."""
+        if req.model is not None:
+            check_model(req.model)
+        config = engine.engine.model_config
+        try:
+            prompts = prompt_ids(req, engine.tokenizer, lambda chat: chat_prompt(engine, chat), config.vocab_size,
+                                 engine.session_len, config.hidden_size)
+            work = asyncio.ensure_future(embed(engine, prompts, req.normalize))
+            if not await until_disconnect(raw, work):
+                return Response(status_code=499)  # the client is gone: nobody reads this
+            vectors = work.result()
+        except (ValueError, TypeError, NotImplementedError) as e:  # the engine's own checks too (KV cache size)
+            raise APIError(400, str(e)) from None
+        except RuntimeError as e:  # the engine failed or is closed: OpenAI's error body, not a bare 500
+            raise APIError(500, str(e), "server_error") from None
+        return embedding_body(R.Head("embd", name), vectors, req.encoding_format, sum(map(len, prompts)))
+    # ---- end /v1/embeddings ----
 
     @app.post("/v1/encode", dependencies=[Depends(authorize)])
     async def encode(req: EncodeRequest):
