@@ -103,7 +103,22 @@ def _add_engine_args(p) -> None:
     p.add_argument("--chat-template", default=None, metavar="JSON",
                    help="a JSON file of ChatTemplateConfig fields (LMDeploy's; lmjax has no built-in template "
                         "names): role markers, meta_instruction, stop_words (default: the tokenizer's template)")
+    p.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
+                   help="vLLM's n-gram speculative decoding, e.g. '{\"method\": \"ngram\", "
+                        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 3}' (greedy requests)")
     p.add_argument("--backend", choices=["turbomind", "pytorch"], default=None, help="accepted for LMDeploy")
+
+
+def _json_object(text: str) -> dict:
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {text!r} ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 def _add_chat(subparsers) -> None:
@@ -165,7 +180,7 @@ def _async_engine(args, log_level: str = "ERROR"):
                           max_batch_size=args.max_batch_size, cache_max_entry_count=args.cache_max_entry_count,
                           enable_prefix_caching=args.enable_prefix_caching, quant_policy=args.quant_policy,
                           max_prefill_token_num=args.max_prefill_token_num, block_size=args.cache_block_seq_len,
-                          rope_scaling_factor=args.rope_scaling_factor)
+                          rope_scaling_factor=args.rope_scaling_factor, speculative_config=args.speculative_config)
     return AsyncEngine(args.model, model_name=args.model_name, backend_config=config, chat_template_config=template,
                        log_level=log_level)
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import copy
 import enum
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from lmjax.guided_params import GuidedDecodingParams, as_guided, from_response_format
@@ -305,6 +305,41 @@ class GenerationConfig:
             output_logits=self.output_logits, output_last_hidden_state=self.output_last_hidden_state)
 
 
+@dataclass
+class SpeculativeConfig:
+    """vLLM's ngram speculative_config: when only one of prompt_lookup_min / max is given the other takes its
+    value, when neither both are 5 (vLLM's rules)."""
+    method: str = "ngram"
+    num_speculative_tokens: int = 5
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+
+    def __post_init__(self):
+        _check(self.method == "ngram", f"speculative method {self.method!r} is not supported by lmjax (only 'ngram')")
+        if self.prompt_lookup_max is None and self.prompt_lookup_min is None:
+            self.prompt_lookup_max = self.prompt_lookup_min = 5
+        self.prompt_lookup_max = self.prompt_lookup_max or self.prompt_lookup_min
+        self.prompt_lookup_min = self.prompt_lookup_min or self.prompt_lookup_max
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(self, name)
+            _check(isinstance(value, int) and value >= 1, f"{name} must be an int >= 1, got {value!r}")
+        _check(self.prompt_lookup_min <= self.prompt_lookup_max,
+              f"prompt_lookup_min={self.prompt_lookup_min} must not exceed prompt_lookup_max={self.prompt_lookup_max}")
+
+    @classmethod
+    def of(cls, value) -> SpeculativeConfig | None:
+        """None, a SpeculativeConfig, or vLLM's dict form."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if not isinstance(value, dict):
+            raise TypeError(f"speculative_config must be a dict or None, got {type(value).__name__}")
+        unknown = set(value) - {f.name for f in fields(cls)}
+        _check(not unknown, f"speculative_config keys {sorted(unknown)} are not supported by lmjax (method='ngram': "
+                           "num_speculative_tokens, prompt_lookup_max, prompt_lookup_min)")
+        return cls(**value)
+
+
+
 # Engine features that have a field but no implementation yet: a non-default value raises.
 # Remove an entry here when the feature lands.
 ENGINE_UNSUPPORTED: dict = {}
@@ -341,8 +376,10 @@ class EngineConfig:
     num_scheduler_steps: int = 8  # decode steps per host round trip when no request needs the host
     warmup: bool = False  # compile every decode batch bucket at start-up (LLM(enforce_eager=False))
     max_logprobs: int = 20
+    speculative_config: SpeculativeConfig | dict | None = None  # vLLM's ngram speculation (lmjax.engine.speculative)
 
     def __post_init__(self):
+        self.speculative_config = SpeculativeConfig.of(self.speculative_config)
         _check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         for name in ("tp", "max_batch_size", "block_size", "max_prefill_token_num", "num_scheduler_steps"):
             value = getattr(self, name)

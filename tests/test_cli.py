@@ -56,6 +56,7 @@ def test_commands_dispatch_without_starting_anything(argv, func):
     (["generate"], "PROMPT"),
     (["serve"], "SERVER"),
     (["bogus"], "'bogus'"),
+    (["serve", "api_server", "m", "--speculative-config", "{ngram"], "not JSON: '{ngram'"),
 ])
 def test_bad_arguments_name_the_value(capsys, argv, fragment):
     with pytest.raises(SystemExit) as exc:
@@ -120,11 +121,13 @@ def test_lmdeploy_engine_flags_reach_the_engine(monkeypatch, tmp_path):
     template.write_text('{"meta_instruction": "Be brief.", "user": "U: ", "eoh": "\\n", "assistant": "A: "}')
     args = cli.build_parser().parse_args(
         ["serve", "api_server", "m", "--quant-policy", "8", "--cache-block-seq-len", "32", "--max-prefill-token-num",
-         "512", "--rope-scaling-factor", "2", "--chat-template", str(template), "--backend", "turbomind"])
+         "512", "--rope-scaling-factor", "2", "--chat-template", str(template), "--backend", "turbomind",
+         "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'])
     cli._async_engine(args)
     config = built["backend_config"]
     assert (config.quant_policy, config.block_size, config.max_prefill_token_num, config.rope_scaling_factor) == \
         (8, 32, 512, 2.0)
+    assert config.speculative_config.num_speculative_tokens == 3
     assert built["chat_template_config"].messages2prompt("Hi") == "Be brief.U: Hi\nA: "
     chat = cli.build_parser().parse_args(["chat", "--repetition-penalty", "1.3", "--quant-policy", "4"])
     assert cli._gen_config(chat).repetition_penalty == 1.3 and chat.quant_policy == 4

@@ -180,7 +180,8 @@ class LLM:
                  max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = False,
                  num_gpu_blocks_override: int | None = None, num_scheduler_steps: int = 8,
                  enforce_eager: bool | None = None, kv_cache_dtype: str = "auto", max_logprobs: int = 20,
-                 quantization: str | None = None, generation_config: str = "auto", **kwargs):
+                 quantization: str | None = None, generation_config: str = "auto",
+                 speculative_config: dict | None = None, **kwargs):
         _check_vllm_only(kwargs)
         _check_quantization(model, quantization)
         check_generation_config_choice(generation_config)
@@ -196,7 +197,8 @@ class LLM:
                               max_prefill_token_num=max_num_batched_tokens or default_tokens,
                               enable_prefix_caching=enable_prefix_caching,
                               num_scheduler_steps=num_scheduler_steps, warmup=enforce_eager is False,
-                              quant_policy=kv_cache_quant_policy(kv_cache_dtype), max_logprobs=max_logprobs)
+                              quant_policy=kv_cache_quant_policy(kv_cache_dtype), max_logprobs=max_logprobs,
+                              speculative_config=speculative_config)
         self.llm_engine = LLMEngine(model, config, tokenizer)
         self._sampling_defaults = chosen_sampling_defaults(generation_config, self.llm_engine.sampling_defaults)
 

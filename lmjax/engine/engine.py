@@ -28,6 +28,7 @@ from lmjax.engine.multistep import MultiStepMixin
 from lmjax.engine.scheduler import ScheduledBatch, Scheduler
 from lmjax.engine.sequence import Sequence
 from lmjax.engine.sessions import SessionsMixin
+from lmjax.engine.speculative import SpeculativeMixin, row_starts
 from lmjax.engine.stop import StopStringMatcher
 from lmjax.layers.sampler import SamplingRow, row_banned_ids, tokenize_bad_words
 from lmjax.loader.generation_config import generation_eos_ids, read_generation_config, sampling_defaults
@@ -40,7 +41,7 @@ logger = logging.getLogger("lmjax.engine")
 _GREEDY_ROW = SamplingRow(SamplingParams(temperature=0.0), seed=0)
 
 
-class LLMEngine(SessionsMixin, MultiStepMixin, HostOutputsMixin):
+class LLMEngine(SessionsMixin, MultiStepMixin, HostOutputsMixin, SpeculativeMixin):
     def __init__(self, model: str | None = None, config: EngineConfig | None = None, tokenizer: str | None = None):
         self.config = config = config or EngineConfig()
         self.compilation_cache_dir = enable_compilation_cache()  # a second start compiles nothing
@@ -211,7 +212,8 @@ class LLMEngine(SessionsMixin, MultiStepMixin, HostOutputsMixin):
                 "num_running": self.scheduler.num_running, "num_waiting": self.scheduler.num_waiting,
                 "num_free_blocks": b.num_free_blocks, "num_usable_blocks": b.num_usable_blocks,
                 "num_prefill_tokens": self.num_prefill_tokens, "num_generated_tokens": self.num_generated_tokens,
-                "num_sessions": len(self.sessions), **compile_stats()}
+                "num_sessions": len(self.sessions), "num_draft_tokens": self.num_draft_tokens,
+                "num_accepted_tokens": self.num_accepted_tokens, **compile_stats()}
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[Request]:
@@ -219,6 +221,7 @@ class LLMEngine(SessionsMixin, MultiStepMixin, HostOutputsMixin):
         the requests that changed."""
         if self._pending is not None:
             return self._finish_pending({})
+        self._propose_drafts()
         batch = self.scheduler.schedule()
         while not batch.items and self.scheduler.num_waiting and self._evict_idle_session():
             batch = self.scheduler.schedule()  # idle sessions' KV gave way to a request that could not fit
@@ -241,30 +244,33 @@ class LLMEngine(SessionsMixin, MultiStepMixin, HostOutputsMixin):
             self.num_decode_loops += 1
             return self._finish_pending(changed)
         extras = self._extras(batch)
-        pending = self.runner.dispatch_step(batch, self.blocks, [self._row(it) for it in batch.items],
-                                            self._prompt_logprobs_k(batch), extras)
-        failed = {} if extras.sample else self._process_logits(batch, pending)
+        starts = row_starts(batch)  # each item's first sampled row (items verifying a draft have several)
+        rows = [self._row(it, ahead=j) for it in batch.items for j in range(it.num_rows)]
+        pending = self.runner.dispatch_step(batch, self.blocks, rows, self._prompt_logprobs_k(batch), extras)
+        failed = {} if extras.sample else self._process_logits(batch, pending, starts)
         self.scheduler.advance(batch)
-        self._decode_after(batch, pending)
+        if len(rows) == len(batch.items):
+            self._decode_after(batch, pending)
         out = self.runner.read_step(pending)
         if out.prompt is not None:
             self._record_prompt_logprobs(batch, out)
         if extras != NO_EXTRAS:
-            self._record_extras(batch, pending)
-        sampled = {it.seq.seq_id: int(out.token_ids[i]) for i, it in enumerate(batch.items)
-                   if it.samples and it.seq.seq_id not in failed}
+            self._record_extras(batch, pending, starts)
+        drafted = self._accept_drafts(batch, out, starts, changed)
+        sampled = {it.seq.seq_id: int(out.token_ids[starts[i]]) for i, it in enumerate(batch.items)
+                   if it.samples and it.seq.seq_id not in failed and it.seq.seq_id not in drafted}
         self.num_generated_tokens += len(sampled)
         self.num_prefill_tokens += sum(max(0, min(it.start_pos + it.num_new_tokens, it.seq.num_prompt_tokens)
                                            - it.start_pos) for it in batch.items)
         self.scheduler.record(batch, sampled)
         for i, it in enumerate(batch.items):
-            if it.samples and it.seq.seq_id in self._by_seq:
+            if it.samples and it.seq.seq_id in self._by_seq and it.seq.seq_id not in drafted:
                 req, comp = self._by_seq[it.seq.seq_id]
                 if it.seq.seq_id in failed:
                     req.error = failed[it.seq.seq_id]
                     self._finish(req, comp, "error")
                 else:
-                    self._postprocess(req, comp, out, i)
+                    self._postprocess(req, comp, out, starts[i])
                 changed[req.request_id] = req
         return list(changed.values())
 

@@ -112,30 +112,32 @@ class HostOutputsMixin:
                  if it.seq.seq_id in self._by_seq]
         return extras_for(items) if any(needs_host(p) for p, _ in items) else NO_EXTRAS
 
-    def _process_logits(self, batch, pending) -> dict[int, str]:
+    def _process_logits(self, batch, pending, starts: list[int]) -> dict[int, str]:
         """Run the processors of the step's sampling items, then sample; returns {seq_id: error} for
         completions whose processor failed (their rows sampled raw, their tokens to be dropped)."""
         import jax  # the engine's modules import jax anyway; this one stays light for config checks
 
         rows_R, failed = [], {}
+        items = []
         for i, it in enumerate(batch.items):
             if it.samples and it.seq.seq_id in self._by_seq and self._by_seq[it.seq.seq_id][0].params.logits_processors:
-                rows_R.append(i)
+                items.append(i)
+                rows_R.append(starts[i])  # one row: speculation skips requests with processors
         raw_RV = np.asarray(jax.device_get(pending.extra["last_logits"][np.asarray(rows_R)])) if rows_R else []
         processed, kept = [], []
-        for i, raw_V in zip(rows_R, raw_RV):
+        for i, row, raw_V in zip(items, rows_R, raw_RV):
             seq = batch.items[i].seq
             req, _ = self._by_seq[seq.seq_id]
             try:
                 processed.append(call_processors(req.params.logits_processors, req.prompt_token_ids,
                                                  seq.output_token_ids, raw_V))
-                kept.append(i)
+                kept.append(row)
             except Exception as e:  # noqa: BLE001 - the user's code: its request fails, not the engine
                 failed[seq.seq_id] = f"logits processor failed: {type(e).__name__}: {e}"
         self.runner.sample_processed(pending, kept, processed)
         return failed
 
-    def _record_extras(self, batch, pending) -> None:
+    def _record_extras(self, batch, pending, starts: list[int]) -> None:
         """Copy the rows completions asked for (output_logits / output_last_hidden_state) to the host."""
         import jax
 
@@ -154,7 +156,7 @@ class HostOutputsMixin:
                         for j in range(it.num_new_tokens):
                             rows.put(kind, it.start_pos + j, host[f"all_{kind}"][t + j])
                     elif mode == "generation" and it.samples:
-                        rows.put(kind, it.start_pos + it.num_new_tokens - 1, host[f"last_{kind}"][i])
+                        rows.put(kind, it.start_pos + it.num_new_tokens - 1, host[f"last_{kind}"][starts[i]])
             t += it.num_new_tokens
 
 

@@ -130,7 +130,7 @@ class StepInputs:
     ids_T: jax.Array
     positions_T: jax.Array
     attn: AttentionMetadata
-    last_rows_B: jax.Array  # row of each sequence's last new token (0 for padding rows)
+    last_rows_B: jax.Array  # token row of each sampled position: a sequence's last (0 for padding rows)
     next_ids_T: jax.Array  # the token after each position (-1 unknown), for prompt logprobs
 
 
@@ -138,9 +138,9 @@ class StepInputs:
 class PendingStep:
     """A one-step call (prefill chunks and decode tokens) on the device, its results not read yet."""
 
-    out: SamplerOutput | None  # device arrays, one row per item (then padding); None until the host samples
+    out: SamplerOutput | None  # device arrays, one row per sampled position (then padding); None until sampled
     prompt: tuple | None  # prompt logprobs' device arrays, when asked for
-    num_items: int
+    num_items: int  # rows: one per item, 1 + draft length for an item verifying a draft
     extra: dict = dataclasses.field(default_factory=dict)  # lmjax.engine.host_outputs' rows, on the device
     smeta: tuple | None = None  # (SamplingMetadata, SamplingFlags) for a step the host samples
 
@@ -323,13 +323,14 @@ class ModelRunner:
         items = batch.items
         T = bucket(batch.num_tokens, 16)
         B = bucket(len(items), 4)
+        R = bucket(sum(it.num_rows for it in items), 4)  # sampled rows: B unless a draft is verified
         M = self.table_width(max(len(it.seq.block_table) for it in items))
         ids, positions = np.zeros(T, np.int32), np.zeros(T, np.int32)
         slots, seq_lens = np.zeros(T, np.int32), np.ones(T, np.int32)
         next_ids = np.full(T, -1, np.int32)
         kv_lens, tables = np.zeros(B, np.int32), np.zeros((B, M), np.int32)
-        cu, last = np.zeros(B + 1, np.int32), np.zeros(B, np.int32)
-        t = 0
+        cu, last = np.zeros(B + 1, np.int32), np.zeros(R, np.int32)
+        t = r = 0
         for b, it in enumerate(items):
             n, seq, end = it.num_new_tokens, it.seq, it.start_pos + it.num_new_tokens
             ids[t:t + n] = seq.token_slice(it.start_pos, end)
@@ -342,7 +343,9 @@ class ModelRunner:
             next_ids[t:t + len(following)] = following
             kv_lens[b], tables[b, :len(seq.block_table)] = end, seq.block_table
             t += n
-            cu[b + 1], last[b] = t, t - 1
+            m = it.num_rows
+            cu[b + 1], last[r:r + m] = t, np.arange(t - m, t)
+            r += m
         cu[len(items) + 1:] = t
         attn = AttentionMetadata(slot_mapping_T=slots, seq_lens_T=seq_lens, kv_lens_B=kv_lens,
                                  block_tables_BM=tables, cu_q_lens_B1=cu)
@@ -358,7 +361,7 @@ class ModelRunner:
         if self.leading:  # followers run NO_EXTRAS steps only: the engine refuses host outputs across hosts
             parallel.send_step((inputs, smeta), [*map(int, flags), num_prompt_logprobs], kind=step_kind(smeta))
         out, prompt, extra = self._run(inputs, smeta, flags, num_prompt_logprobs, extras)
-        return PendingStep(out, prompt, len(batch.items), extra, None if extras.sample else (smeta, flags))
+        return PendingStep(out, prompt, len(rows), extra, None if extras.sample else (smeta, flags))
 
     def sample_processed(self, pending: PendingStep, rows_R: list[int], logits_RV: list) -> None:
         """Sample a step dispatched with extras.sample False: rows `rows_R` of its logits replaced by the

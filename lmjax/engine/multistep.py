@@ -57,7 +57,8 @@ class MultiStepMixin:
             req, comp = self._by_seq[it.seq.seq_id]
             p = req.params
             if (p.uses_penalties or req.bad_words_ids or comp.guide or needs_host(p)
-                    or len(it.seq.output_token_ids) < p.min_tokens):
+                    or len(it.seq.output_token_ids) < p.min_tokens
+                    or (self.config.speculative_config is not None and self._speculates(req, comp))):
                 return 1
             if it.seq.num_computed_tokens + ahead + k > self.session_len:
                 return 1

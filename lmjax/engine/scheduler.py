@@ -42,6 +42,11 @@ class ScheduledItem:
     start_pos: int
     samples: bool
 
+    @property
+    def num_rows(self) -> int:
+        """Positions sampled this step: the last one, or every position of a draft and the token before it."""
+        return 1 + len(self.seq.draft_token_ids) if self.samples else 1
+
 
 @dataclass
 class ScheduledBatch:
@@ -52,7 +57,7 @@ class ScheduledBatch:
 
     def add(self, seq: Sequence, num_new_tokens: int) -> None:
         start = seq.num_computed_tokens
-        samples = start + num_new_tokens == seq.num_tokens
+        samples = start + num_new_tokens == seq.num_tokens + len(seq.draft_token_ids)
         self.items.append(ScheduledItem(seq, num_new_tokens, start, samples))
         self.num_tokens += num_new_tokens
 
@@ -134,7 +139,11 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.draft_token_ids and not self.bm.can_append(seq, min(seq.num_uncomputed, budget)):
+                seq.draft_token_ids = []  # a draft never takes blocks another sequence needs
             n = min(seq.num_uncomputed, budget)
+            if seq.draft_token_ids and n < seq.num_uncomputed:  # the budget cuts the draft, never the real token
+                seq.draft_token_ids = seq.draft_token_ids[:max(0, n - (seq.num_uncomputed - len(seq.draft_token_ids)))]
             if n == 0:  # the engine gave it no sampled token; nothing to compute
                 i += 1
                 continue
@@ -153,6 +162,7 @@ class Scheduler:
         """Recompute-style preemption: drop the KV, keep the tokens, requeue at the front."""
         self.running.remove(seq)
         self.bm.free(seq)
+        seq.draft_token_ids = []
         seq.num_computed_tokens = 0
         seq.num_prefix_cached_tokens = 0
         seq.num_preemptions += 1
@@ -203,7 +213,8 @@ class Scheduler:
         for item in batch.items:
             seq = item.seq
             if seq.status is SequenceStatus.RUNNING:
-                seq.num_computed_tokens += item.num_new_tokens
+                # a draft counts once confirmed (LLMEngine._accept_drafts): its KV may be for other tokens
+                seq.num_computed_tokens += item.num_new_tokens - len(seq.draft_token_ids)
                 self.bm.register_full_blocks(seq)
 
     def record(self, batch: ScheduledBatch, sampled: dict[int, int]) -> None:

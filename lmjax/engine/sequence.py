@@ -50,6 +50,9 @@ class Sequence:
     # What a block's KV depends on besides the tokens before it (the root of the hash chain; vLLM's
     # `cache_salt`): blocks of sequences with different salts are never shared.
     cache_salt: Any = None
+    # Tokens proposed after the real ones for the next step only (lmjax.engine.speculative): computed with them,
+    # kept only as far as the model confirms them.
+    draft_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -71,7 +74,8 @@ class Sequence:
 
     @property
     def num_uncomputed(self) -> int:
-        return self.num_tokens - self.num_computed_tokens
+        """Tokens the next step should compute: the real ones not in the cache, and any draft."""
+        return self.num_tokens + len(self.draft_token_ids) - self.num_computed_tokens
 
     @property
     def last_token_id(self) -> int:
@@ -82,7 +86,11 @@ class Sequence:
         return self.status is SequenceStatus.FINISHED
 
     def token_slice(self, start: int, end: int) -> list[int]:
-        """`token_ids[start:end]` without concatenating the whole prompt and output."""
+        """`token_ids[start:end]` without concatenating the whole prompt and output; positions past the real
+        tokens read the draft."""
+        if end > self.num_tokens and self.draft_token_ids:
+            n = self.num_tokens
+            return self.token_slice(start, n) + self.draft_token_ids[max(0, start - n):end - n]
         p = len(self.prompt_token_ids)
         if end <= p:
             return self.prompt_token_ids[start:end]
