@@ -22,9 +22,18 @@ def _metadata(path: str) -> dict:
             if key.startswith("tokenizer.") or key == "general.architecture"}
 
 
-def gguf_tokenizer(path: str) -> PreTrainedTokenizerFast:
-    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+def _converter():
+    """transformers' GGUF tokenizer mapping and converter: in integrations.gguf since ~5.20, integrations.ggml
+    before (5.17, the GPU machine's, has an empty gguf_tokenizer_mapping module and the names in ggml)."""
+    try:
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+    except ImportError:
+        from transformers.integrations.ggml import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+    return GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
 
+
+def gguf_tokenizer(path: str) -> PreTrainedTokenizerFast:
+    GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer = _converter()
     metadata = _metadata(path)
     grouped = {group: {name: metadata[f"tokenizer.{key}"] for key, name in renames.items()
                        if f"tokenizer.{key}" in metadata}
@@ -36,4 +45,6 @@ def gguf_tokenizer(path: str) -> PreTrainedTokenizerFast:
         token_id = metadata.get(f"tokenizer.ggml.{key}")
         config[name] = tokenizer_dict["tokens"][token_id] if token_id is not None else None
     backend, extra = convert_gguf_tokenizer(metadata["general.architecture"], tokenizer_dict)
-    return PreTrainedTokenizerFast(tokenizer_object=backend, **config, **extra)
+    # Older converters (transformers 5.17) also return special tokens: the file's own ids win where they exist
+    config.update({k: v for k, v in extra.items() if config.get(k) is None})
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **config)
