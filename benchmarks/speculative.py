@@ -106,7 +106,8 @@ def main() -> None:
               f"{statistics.median(x['steps'] for x in runs):>6} {acc:>17} {r['tokens'] == base['tokens']}")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, f"speculative-{args.shape}.json"), "w") as f:
+        name = os.path.basename(os.path.normpath(args.model)) if args.model else args.shape
+        with open(os.path.join(args.out, f"speculative-{name}.json"), "w") as f:
             json.dump({"args": vars(args), "results": results}, f, indent=1)
 
 
