@@ -22,7 +22,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from lmjax.guided_params import GuidedDecodingParams, as_guided, from_response_format
-from lmjax.validation import check as _check, check_logit_bias, strict_fields as _strict_fields
+from lmjax.validation import FLOAT32_MAX, FLOAT32_TINY, check as _check, check_logit_bias
+from lmjax.validation import strict_fields as _strict_fields
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 
@@ -65,10 +66,18 @@ SAMPLING_NUMBERS = ("temperature", "top_p", "min_p", "repetition_penalty")
 def _check_sampling(temperature, top_p, top_k, min_p, repetition_penalty, n, logprobs) -> None:
     """Checks shared by GenerationConfig and SamplingParams."""
     _check(temperature >= 0, f"temperature must be >= 0, got {temperature}")
+    # The sampler divides logits by it in float32: past float32's range it becomes inf, and -inf / inf (a
+    # banned token's logit) is NaN
+    _check(temperature <= FLOAT32_MAX, f"temperature must be at most {FLOAT32_MAX:.6g} (float32's largest), "
+                                       f"got {temperature}")
     _check(0 < top_p <= 1, f"top_p must be in (0, 1], got {top_p}")
     _check(isinstance(top_k, int) and top_k >= -1, f"top_k must be an int >= -1, got {top_k!r}")
     _check(0 <= min_p <= 1, f"min_p must be in [0, 1], got {min_p}")
     _check(repetition_penalty > 0, f"repetition_penalty must be > 0, got {repetition_penalty}")
+    # ... and multiplies or divides a seen token's logit by it: both it and 1 / it must stay finite in float32
+    _check(FLOAT32_TINY <= repetition_penalty <= FLOAT32_MAX,
+           f"repetition_penalty must be in [{FLOAT32_TINY:.6g}, {FLOAT32_MAX:.6g}] (float32's range, for it and "
+           f"its inverse), got {repetition_penalty}")
     _check(isinstance(n, int) and n >= 1, f"n must be an int >= 1, got {n!r}")
     _check(logprobs is None or (isinstance(logprobs, int) and logprobs >= 0),
            f"logprobs must be None or an int >= 0, got {logprobs!r}")
@@ -474,8 +483,9 @@ class ChatTemplateConfig:
 
     def _from_markers(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                       continue_final_message: bool = False) -> str:
-        from lmjax.loader.tokenizer import text_content  # config stays import-light for every layer
+        from lmjax.loader.tokenizer import check_messages, text_content  # config stays import-light
 
+        check_messages(messages)  # a message without a role: a ValueError naming it, not a KeyError
         s = lambda v: v or ""  # noqa: E731  (None markers render as nothing)
         opens = {"system": s(self.system), "user": s(self.user), "assistant": s(self.assistant)}
         ends = {"system": s(self.eosys), "user": s(self.eoh),

@@ -31,6 +31,12 @@ def strict_fields(cls):
     return cls
 
 
+# numpy.finfo(numpy.float32).max (numpy stays out of config imports): the sampler computes in float32, where a
+# larger finite float becomes inf and turns a row's logits to NaN (-inf / inf under a ban, say)
+FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_TINY = 1.1754943508222875e-38  # numpy.finfo(numpy.float32).tiny, its smallest normal: 1 / it is finite
+
+
 def check(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
@@ -48,6 +54,7 @@ def check_logit_bias(logit_bias) -> dict[int, float] | None:
     bad_keys = [k for k in logit_bias if not isinstance(k, Integral) or isinstance(k, bool)]
     check(not bad_keys, f"logit_bias keys must be int token ids, got {bad_keys[:5]!r}")
     bad = {k: v for k, v in logit_bias.items()
-           if not isinstance(v, Real) or isinstance(v, bool) or not math.isfinite(v)}
-    check(not bad, f"logit_bias values must be finite numbers, got {dict(list(bad.items())[:5])!r}")
+           if not isinstance(v, Real) or isinstance(v, bool) or not math.isfinite(v) or abs(v) > FLOAT32_MAX}
+    check(not bad, f"logit_bias values must be finite numbers, got {dict(list(bad.items())[:5])!r} "
+                   f"(float32's range: |bias| <= {FLOAT32_MAX:.6g})")
     return {int(k): float(v) for k, v in logit_bias.items()}

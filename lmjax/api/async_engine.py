@@ -25,10 +25,10 @@ import os
 import queue
 from collections.abc import AsyncIterator, Iterator
 
-from lmjax.api.batch import encode_chat, encode_text
+from lmjax.api.batch import check_kind, encode_chat, encode_text, per_prompt
 from lmjax.api.engine_thread import EngineThread, GenOut, merge_outputs
 from lmjax.api.outputs import Response, batch_index
-from lmjax.api.pipeline import _LEGACY_ARGS, _engine_config, check_adapter, with_legacy
+from lmjax.api.pipeline import _LEGACY_ARGS, GEN_CONFIG_KINDS, _engine_config, check_adapter, with_legacy
 from lmjax.config import ChatTemplateConfig, SamplingParams
 from lmjax.engine.engine import LLMEngine
 
@@ -73,6 +73,7 @@ class AsyncEngine:
     def sampling_params(self, gen_config=None, **legacy) -> SamplingParams:
         """GenerationConfig (LMDeploy) or SamplingParams (vLLM) plus legacy keywords -> SamplingParams,
         with the chat template's stop words added."""
+        check_kind(gen_config, GEN_CONFIG_KINDS, "gen_config")
         if isinstance(gen_config, SamplingParams):
             if legacy:
                 raise TypeError(f"{sorted(legacy)} cannot be combined with a SamplingParams gen_config")
@@ -229,9 +230,7 @@ class AsyncEngine:
         """(single prompt?, [(text, ids)], [SamplingParams]) of a prompt or a batch of them."""
         single = isinstance(prompts, str) or (bool(prompts) and isinstance(prompts[0], dict))
         batch = [prompts] if single else list(prompts)
-        configs = gen_config if isinstance(gen_config, (list, tuple)) else [gen_config] * len(batch)
-        if len(configs) != len(batch):
-            raise ValueError(f"gen_config has {len(configs)} entries for {len(batch)} prompts")
+        configs = per_prompt(gen_config, len(batch), "gen_config", GEN_CONFIG_KINDS)
         encoded = [self.encode(p, True, do_preprocess, template) for p in batch]
         return single, encoded, [self.sampling_params(g, **legacy) for g in configs]
 
@@ -331,4 +330,3 @@ def _drain(sink: queue.SimpleQueue, position: int, n: int) -> list[Response]:
 def _default_name(path: str) -> str:
     name = os.path.basename(os.path.normpath(path))
     return name[:-5] if name.endswith(".gguf") else name
-

@@ -28,12 +28,26 @@ def encode_chat(tokenizer, messages: str | Messages, template: ChatTemplateConfi
     return text, tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def per_prompt(value, count: int, name: str) -> list:
-    """One value for every prompt, or a list with one per prompt."""
+def check_kind(value, kind: type | tuple[type, ...], name: str) -> None:
+    """A TypeError naming the argument (`name`, with its position for a per-prompt entry: "gen_config[1]") and
+    the type it got, where a wrong one (a dict for a SamplingParams) would fail deep in the engine with an
+    AttributeError that names neither."""
+    if not isinstance(value, kind):
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        wanted = " or ".join("None" if k is type(None) else k.__name__ for k in kinds)
+        raise TypeError(f"{name} must be a {wanted}, got {type(value).__name__}")
+
+
+def per_prompt(value, count: int, name: str, kind: type | tuple[type, ...] | None = None) -> list:
+    """One value for every prompt, or a list with one per prompt; with `kind`, each checked to be one."""
     if isinstance(value, (list, tuple)):
         if len(value) != count:
             raise ValueError(f"{name} has {len(value)} entries for {count} prompts")
+        for i, v in enumerate(value if kind is not None else ()):
+            check_kind(v, kind, f"{name}[{i}]")
         return list(value)
+    if kind is not None:
+        check_kind(value, kind, name)
     return [value] * count
 
 
@@ -42,6 +56,8 @@ def submit_all(engine: LLMEngine, prompts: Sequence[tuple[str | None, list[int]]
     """Queue every request, but only after all of them passed validation: a bad one costs no work and
     leaves no other request queued. `overflow_as_length` (LMDeploy's facades): a prompt that leaves no
     room in session_len is not an error but a request already finished with reason "length"."""
+    for i, p in enumerate(params):
+        check_kind(p, SamplingParams, f"sampling_params[{i}]")
     overflowed = engine.validate_batch([(ids, p) for (_, ids), p in zip(prompts, params)])
     if overflowed and not overflow_as_length:
         raise next(iter(overflowed.values()))

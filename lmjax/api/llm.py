@@ -17,6 +17,7 @@ import dataclasses
 import logging
 import os
 from collections.abc import Sequence
+from numbers import Integral
 
 import jax
 
@@ -67,9 +68,24 @@ def _check_quantization(model, quantization: str | None) -> None:
     require_awq(resolve_model_path(model), "LLM(quantization='awq')")
 
 
+def _is_token_id(t) -> bool:
+    """An int or a numpy integer (ids often come from an array); not a bool, which is an int to Python."""
+    return isinstance(t, Integral) and not isinstance(t, bool)
+
+
 def _as_list(prompts) -> list:
     """One prompt (a str, a dict or a list of token ids) or a list of them, as a list."""
-    return [prompts] if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)) else prompts
+    one = isinstance(prompts, (str, dict)) or (prompts and _is_token_id(prompts[0]))
+    return [prompts] if one else prompts
+
+
+def _token_ids(ids, where: str) -> list[int]:
+    """A prompt's token ids as plain ints; a TypeError naming the first entry that is not one."""
+    ids = list(ids)
+    bad = next((i for i, t in enumerate(ids) if not _is_token_id(t)), None)
+    if bad is not None:
+        raise TypeError(f"{where}[{bad}] must be an int token id, got {ids[bad]!r} ({type(ids[bad]).__name__})")
+    return [int(t) for t in ids]
 
 
 def _no_lora(lora_request) -> None:
@@ -209,11 +225,11 @@ class LLM:
         if isinstance(prompt, str):
             return prompt, encode_text(self.llm_engine.tokenizer, prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            return prompt.get("prompt"), _token_ids(prompt["prompt_token_ids"], "prompt_token_ids")
         if isinstance(prompt, dict) and "prompt" in prompt:
             return prompt["prompt"], encode_text(self.llm_engine.tokenizer, prompt["prompt"])
-        if isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
-            return None, list(prompt)
+        if isinstance(prompt, Sequence):  # (a str went above) token ids, each checked
+            return None, _token_ids(prompt, "prompt")
         raise TypeError(f"a prompt must be a str, a list of token ids or a dict with 'prompt' or "
                         f"'prompt_token_ids', got {type(prompt).__name__}")
 
@@ -258,7 +274,8 @@ class LLM:
             prompts = prompt_token_ids if prompt_token_ids and isinstance(prompt_token_ids[0], list) \
                 else [prompt_token_ids]
         encoded = [self._encode(p) for p in _as_list(prompts)]
-        params = per_prompt(sampling_params or self.get_default_sampling_params(), len(encoded), "sampling_params")
+        params = per_prompt(sampling_params or self.get_default_sampling_params(), len(encoded), "sampling_params",
+                            SamplingParams)
         params = _with_guide(params, guide)
         requests = submit_all(self.llm_engine, encoded, params)
         run_to_completion(self.llm_engine, requests, use_tqdm)

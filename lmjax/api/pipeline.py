@@ -32,6 +32,7 @@ _LEGACY_ARGS = {"request_output_len": "max_new_tokens", "top_k": "top_k", "top_p
 # temperature 0.8): a call that passes some of them and no gen_config samples with these, as LMDeploy built
 # its GenerationConfig from them. A call with neither gets GenerationConfig()'s (greedy), as LMDeploy now does.
 _LEGACY_DEFAULTS = GenerationConfig(max_new_tokens=512, top_k=40, top_p=0.8, temperature=0.8)
+GEN_CONFIG_KINDS = (GenerationConfig, SamplingParams, type(None))  # what the LMDeploy facades take as gen_config
 
 
 def with_legacy(gen_config: GenerationConfig | None, legacy: dict) -> GenerationConfig:
@@ -121,7 +122,7 @@ class Pipeline:
     def _submit(self, prompts, gen_config, do_preprocess, legacy, template=None):
         single = isinstance(prompts, str) or (prompts and isinstance(prompts[0], dict))
         batch = [prompts] if single else list(prompts)
-        configs = per_prompt(gen_config, len(batch), "gen_config")
+        configs = per_prompt(gen_config, len(batch), "gen_config", GEN_CONFIG_KINDS)
         params = [self._params(self._gen_config(g, legacy)) for g in configs]
         # a prompt over session_len gives an empty "length" Response (LMDeploy's), not an error for the batch
         requests = submit_all(self.engine, [self._encode(p, do_preprocess, template) for p in batch], params,

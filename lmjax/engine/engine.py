@@ -21,16 +21,16 @@ from lmjax.engine.compile_cache import compile_stats, enable_compilation_cache
 from lmjax.engine.detokenizer import IncrementalDetokenizer
 from lmjax.engine.guided import GuidedDecoding, advance_guide
 from lmjax.engine.host_outputs import NO_EXTRAS, HostOutputsMixin, HostRows, needs_host
-from lmjax.engine.model_runner import ModelRunner, StepOutput, bucket
-from lmjax.engine.request import (Completion, ContextOverflowError, Request, check_logprobs, check_prompt,
-                                  check_token_ids, new_request_id, truncated_prompt)
+from lmjax.engine.model_runner import ModelRunner, StepInputError, StepOutput, bucket
+from lmjax.engine.request import (Completion, ContextOverflowError, Request, check_logprobs, check_n, check_prompt,
+                                  check_sampling_ids, new_request_id, truncated_prompt, vocab_top_k)
 from lmjax.engine.multistep import MultiStepMixin
 from lmjax.engine.scheduler import ScheduledBatch, Scheduler
 from lmjax.engine.sequence import Sequence
 from lmjax.engine.sessions import SessionsMixin
 from lmjax.engine.speculative import SpeculativeMixin, row_starts
 from lmjax.engine.stop import StopStringMatcher
-from lmjax.layers.sampler import SamplingRow, row_banned_ids, tokenize_bad_words
+from lmjax.layers.sampler import SamplingRow, build_sampling_metadata, row_banned_ids, tokenize_bad_words
 from lmjax.loader.generation_config import generation_eos_ids, read_generation_config, sampling_defaults
 from lmjax.loader.model_loader import load_model
 from lmjax.loader.resolve import resolve_model_path
@@ -106,6 +106,7 @@ class LLMEngine(SessionsMixin, MultiStepMixin, HostOutputsMixin, SpeculativeMixi
         if params.truncate_prompt_tokens and len(prompt_token_ids) > params.truncate_prompt_tokens:
             prompt_token_ids, prompt = truncated_prompt(prompt_token_ids, params), None  # the text no longer matches
         max_tokens = self.validate_request(prompt_token_ids, params)
+        params = vocab_top_k(params, self.model_config.vocab_size)
         n = len(prompt_token_ids)
         req = Request(request_id or new_request_id(), prompt, list(prompt_token_ids), params, max_tokens)
         if params.bad_words:
@@ -127,11 +128,11 @@ class LLMEngine(SessionsMixin, MultiStepMixin, HostOutputsMixin, SpeculativeMixi
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Every check `add_request` makes, nothing queued (a batch checks all its requests first, so a bad
         one leaves no other behind); returns the request's token budget (max_tokens capped by the context)."""
+        check_n(params, self.config.max_batch_size)  # first: overflowed_request also makes n completions
         prompt_token_ids = truncated_prompt(prompt_token_ids, params)
         check_prompt(prompt_token_ids, self.model_config.vocab_size, self.session_len)
         check_logprobs(params, self.model_config.vocab_size, self.config.max_logprobs)
-        check_token_ids("logit_bias token ids", params.logit_bias or (), self.model_config.vocab_size)
-        check_token_ids("allowed_token_ids", params.allowed_token_ids or (), self.model_config.vocab_size)
+        check_sampling_ids(params, self.model_config.vocab_size)
         self.guided.check(params)  # compiles a guide: a bad schema or regex fails here, naming it
         if needs_host(params) and self.runner.leading:
             raise NotImplementedError("logits_processors, output_logits and output_last_hidden_state are not "
@@ -239,14 +240,20 @@ class LLMEngine(SessionsMixin, MultiStepMixin, HostOutputsMixin, SpeculativeMixi
                 self._by_seq[it.seq.seq_id][0].metrics.scheduled(now)
         num_steps = self._decode_steps(batch)
         if num_steps > 1:
-            self._pending = (batch, self.runner.dispatch_decode(batch, [self._row(it) for it in batch.items],
-                                                                num_steps))
+            rows = [self._row(it) for it in batch.items]
+            try:
+                self._pending = (batch, self.runner.dispatch_decode(batch, rows, num_steps))
+            except StepInputError as e:
+                return self._inputs_failed(batch, rows, list(range(len(rows))), e, changed)
             self.num_decode_loops += 1
             return self._finish_pending(changed)
         extras = self._extras(batch)
         starts = row_starts(batch)  # each item's first sampled row (items verifying a draft have several)
         rows = [self._row(it, ahead=j) for it in batch.items for j in range(it.num_rows)]
-        pending = self.runner.dispatch_step(batch, self.blocks, rows, self._prompt_logprobs_k(batch), extras)
+        try:
+            pending = self.runner.dispatch_step(batch, self.blocks, rows, self._prompt_logprobs_k(batch), extras)
+        except StepInputError as e:
+            return self._inputs_failed(batch, rows, starts, e, changed)
         failed = {} if extras.sample else self._process_logits(batch, pending, starts)
         self.scheduler.advance(batch)
         if len(rows) == len(batch.items):
@@ -272,6 +279,22 @@ class LLMEngine(SessionsMixin, MultiStepMixin, HostOutputsMixin, SpeculativeMixi
                 else:
                     self._postprocess(req, comp, out, starts[i])
                 changed[req.request_id] = req
+        return list(changed.values())
+
+    def _inputs_failed(self, batch: ScheduledBatch, rows: list[SamplingRow], starts: list[int], error: Exception,
+                       changed: dict[str, Request]) -> list[Request]:
+        """A step whose host-side inputs could not be built: nothing reached the device, so the requests whose
+        own sampling rows fail alone end with "error" and the rest of the batch runs next step (`schedule`
+        picks it again: its blocks are kept and nothing advanced). When no row is to blame, the batch ends."""
+        logger.error("step inputs could not be built: %s", error)
+        live = [(it, rows[starts[i]:starts[i] + it.num_rows]) for i, it in enumerate(batch.items)
+                if it.seq.seq_id in self._by_seq]
+        blamed = [it for it, own in live if not _packs(own)] or [it for it, _ in live]
+        for it in blamed:
+            req, comp = self._by_seq[it.seq.seq_id]
+            req.error = f"the step's sampling inputs could not be built: {error}"
+            self._finish(req, comp, "error")
+            changed[req.request_id] = req
         return list(changed.values())
 
     def warmup(self, sampling_params: list[SamplingParams] | None = None, max_batch_size: int | None = None) -> dict:
@@ -380,6 +403,15 @@ class LLMEngine(SessionsMixin, MultiStepMixin, HostOutputsMixin, SpeculativeMixi
         if req.finished:
             req.metrics.finished_time = time.time()
             self.requests.pop(req.request_id, None)
+
+
+def _packs(rows: list[SamplingRow]) -> bool:
+    """Whether these rows alone make sampling inputs (`_inputs_failed` looks for the rows to blame)."""
+    try:
+        build_sampling_metadata(rows, pad_to=len(rows))
+        return True
+    except Exception:  # noqa: BLE001  (any failure blames them)
+        return False
 
 
 def _tokenizer_eos(tokenizer) -> set[int]:

@@ -81,7 +81,7 @@ class HostRows:
 
 def call_processors(processors: list, prompt_ids: list[int], output_ids: list[int], logits_V: np.ndarray) -> np.ndarray:
     """Run a completion's processors in order on a copy of its raw logits; raises ValueError (naming the
-    processor) for a result of another shape."""
+    processor) for a result of another shape, or one nothing can be sampled from (`_check_samplable`)."""
     V = logits_V.shape[0]
     row = np.array(logits_V, np.float32)  # a writable copy: processors may assign in place
     for fn in processors:
@@ -89,8 +89,19 @@ def call_processors(processors: list, prompt_ids: list[int], output_ids: list[in
         out = np.asarray(out if out is not None else row, np.float32)
         if out.shape != (V,):
             raise ValueError(f"logits processor {fn!r} returned shape {out.shape}, expected ({V},)")
+        _check_samplable(fn, out)
         row = np.array(out)  # writable again for the next processor
     return row
+
+
+def _check_samplable(fn, logits_V: np.ndarray) -> None:
+    """A ValueError naming the processor whose logits hold a NaN or are all -inf: the sampler's argmax would
+    pick an arbitrary token from them (id 0, often a special one) instead of failing the request."""
+    nan_ids = np.flatnonzero(np.isnan(logits_V))
+    if nan_ids.size:
+        raise ValueError(f"logits processor {fn!r} returned NaN logits (at ids {nan_ids[:5].tolist()})")
+    if not (logits_V > -np.inf).any():
+        raise ValueError(f"logits processor {fn!r} returned -inf for every token: nothing is left to sample")
 
 
 def _arity(fn) -> int:

@@ -48,6 +48,20 @@ from lmjax.models.forward import make_kv_caches
 logger = logging.getLogger("lmjax.engine")
 
 
+class StepInputError(Exception):
+    """The host could not build a step's inputs (a sampling value the int32 / float32 arrays cannot hold,
+    say): nothing of that step reached the device, so the engine fails that step's requests alone, not
+    every live one as for a device failure."""
+
+
+def _sampling_inputs(rows: list[SamplingRow], pad_to: int) -> tuple[SamplingMetadata, SamplingFlags]:
+    """build_sampling_metadata, its failure a StepInputError."""
+    try:
+        return build_sampling_metadata(rows, pad_to=pad_to)
+    except Exception as e:  # noqa: BLE001  (host-side packing only: the engine decides whom it fails)
+        raise StepInputError(f"{type(e).__name__}: {e}") from e
+
+
 def step_kind(smeta: SamplingMetadata) -> int:
     """The kind of step a leader sends its followers (lmjax.parallel.send_step): 1 + one bit per optional
     sampling input present (allowed-token mask, logit bias), since each combination is a pytree of another
@@ -263,7 +277,7 @@ class ModelRunner:
         # last_token_id is behind, so only an unchained call reads it.
         ids_B = pending_ids(after.out.token_ids_B, rows=B) if after is not None else _last_token_ids(items, B)
         inputs = DecodeInputs(ids_B, positions_B, tables_BM, np.int32(n))
-        smeta, flags = build_sampling_metadata(rows, pad_to=B)
+        smeta, flags = _sampling_inputs(rows, pad_to=B)
         if self.mesh is not None:
             inputs, smeta = parallel.replicate((inputs, smeta), self.mesh)
         with parallel.use_mesh(self.mesh):
@@ -355,9 +369,10 @@ class ModelRunner:
                       num_prompt_logprobs: int = -1, extras: Extras = NO_EXTRAS) -> PendingStep:
         """Start one step on the device and return without waiting for it (`read_step` reads it); `rows`
         has one SamplingRow per item (used only for items that sample). `extras`: rows for the host
-        (lmjax.engine.host_outputs); with extras.sample False, `sample_processed` must run before the read."""
+        (lmjax.engine.host_outputs); with extras.sample False, `sample_processed` must run before the read.
+        Rows that cannot be packed raise StepInputError before anything is dispatched."""
         inputs = self.build_inputs(batch, blocks)
-        smeta, flags = build_sampling_metadata(rows, pad_to=inputs.last_rows_B.shape[0])
+        smeta, flags = _sampling_inputs(rows, pad_to=inputs.last_rows_B.shape[0])
         if self.leading:  # followers run NO_EXTRAS steps only: the engine refuses host outputs across hosts
             parallel.send_step((inputs, smeta), [*map(int, flags), num_prompt_logprobs], kind=step_kind(smeta))
         out, prompt, extra = self._run(inputs, smeta, flags, num_prompt_logprobs, extras)

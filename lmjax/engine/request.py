@@ -153,6 +153,30 @@ def check_token_ids(what: str, token_ids, vocab: int) -> None:
         raise ValueError(f"{what} {bad[:5]} are outside the vocabulary [0, {vocab})")
 
 
+def check_sampling_ids(params: SamplingParams, vocab: int) -> None:
+    """check_token_ids for every id field of `params`: each reaches the sampler (an int32 column on the
+    device), where an id past int32 would fail the whole step and one outside the vocabulary do nothing."""
+    for name in ("stop_token_ids", "bad_token_ids", "allowed_token_ids"):
+        check_token_ids(name, getattr(params, name) or (), vocab)
+    check_token_ids("logit_bias token ids", params.logit_bias or (), vocab)
+
+
+def check_n(params: SamplingParams, max_batch_size: int) -> None:
+    """A ValueError for an n the engine cannot run: more sequences than a step holds (max_batch_size,
+    vLLM's max_num_seqs). Checked before any work: a request of n=10**9 would otherwise build 10**9
+    completions on the engine thread, stalling every other request."""
+    if params.n > max_batch_size:
+        raise ValueError(f"n={params.n} is more than the {max_batch_size} sequences the engine runs at once "
+                         "(EngineConfig(max_batch_size=...), vLLM's max_num_seqs)")
+
+
+def vocab_top_k(params: SamplingParams, vocab: int) -> SamplingParams:
+    """`params` with a top_k of the whole vocabulary or more made 0 (off): the same tokens stay in play (the
+    sampler keeps min(top_k, V)), as vLLM clamps top_k >= vocab_size to the vocabulary; and the value (up
+    to 2**63 over HTTP) never reaches the sampler's int32 column. Other params come back as they are."""
+    return dataclasses.replace(params, top_k=0) if params.top_k >= vocab else params
+
+
 def check_logprobs(params: SamplingParams, vocab: int, max_logprobs: int) -> None:
     """A ValueError for `logprobs` / `prompt_logprobs` above max_logprobs (-1: the vocabulary), which
     would otherwise fail inside the jitted step for the whole batch."""

@@ -101,15 +101,27 @@ def text_content(content, where: str = "content") -> str | None:
     return "\n".join(p.get("text", "") for p in content)
 
 
+def check_messages(messages) -> None:
+    """A ValueError naming the first message that is not a dict with a 'role' string and a 'content' that is a
+    string, None or a list of content parts (`text_content`): what every chat template reads, checked before
+    one fails on it with a KeyError or a jinja error that names no message."""
+    if not isinstance(messages, (list, tuple)):
+        raise ValueError(f"messages must be a list of dicts, got {type(messages).__name__}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ValueError(f"messages[{i}] must be a dict with a 'role' string, got {m!r}")
+        if not isinstance(m.get("content"), (str, list, type(None))):
+            raise ValueError(f"messages[{i}].content must be a string, a list of content parts or None, "
+                             f"got {type(m['content']).__name__}")
+
+
 def render_chat(tokenizer, messages: list[dict], **kwargs):
     """`tokenizer.apply_chat_template(messages, **kwargs)` (kwargs may hold `tools`, OpenAI's tool list),
     with messages checked first (content parts made text, `text_content`; tool calls' JSON-string
     arguments made dicts, `_with_dict_arguments`) and a template that fails on them turned into a
     ValueError naming the message: a jinja error such as "'dict object' has no attribute 'content'" says
     nothing of which message or field was wrong."""
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise ValueError(f"messages[{i}] must be a dict with a 'role' string, got {m!r}")
+    check_messages(messages)
     messages = [{**m, "content": text_content(m["content"], f"messages[{i}]")} if isinstance(m.get("content"), list)
                 else m for i, m in enumerate(messages)]
     messages = [_with_dict_arguments(m, i) if m.get("tool_calls") else m for i, m in enumerate(messages)]

@@ -148,6 +148,16 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
             return await first_and_rest(merge(gens))
         except (ValueError, TypeError) as e:
             raise APIError(400, str(e)) from None
+        except RuntimeError as e:  # the engine failed or is closed: OpenAI's error body, not a bare 500
+            raise APIError(500, str(e), "server_error") from None
+
+    async def collect(raw: Request, first, rest, choices: R.Choices) -> bool:
+        """A non-streaming response's outputs, all of them (False: the client went away first). An engine
+        failure on the way is OpenAI's error body, as in `start`."""
+        try:
+            return await until_disconnect(raw, _consume(first, rest, choices))
+        except RuntimeError as e:
+            raise APIError(500, str(e), "server_error") from None
 
     @app.get("/health")
     async def health():
@@ -184,7 +194,7 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
         head, k, choices = R.Head("chatcmpl", name), req.top_logprobs or 0, R.Choices(req.n)
         first, rest = await start([prompt], params)
         if not req.stream:
-            if not await until_disconnect(raw, _consume(first, rest, choices)):
+            if not await collect(raw, first, rest, choices):
                 return Response(status_code=499)  # the client is gone: nobody reads this
             return R.chat_body(head, choices, k, decode, to_bytes, tools)
 
@@ -219,7 +229,7 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
         head, k, choices = R.Head("cmpl", name), req.logprobs or 0, R.Choices(req.n)
         first, rest = await start(prompts, params)
         if not req.stream:
-            if not await until_disconnect(raw, _consume(first, rest, choices)):
+            if not await collect(raw, first, rest, choices):
                 return Response(status_code=499)  # the client is gone: nobody reads this
             return R.completion_body(head, choices, k, decode, echo)
 
@@ -310,13 +320,15 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
             first, rest = await first_and_rest(merge([gen]))
         except (ValueError, TypeError) as e:
             raise APIError(400, str(e)) from None
+        except RuntimeError as e:
+            raise APIError(500, str(e), "server_error") from None
         choices = R.Choices(1)
 
         def line(out, text) -> dict:
             return {"text": text, "tokens": out.generate_token_len, "input_tokens": out.input_token_len,
                     "history_tokens": out.history_token_len, "finish_reason": out.finish_reason, "session_id": sid}
         if not req.stream:
-            if not await until_disconnect(raw, _consume(first, rest, choices)):
+            if not await collect(raw, first, rest, choices):
                 return Response(status_code=499)  # the client is gone: nobody reads this
             return line(choices.outs[0], choices.outs[0].response)
 

@@ -362,7 +362,12 @@ class EncodeRequest(_Nullable):
     add_bos: bool = True
 
     def inputs(self) -> list[str]:
-        return [self.input] if isinstance(self.input, str) else self.input
+        """One entry per input; an empty list is a ValueError (it would answer lists of nothing)."""
+        if isinstance(self.input, str):
+            return [self.input]
+        if not self.input:
+            raise ValueError("input=[] is empty: give a string or a list of strings")
+        return self.input
 
 
 class InteractiveRequest(_Nullable):
