@@ -16,43 +16,17 @@ keyword is a `TypeError` that lists it and suggests the nearest valid field.
 from __future__ import annotations
 
 import copy
-import enum
-import functools
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 from lmjax.guided_params import GuidedDecodingParams, as_guided, from_response_format
-from lmjax.validation import FLOAT32_MAX, FLOAT32_TINY, check as _check, check_logit_bias
-from lmjax.validation import strict_fields as _strict_fields
+from lmjax.request_fields import AllIds, RequestOutputKind, check_output_kinds, check_processors
+from lmjax.speculative_config import SpeculativeConfig  # noqa: F401  (re-exported: lmjax.config's name too)
+from lmjax.validation import FLOAT32_MAX, FLOAT32_TINY, as_list as _as_list, check as _check, check_logit_bias
+from lmjax.validation import check_numbers as _check_numbers, strict_fields as _strict_fields, warn_once
+from lmjax.validation import check_defaults_only, warn_no_effect  # noqa: F401  (re-exported, used here too)
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
-
-
-def _as_list(value, name: str, item_type: type) -> list | None:
-    """None stays None; a lone item becomes a one-element list; items must be `item_type`."""
-    if value is None:
-        return None
-    items = [value] if isinstance(value, item_type) else list(value)
-    bad = [v for v in items if not isinstance(v, item_type) or isinstance(v, bool)]
-    _check(not bad, f"{name} must hold {item_type.__name__} values, got {value!r}")
-    return items
-
-
-def _check_numbers(obj, names: tuple[str, ...]) -> None:
-    """Each named field a real number (a str such as "0.5" would fail later with an error naming nothing)."""
-    for name in names:
-        value = getattr(obj, name)
-        _check(isinstance(value, (int, float)) and not isinstance(value, bool),
-               f"{name} must be a number, got {value!r}")
-
-
-def check_defaults_only(owner: str, values: dict, defaults: dict) -> None:
-    """Arguments kept for code written against vLLM or LMDeploy that lmjax does not implement: their
-    default values pass, anything else is a NotImplementedError naming it (never silently ignored).
-    `values`: {name: value} of `owner`'s (a class name) arguments, each a key of `defaults`."""
-    for name, value in values.items():
-        if value != defaults[name]:
-            raise NotImplementedError(f"{owner}({name}={value!r}) is not supported by lmjax")
 
 
 def _check_defaults_only(obj, defaults: dict) -> None:
@@ -81,14 +55,6 @@ def _check_sampling(temperature, top_p, top_k, min_p, repetition_penalty, n, log
     _check(isinstance(n, int) and n >= 1, f"n must be an int >= 1, got {n!r}")
     _check(logprobs is None or (isinstance(logprobs, int) and logprobs >= 0),
            f"logprobs must be None or an int >= 0, got {logprobs!r}")
-
-
-class RequestOutputKind(enum.Enum):
-    """vLLM's: each RequestOutput of a streaming engine (lmjax.LLMEngine.step) holds everything so far
-    (CUMULATIVE), only what is new since the last one (DELTA), or comes once, when finished (FINAL_ONLY)."""
-    CUMULATIVE = 0
-    DELTA = 1
-    FINAL_ONLY = 2
 
 
 @_strict_fields
@@ -148,8 +114,8 @@ class SamplingParams:
         _check(isinstance(self.detokenize, bool), f"detokenize must be True or False, got {self.detokenize!r}")
         _check(isinstance(self.output_kind, RequestOutputKind),
                f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
-        self.logits_processors = _check_processors(self.logits_processors)
-        _check_output_kinds(self)
+        self.logits_processors = check_processors(self.logits_processors)
+        check_output_kinds(self)
         _check(self.truncate_prompt_tokens is None or (isinstance(self.truncate_prompt_tokens, int)
                                                        and self.truncate_prompt_tokens >= 1),
                f"truncate_prompt_tokens must be None or an int >= 1, got {self.truncate_prompt_tokens!r}")
@@ -199,40 +165,6 @@ class SamplingParams:
                 or self.frequency_penalty != 0.0)
 
 
-OUTPUT_KINDS = (None, "generation", "all")
-
-
-def _check_processors(processors) -> list | None:
-    """None or a list of callables (a lone callable becomes a list of one)."""
-    if processors is None:
-        return None
-    items = [processors] if callable(processors) else list(processors)
-    bad = [f for f in items if not callable(f)]
-    _check(not bad, f"logits_processors must be callables, got {bad[0]!r}" if bad else "")
-    return items or None
-
-
-def _check_output_kinds(obj) -> None:
-    for name in ("output_logits", "output_last_hidden_state"):
-        value = getattr(obj, name)
-        _check(value in OUTPUT_KINDS, f"{name} must be None, 'generation' or 'all', got {value!r}")
-
-
-class _AllIds:
-    """An LMDeploy logits processor, `f(input_ids, logits)` with input_ids the sequence's ids so far (prompt
-    and output), called as vLLM's three-argument form `f(prompt_ids, output_ids, logits)`."""
-
-    def __init__(self, fn):
-        self.fn = fn
-
-    def __call__(self, prompt_ids, output_ids, logits):
-        import numpy as np  # light module: numpy only when a processor runs
-        return self.fn(np.asarray([*prompt_ids, *output_ids], np.int64), logits)
-
-    def __repr__(self) -> str:
-        return f"LMDeploy processor {self.fn!r}"
-
-
 class _DefaultTopK(int):
     """GenerationConfig's top_k when the caller left it alone (it prints as 1): do_sample=True then
     means LMDeploy 0.6's default, SAMPLING_TOP_K. dataclasses.replace carries the mark along."""
@@ -280,8 +212,8 @@ class GenerationConfig:
 
     def __post_init__(self):
         _check_numbers(self, SAMPLING_NUMBERS)
-        self.logits_processors = _check_processors(self.logits_processors)
-        _check_output_kinds(self)
+        self.logits_processors = check_processors(self.logits_processors)
+        check_output_kinds(self)
         from_response_format(self.response_format)  # a bad one fails here, naming it
         _check_sampling(self.temperature, self.top_p, self.top_k, self.min_p,
                         self.repetition_penalty, self.n, self.logprobs)
@@ -310,43 +242,8 @@ class GenerationConfig:
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             guided_decoding=from_response_format(self.response_format),
-            logits_processors=[_AllIds(f) for f in self.logits_processors or ()] or None,
+            logits_processors=[AllIds(f) for f in self.logits_processors or ()] or None,
             output_logits=self.output_logits, output_last_hidden_state=self.output_last_hidden_state)
-
-
-@dataclass
-class SpeculativeConfig:
-    """vLLM's ngram speculative_config: when only one of prompt_lookup_min / max is given the other takes its
-    value, when neither both are 5 (vLLM's rules)."""
-    method: str = "ngram"
-    num_speculative_tokens: int = 5
-    prompt_lookup_max: int | None = None
-    prompt_lookup_min: int | None = None
-
-    def __post_init__(self):
-        _check(self.method == "ngram", f"speculative method {self.method!r} is not supported by lmjax (only 'ngram')")
-        if self.prompt_lookup_max is None and self.prompt_lookup_min is None:
-            self.prompt_lookup_max = self.prompt_lookup_min = 5
-        self.prompt_lookup_max = self.prompt_lookup_max or self.prompt_lookup_min
-        self.prompt_lookup_min = self.prompt_lookup_min or self.prompt_lookup_max
-        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
-            value = getattr(self, name)
-            _check(isinstance(value, int) and value >= 1, f"{name} must be an int >= 1, got {value!r}")
-        _check(self.prompt_lookup_min <= self.prompt_lookup_max,
-              f"prompt_lookup_min={self.prompt_lookup_min} must not exceed prompt_lookup_max={self.prompt_lookup_max}")
-
-    @classmethod
-    def of(cls, value) -> SpeculativeConfig | None:
-        """None, a SpeculativeConfig, or vLLM's dict form."""
-        if value is None or isinstance(value, SpeculativeConfig):
-            return value
-        if not isinstance(value, dict):
-            raise TypeError(f"speculative_config must be a dict or None, got {type(value).__name__}")
-        unknown = set(value) - {f.name for f in fields(cls)}
-        _check(not unknown, f"speculative_config keys {sorted(unknown)} are not supported by lmjax (method='ngram': "
-                           "num_speculative_tokens, prompt_lookup_max, prompt_lookup_min)")
-        return cls(**value)
-
 
 
 # Engine features that have a field but no implementation yet: a non-default value raises.
@@ -420,18 +317,6 @@ class EngineConfig:
         return int(free_bytes * self.cache_max_entry_count) // bytes_per_block
 
 
-@functools.cache
-def _warn_once(message: str) -> None:
-    import logging
-
-    logging.getLogger("lmjax").warning(message)
-
-
-def warn_no_effect(owner: str, name: str, value, why: str) -> None:
-    """A setting that only tunes an engine lmjax does not have: accepted, logged once per value."""
-    _warn_once(f"{owner}({name}={value!r}) has no effect in lmjax: {why}")
-
-
 @_strict_fields
 @dataclass
 class ChatTemplateConfig:
@@ -473,8 +358,8 @@ class ChatTemplateConfig:
             messages = [{"role": "user", "content": messages}]
         if self.has_markers or tokenizer is None or not getattr(tokenizer, "chat_template", None):
             if not self.has_markers:  # LMDeploy's "base" template for a model without one: the text as is
-                _warn_once(f"no chat template (ChatTemplateConfig(model_name={self.model_name!r}) has no role "
-                           "markers, the tokenizer none): messages are joined as plain text")
+                warn_once(f"no chat template (ChatTemplateConfig(model_name={self.model_name!r}) has no role "
+                          "markers, the tokenizer none): messages are joined as plain text")
             return self._from_markers(messages, add_generation_prompt, continue_final_message)
         from lmjax.loader.tokenizer import render_chat  # config stays import-light for every layer
 

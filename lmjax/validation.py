@@ -58,3 +58,42 @@ def check_logit_bias(logit_bias) -> dict[int, float] | None:
     check(not bad, f"logit_bias values must be finite numbers, got {dict(list(bad.items())[:5])!r} "
                    f"(float32's range: |bias| <= {FLOAT32_MAX:.6g})")
     return {int(k): float(v) for k, v in logit_bias.items()}
+
+
+def check_defaults_only(owner: str, values: dict, defaults: dict) -> None:
+    """Arguments kept for code written against vLLM or LMDeploy that lmjax does not implement: their
+    default values pass, anything else is a NotImplementedError naming it (never silently ignored).
+    `values`: {name: value} of `owner`'s (a class name) arguments, each a key of `defaults`."""
+    for name, value in values.items():
+        if value != defaults[name]:
+            raise NotImplementedError(f"{owner}({name}={value!r}) is not supported by lmjax")
+
+
+@functools.cache
+def warn_once(message: str) -> None:
+    import logging
+
+    logging.getLogger("lmjax").warning(message)
+
+
+def warn_no_effect(owner: str, name: str, value, why: str) -> None:
+    """A setting that only tunes an engine lmjax does not have: accepted, logged once per value."""
+    warn_once(f"{owner}({name}={value!r}) has no effect in lmjax: {why}")
+
+
+def as_list(value, name: str, item_type: type) -> list | None:
+    """None stays None; a lone item becomes a one-element list; items must be `item_type`."""
+    if value is None:
+        return None
+    items = [value] if isinstance(value, item_type) else list(value)
+    bad = [v for v in items if not isinstance(v, item_type) or isinstance(v, bool)]
+    check(not bad, f"{name} must hold {item_type.__name__} values, got {value!r}")
+    return items
+
+
+def check_numbers(obj, names: tuple[str, ...]) -> None:
+    """Each named field a real number (a str such as "0.5" would fail later with an error naming nothing)."""
+    for name in names:
+        value = getattr(obj, name)
+        check(isinstance(value, (int, float)) and not isinstance(value, bool),
+              f"{name} must be a number, got {value!r}")

@@ -25,6 +25,7 @@ from lmjax.engine.model_runner import ModelRunner, StepInputError, StepOutput, b
 from lmjax.engine.request import (Completion, ContextOverflowError, Request, check_logprobs, check_n, check_prompt,
                                   check_sampling_ids, new_request_id, truncated_prompt, vocab_top_k)
 from lmjax.engine.multistep import MultiStepMixin
+from lmjax.engine.prompt_logprobs import PromptLogprobsMixin
 from lmjax.engine.scheduler import ScheduledBatch, Scheduler
 from lmjax.engine.sequence import Sequence
 from lmjax.engine.sessions import SessionsMixin
@@ -41,7 +42,7 @@ logger = logging.getLogger("lmjax.engine")
 _GREEDY_ROW = SamplingRow(SamplingParams(temperature=0.0), seed=0)
 
 
-class LLMEngine(SessionsMixin, MultiStepMixin, HostOutputsMixin, SpeculativeMixin):
+class LLMEngine(SessionsMixin, MultiStepMixin, HostOutputsMixin, SpeculativeMixin, PromptLogprobsMixin):
     def __init__(self, model: str | None = None, config: EngineConfig | None = None, tokenizer: str | None = None):
         self.config = config = config or EngineConfig()
         self.compilation_cache_dir = enable_compilation_cache()  # a second start compiles nothing
@@ -330,27 +331,6 @@ class LLMEngine(SessionsMixin, MultiStepMixin, HostOutputsMixin, SpeculativeMixi
         allowed_W = comp.guide.mask_W() if comp.guide is not None else req.allowed_W  # None: any token
         return SamplingRow(req.params, comp.seed, req.prompt_token_ids, outputs, banned, len(outputs) + ahead,
                            allowed_W)
-
-    def _prompt_logprobs_k(self, batch: ScheduledBatch) -> int:
-        wanted = [self._by_seq[it.seq.seq_id][0].params.prompt_logprobs for it in batch.items
-                  if it.start_pos < it.seq.num_prompt_tokens and it.seq.seq_id in self._by_seq]
-        wanted = [k for k in wanted if k is not None]
-        return (bucket(max(wanted), 1) if max(wanted) else 0) if wanted else -1
-
-    def _record_prompt_logprobs(self, batch: ScheduledBatch, out: StepOutput) -> None:
-        chosen_T, top_ids_TK, top_lp_TK, rank_T = out.prompt
-        row = 0
-        for it in batch.items:
-            req = self._by_seq[it.seq.seq_id][0]
-            k = req.params.prompt_logprobs
-            for j in range(it.num_new_tokens):
-                pos = it.start_pos + j + 1  # the prompt token this row predicts
-                if k is not None and pos < len(req.prompt_token_ids) and req.prompt_logprobs[pos] is None:
-                    entry = dict(zip(top_ids_TK[row + j, :k].tolist(), top_lp_TK[row + j, :k].tolist()))
-                    entry[req.prompt_token_ids[pos]] = float(chosen_T[row + j])
-                    req.prompt_logprobs[pos] = entry
-                    req.prompt_ranks[pos] = int(rank_T[row + j])
-            row += it.num_new_tokens
 
     # ------------------------------------------------------------------ results out
     def _postprocess(self, req: Request, comp: Completion, out: StepOutput, i: int) -> None:

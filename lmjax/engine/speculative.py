@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from lmjax.config import SpeculativeConfig
+from lmjax.speculative_config import SpeculativeConfig
 from lmjax.engine.host_outputs import needs_host
 
 

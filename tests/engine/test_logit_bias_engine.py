@@ -11,7 +11,7 @@ import pytest
 
 from conftest import write_tiny_llama
 from lmjax import SamplingParams
-from lmjax.engine.model_runner import _follower_sampling_templates, step_kind
+from lmjax.engine.followers import _follower_sampling_templates, step_kind
 from lmjax.layers.sampler import SamplingRow, build_sampling_metadata
 
 

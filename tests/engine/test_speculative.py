@@ -6,7 +6,7 @@ import pytest
 
 from conftest import write_tiny_llama
 from lmjax import LLM, SamplingParams
-from lmjax.config import SpeculativeConfig
+from lmjax.speculative_config import SpeculativeConfig
 from lmjax.engine.speculative import accepted, propose
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
