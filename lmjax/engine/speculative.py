@@ -2,22 +2,26 @@
 decoding"): no draft model. Before a step, each eligible decoding sequence looks for the most recent earlier
 occurrence of its last n tokens (n from prompt_lookup_max down to prompt_lookup_min) in its own prompt and
 output; the up to num_speculative_tokens tokens that followed it become its draft. The step computes the
-sequence's last token and the draft in one pass (like a short prefill chunk) and samples every position;
-the longest prefix of the draft that equals the model's own greedy choices is accepted, plus the model's
-token after it, so a step yields 1 to k + 1 tokens and the output is exactly the non-speculative one.
+sequence's last token and the draft in one pass (like a short prefill chunk) and samples every position as
+plain decoding would sample it there; the draft stands as long as the sampled tokens equal it, and the first
+sampled token that differs (or the one after a wholly confirmed draft) ends the step's tokens. So a step yields
+1 to k + 1 tokens, and the output is exactly the non-speculative one, sampled requests included: with a draft
+fixed in advance (one token, probability 1), accepting it with probability p(draft) and otherwise sampling p
+without it (speculative sampling's rule) is the same as sampling p and keeping the draft token when it comes
+up; and position j draws the noise plain decoding would draw for that token (seed, step), so a seeded request
+gives the same tokens with speculation on or off.
 
-Eligible: greedy requests (temperature 0 or top_k 1) with nothing decided per token on the host or from the
-output so far (no penalties, guides, logits processors or host outputs, multi-token bad words, pending
-min_tokens); sampled requests decode as usual (vLLM verifies them by rejection sampling: not done here). A
-batch with drafts runs single steps (no multi-step decode calls), so speculation pays where a step is
-latency-bound (small batches on a GPU) and the text repeats its context (code edits, extraction, summaries).
+Eligible: requests with nothing decided per token on the host or from the output so far (no penalties, guides,
+logits processors or host outputs, multi-token bad words, pending min_tokens). A batch with drafts runs single
+steps (no multi-step decode calls), so speculation pays where a step is latency-bound (small batches on a
+GPU) and the text repeats its context (code edits, extraction, summaries).
 """
 from __future__ import annotations
 
 import numpy as np
 
-from lmjax.speculative_config import SpeculativeConfig
 from lmjax.engine.host_outputs import needs_host
+from lmjax.speculative_config import SpeculativeConfig
 
 
 def propose(token_ids: np.ndarray, config: SpeculativeConfig, limit: int) -> list[int]:
@@ -37,8 +41,9 @@ def propose(token_ids: np.ndarray, config: SpeculativeConfig, limit: int) -> lis
 
 
 def accepted(draft: list[int], targets: np.ndarray) -> int:
-    """How many draft tokens the model confirms: targets[j] is its choice after draft token j (targets[0]
-    after the sequence's last real token), so draft[j] stands while it equals targets[j]."""
+    """How many draft tokens the model confirms: targets[j] is the token it sampled (or chose greedily) after
+    draft token j (targets[0] after the sequence's last real token), so draft[j] stands while it equals
+    targets[j]."""
     a = 0
     while a < len(draft) and draft[a] == int(targets[a]):
         a += 1
@@ -62,7 +67,7 @@ class SpeculativeMixin:
 
     def _speculates(self, req, comp) -> bool:
         p = req.params
-        return (p.is_greedy and not p.uses_penalties and not req.bad_words_ids and comp.guide is None
+        return (not p.uses_penalties and not req.bad_words_ids and comp.guide is None
                 and not needs_host(p) and len(comp.token_ids) >= p.min_tokens)
 
     def _propose_drafts(self) -> None:

@@ -116,3 +116,29 @@ def test_after_every_step_the_cache_holds_exactly_the_real_tokens(llms):
                     parent = hash((parent, tuple(ids[i * bs:(i + 1) * bs])))
                     assert h == parent, f"block {i} of seq {seq.seq_id} hashed with tokens it does not hold"
     assert engine.num_draft_tokens - engine.num_accepted_tokens > rejected0  # some drafts were rejected
+
+
+def test_preemption_and_a_small_cache_keep_the_outputs(path):
+    """Drafts never take blocks another sequence needs, and a preempted sequence recomputes only real tokens:
+    with a cache too small for all requests at once, the outputs are still the plain ones."""
+    kw = dict(max_model_len=128, block_size=16, num_scheduler_steps=1, num_gpu_blocks_override=12)
+    plain = LLM(path, **kw).generate(PROMPTS, _greedy(max_tokens=48), use_tqdm=False)
+    spec = LLM(path, **kw, speculative_config=SPEC)
+    fast = spec.generate(PROMPTS, _greedy(max_tokens=48), use_tqdm=False)
+    assert spec.llm_engine.scheduler.num_preemptions > 0 and spec.llm_engine.num_accepted_tokens > 0
+    assert [o.outputs[0].token_ids for o in fast] == [o.outputs[0].token_ids for o in plain]
+
+
+def test_seeded_sampled_requests_draw_the_same_tokens_with_drafts(llms):
+    """A sampled request speculates too: position j of a verified draft draws the noise plain decoding draws for
+    that token, and keeping the draft while the samples equal it is speculative sampling's rule for a fixed
+    draft, so a seeded request's tokens are the plain ones. (The tiny random model's distributions are nearly
+    flat: only near-greedy temperatures repeat enough to draft.)"""
+    base, spec = llms
+    params = [SamplingParams(temperature=t, top_k=k, max_tokens=40, seed=s, ignore_eos=True, logprobs=1)
+              for t, k, s in ((0.02, 0, 3), (0.05, 2, 11), (0.5, 0, 5), (1.0, 4, 7))]
+    accepted0 = spec.llm_engine.num_accepted_tokens
+    plain = base.generate(PROMPTS, params, use_tqdm=False)
+    fast = spec.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in fast] == [o.outputs[0].token_ids for o in plain]
+    assert spec.llm_engine.num_accepted_tokens - accepted0 > 10
