@@ -105,7 +105,7 @@ def _add_engine_args(p) -> None:
                         "names): role markers, meta_instruction, stop_words (default: the tokenizer's template)")
     p.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
                    help="vLLM's n-gram speculative decoding, e.g. '{\"method\": \"ngram\", "
-                        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 3}' (greedy requests)")
+                        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 3}'")
     p.add_argument("--backend", choices=["turbomind", "pytorch"], default=None, help="accepted for LMDeploy")
 
 
