@@ -88,6 +88,15 @@ def _token_ids(ids, where: str) -> list[int]:
     return [int(t) for t in ids]
 
 
+def refuse_host_rows(params: SamplingParams) -> None:
+    """output_logits / output_last_hidden_state are LMDeploy's (Response.logits / last_hidden_state): vLLM's
+    RequestOutput has no place for the rows, so its facades refuse them instead of computing them for nobody."""
+    for name in ("output_logits", "output_last_hidden_state"):
+        if getattr(params, name) is not None:
+            raise ValueError(f"{name}={getattr(params, name)!r} is LMDeploy's: RequestOutput has no field for it; use "
+                             "lmjax.pipeline / AsyncEngine (Response.logits, .last_hidden_state), or LLM.embed")
+
+
 def _no_lora(lora_request) -> None:
     if lora_request is not None:
         raise NotImplementedError(f"lora_request={lora_request!r} is not supported by lmjax (no LoRA adapters)")
@@ -277,6 +286,8 @@ class LLM:
         params = per_prompt(sampling_params or self.get_default_sampling_params(), len(encoded), "sampling_params",
                             SamplingParams)
         params = _with_guide(params, guide)
+        for p in params:
+            refuse_host_rows(p)
         requests = submit_all(self.llm_engine, encoded, params)
         run_to_completion(self.llm_engine, requests, use_tqdm)
         return [request_output(r, self.llm_engine.tokenizer) for r in requests]

@@ -71,13 +71,19 @@ def completion_output(c: Completion, tokenizer=None) -> CompletionOutput:
                             c.stop_reason)
 
 
-def delta_output(r: Request, tokenizer=None, first: bool = False) -> RequestOutput:
-    """vLLM's DELTA output: per completion the text, token ids and logprobs new since its previous delta
-    (Completion.take_delta); the prompt's logprobs only with the `first` one."""
+def delta_output(r: Request, tokenizer=None, first: bool = False, finished: set | None = None) -> RequestOutput:
+    """vLLM's DELTA output: the completions that moved, each with the text, token ids and logprobs new since
+    its previous delta (Completion.take_delta), a finished one once (`finished`: the indices already sent
+    finished, updated here); the prompt's logprobs only with the `first` one."""
     tokenizer = tokenizer if r.params.detokenize else None
+    finished = set() if finished is None else finished
     outputs = []
     for c in r.completions:
         text, ids = c.take_delta()
+        if not (text or ids) and (not c.finished or c.index in finished):
+            continue
+        if c.finished:
+            finished.add(c.index)
         end = len(c.token_ids)
         logprobs = None if c.logprobs is None else _logprob_dicts(
             c.logprobs[end - len(ids):end], tokenizer, ids, c.ranks[end - len(ids):end])

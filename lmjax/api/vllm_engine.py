@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from lmjax.api.llm import LLM
+from lmjax.api.llm import LLM, refuse_host_rows
 from lmjax.api.outputs import RequestOutput, delta_output, request_output
 from lmjax.config import RequestOutputKind, SamplingParams, check_defaults_only
 from lmjax.engine.request import Request
@@ -40,7 +40,7 @@ class LLMEngine:
         self.llm = llm
         self.engine = llm.llm_engine
         self._live: dict[str, Request] = {}
-        self._delta_sent: set[str] = set()  # DELTA requests that had their first output (prompt logprobs)
+        self._delta_sent: dict[str, set] = {}  # DELTA requests that had a first output: completions sent finished
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
@@ -57,6 +57,7 @@ class LLMEngine:
                             {"lora_request": None, "priority": 0, "trace_headers": None})
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams (embeddings: LLM.embed), got {type(params).__name__}")
+        refuse_host_rows(params)
         text, ids = self.llm._encode(prompt)
         req = self.engine.add_request(ids, params, prompt=text, request_id=str(request_id))
         if arrival_time is not None:
@@ -72,13 +73,13 @@ class LLMEngine:
             kind = req.params.output_kind
             if kind is RequestOutputKind.DELTA:
                 first = req.request_id not in self._delta_sent
-                self._delta_sent.add(req.request_id)
-                outs.append(delta_output(req, self.engine.tokenizer, first))
+                outs.append(delta_output(req, self.engine.tokenizer, first,
+                                         self._delta_sent.setdefault(req.request_id, set())))
             elif kind is RequestOutputKind.CUMULATIVE or req.finished:
                 outs.append(request_output(req, self.engine.tokenizer))
             if req.finished:
                 del self._live[req.request_id]
-                self._delta_sent.discard(req.request_id)
+                self._delta_sent.pop(req.request_id, None)
         return outs
 
     def has_unfinished_requests(self) -> bool:
@@ -91,5 +92,5 @@ class LLMEngine:
         """Cancel requests (unknown or finished ids are ignored, as vLLM does)."""
         for rid in [request_id] if isinstance(request_id, str) else list(request_id):
             if self._live.pop(rid, None) is not None:
-                self._delta_sent.discard(rid)
+                self._delta_sent.pop(rid, None)
                 self.engine.abort(rid)

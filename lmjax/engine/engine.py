@@ -102,6 +102,9 @@ class LLMEngine(SessionsMixin, MultiStepMixin, HostOutputsMixin, SpeculativeMixi
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
                     request_id: str | None = None) -> Request:
         """Validate and queue a request; raises ValueError (naming the value) before any work."""
+        if isinstance(prompt_token_ids, str):  # vLLM's engine.add_request(request_id, prompt, params) by habit
+            raise TypeError(f"add_request takes token ids first, got the str {prompt_token_ids!r}: this is lmjax's "
+                            "own engine; vLLM's add_request(request_id, prompt, params) is lmjax.LLMEngine's")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use by an unfinished request")
         if params.truncate_prompt_tokens and len(prompt_token_ids) > params.truncate_prompt_tokens:
@@ -129,7 +132,7 @@ class LLMEngine(SessionsMixin, MultiStepMixin, HostOutputsMixin, SpeculativeMixi
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Every check `add_request` makes, nothing queued (a batch checks all its requests first, so a bad
         one leaves no other behind); returns the request's token budget (max_tokens capped by the context)."""
-        check_n(params, self.config.max_batch_size)  # first: overflowed_request also makes n completions
+        check_n(params, self.blocks.num_usable_blocks)  # first: overflowed_request also makes n completions
         prompt_token_ids = truncated_prompt(prompt_token_ids, params)
         check_prompt(prompt_token_ids, self.model_config.vocab_size, self.session_len)
         check_logprobs(params, self.model_config.vocab_size, self.config.max_logprobs)

@@ -87,11 +87,14 @@ class RequestMetrics:
     (time_in_queue = the wait), got its first and latest tokens (as the host read them: a multi-step call's
     tokens all at once) and finished."""
     arrival_time: float = dataclasses.field(default_factory=time.time)
-    last_token_time: float = 0.0
+    last_token_time: float | None = None  # None: arrival_time, until a token comes (vLLM's)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     time_in_queue: float | None = None
     finished_time: float | None = None
+
+    def __post_init__(self):
+        self.last_token_time = self.arrival_time if self.last_token_time is None else self.last_token_time
 
     def scheduled(self, now: float) -> None:
         if self.first_scheduled_time is None:
@@ -161,13 +164,13 @@ def check_sampling_ids(params: SamplingParams, vocab: int) -> None:
     check_token_ids("logit_bias token ids", params.logit_bias or (), vocab)
 
 
-def check_n(params: SamplingParams, max_batch_size: int) -> None:
-    """A ValueError for an n the engine cannot run: more sequences than a step holds (max_batch_size,
-    vLLM's max_num_seqs). Checked before any work: a request of n=10**9 would otherwise build 10**9
-    completions on the engine thread, stalling every other request."""
-    if params.n > max_batch_size:
-        raise ValueError(f"n={params.n} is more than the {max_batch_size} sequences the engine runs at once "
-                         "(EngineConfig(max_batch_size=...), vLLM's max_num_seqs)")
+def check_n(params: SamplingParams, num_blocks: int) -> None:
+    """A ValueError for an n the cache could never run: more sequences than KV blocks (each needs one of its
+    own). Checked before any work: a request of n=10**9 would otherwise build 10**9 completions on the engine
+    thread, stalling every other request. Below that, n > max_batch_size runs in waves, as in vLLM."""
+    if params.n > num_blocks:
+        raise ValueError(f"n={params.n} is more sequences than the KV cache could ever hold ({num_blocks} blocks, "
+                         "one at least each)")
 
 
 def vocab_top_k(params: SamplingParams, vocab: int) -> SamplingParams:

@@ -12,7 +12,7 @@ PROMPTS = ["t5 t9 t12 t30", "t7 t8"]
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     path = write_tiny_llama(tmp_path_factory.mktemp("tiny"), eos_token_id=3)
-    return LLMEngine.from_engine_args(EngineArgs(path, max_model_len=128, num_scheduler_steps=4))
+    return LLMEngine.from_engine_args(EngineArgs(path, max_model_len=128, num_scheduler_steps=4, max_num_seqs=4))
 
 
 def _params(kind, **kw) -> SamplingParams:
@@ -65,3 +65,27 @@ def test_abort_duplicates_and_bad_params(engine):
     assert next(o for o in first if o.request_id == "a").metrics.arrival_time == 1.0
     with pytest.raises(TypeError, match="params must be SamplingParams"):
         engine.add_request("d", PROMPTS[0], {"max_tokens": 3})
+
+
+def test_delta_sends_each_completion_when_it_moves_and_vllm_habits_are_named(engine):
+    """DELTA with n > 1: a completion appears when it has new tokens, and once more only to say it finished;
+    the vLLM facades refuse LMDeploy's row outputs (RequestOutput has no place for them); lmjax's own engine
+    names vLLM's add_request form; an n above max_num_seqs runs in waves."""
+    stops = SamplingParams(temperature=0.8, seed=1, n=3, max_tokens=12, min_tokens=1, stop_token_ids=[50, 60, 70],
+                           output_kind=RequestOutputKind.DELTA)
+    engine.add_request("n3", PROMPTS[0], stops)
+    seen = []
+    while engine.has_unfinished_requests():
+        seen += [c for out in engine.step() for c in out.outputs]
+    for i in range(3):
+        mine = [c for c in seen if c.index == i]
+        assert all(c.token_ids or c.finish_reason for c in mine)
+        assert [c.finish_reason is not None for c in mine].count(True) == 1 and mine[-1].finish_reason
+    with pytest.raises(ValueError, match="output_logits='all' is LMDeploy's"):
+        engine.add_request("rows", PROMPTS[0], SamplingParams(output_logits="all"))
+    with pytest.raises(ValueError, match="output_last_hidden_state='generation' is LMDeploy's"):
+        engine.llm.generate(PROMPTS[0], SamplingParams(output_last_hidden_state="generation"), use_tqdm=False)
+    with pytest.raises(TypeError, match="vLLM's add_request\\(request_id, prompt, params\\) is lmjax.LLMEngine's"):
+        engine.llm.llm_engine.add_request("7", "t5 t9", SamplingParams())
+    wide = engine.llm.generate(PROMPTS[1], SamplingParams(n=6, max_tokens=3, seed=0), use_tqdm=False)[0]
+    assert len(wide.outputs) == 6 and all(len(c.token_ids) == 3 for c in wide.outputs)
