@@ -15,8 +15,8 @@ Eligible: requests with nothing decided per token on the host or from the output
 logits processors or host outputs, multi-token bad words, pending min_tokens). With speculation on, a batch
 holding an eligible request runs single steps (no multi-step decode calls), draft or not, so speculation pays
 where a step is latency-bound (small batches on a GPU) and the text repeats its context (code edits,
-extraction, summaries). The lookup scans each eligible sequence's whole context on the host every step
-(numpy; ~0.5 ms at 4k tokens on the GPU machines' host).
+extraction, summaries). The lookup reads each eligible sequence's whole context on the host every step: one
+vectorized compare (0.01 ms at 4k tokens on this CPU) after gathering its ids into an array (0.27 ms at 4k).
 """
 from __future__ import annotations
 
@@ -28,13 +28,21 @@ from lmjax.speculative_config import SpeculativeConfig
 
 def propose(token_ids: np.ndarray, config: SpeculativeConfig, limit: int) -> list[int]:
     """Up to `limit` (<= num_speculative_tokens) draft tokens: those after the most recent earlier match of
-    the sequence's last n tokens, for the largest n that matches; [] when nothing does."""
+    the sequence's last n tokens, for the largest n that matches; [] when nothing does. One vectorized pass
+    finds where the last token occurs before it; longer matches are checked only there."""
     k = min(limit, config.num_speculative_tokens)
     L = len(token_ids)
+    if k <= 0 or L < 2:
+        return []
+    ends = np.flatnonzero(token_ids[:L - 1] == token_ids[L - 1])  # where a match of the tail would end
+    matched = {1: ends}
+    for n in range(2, min(config.prompt_lookup_max, L - 1) + 1):  # grow the match one token back at a time
+        prev = matched[n - 1]
+        prev = prev[prev >= n - 1]
+        matched[n] = prev[token_ids[prev - (n - 1)] == token_ids[L - n]]
     for n in range(min(config.prompt_lookup_max, L - 1), config.prompt_lookup_min - 1, -1):
-        windows_WN = np.lib.stride_tricks.sliding_window_view(token_ids[:L - 1], n)  # windows ending before the tail
-        starts = np.flatnonzero((windows_WN == token_ids[L - n:]).all(axis=1)) + n
-        if starts.size and k > 0:
+        starts = matched[n] + 1
+        if starts.size:
             # the most recent match with k tokens after it, else the earliest (most tokens after it)
             full = starts[starts + k <= L]
             start = int(full[-1] if full.size else starts[0])
