@@ -142,3 +142,27 @@ def test_seeded_sampled_requests_draw_the_same_tokens_with_drafts(llms):
     fast = spec.generate(PROMPTS, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in fast] == [o.outputs[0].token_ids for o in plain]
     assert spec.llm_engine.num_accepted_tokens - accepted0 > 10
+
+
+def _propose_brute_force(ids: list[int], cfg: SpeculativeConfig, limit: int) -> list[int]:
+    """The lookup's definition, written plainly: the largest n whose tail occurs earlier; the most recent such
+    match with k tokens after it, else the earliest."""
+    k, L = min(limit, cfg.num_speculative_tokens), len(ids)
+    for n in range(min(cfg.prompt_lookup_max, L - 1), cfg.prompt_lookup_min - 1, -1):
+        starts = [w + n for w in range(L - n) if ids[w:w + n] == ids[L - n:]]
+        if starts and k > 0:
+            full = [s for s in starts if s + k <= L]
+            start = full[-1] if full else starts[0]
+            return ids[start:start + k]
+    return []
+
+
+def test_lookup_matches_its_definition_on_random_sequences():
+    rng = np.random.default_rng(0)
+    for _ in range(500):
+        ids = rng.integers(0, int(rng.integers(2, 6)), int(rng.integers(1, 40))).tolist()
+        top = int(rng.integers(1, 5))
+        cfg = SpeculativeConfig(num_speculative_tokens=int(rng.integers(1, 6)), prompt_lookup_max=top,
+                                prompt_lookup_min=int(rng.integers(1, top + 1)))
+        limit = int(rng.integers(0, 7))
+        assert propose(np.array(ids), cfg, limit) == _propose_brute_force(ids, cfg, limit), (ids, cfg, limit)
