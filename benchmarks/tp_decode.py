@@ -157,12 +157,12 @@ def bench(args, tp: int) -> dict:
     times = []
     with parallel.use_mesh(runner.mesh):
         t0 = time.perf_counter()
-        out, _, caches = runner._step(runner.params, caches, inputs, smeta, flags=flags, num_prompt_logprobs=-1)
+        out, _, _, caches = runner._step(runner.params, caches, inputs, smeta, flags=flags, num_prompt_logprobs=-1)
         np.asarray(out.token_ids_B)
         compile_s = time.perf_counter() - t0
         for i in range(args.warmup + args.iters):
             t0 = time.perf_counter()
-            out, _, caches = runner._step(runner.params, caches, inputs, smeta, flags=flags, num_prompt_logprobs=-1)
+            out, _, _, caches = runner._step(runner.params, caches, inputs, smeta, flags=flags, num_prompt_logprobs=-1)
             np.asarray(out.token_ids_B)  # the engine reads every step's tokens back
             if i >= args.warmup:
                 times.append(time.perf_counter() - t0)

@@ -69,8 +69,8 @@ def test_processors_run_before_logit_bias_and_logprobs_stay_raw(llm):
     out = llm.generate(["t7 t8"], _greedy(logits_processors=[ban], logit_bias={42: 100.0}), use_tqdm=False)
     assert 42 not in out[0].outputs[0].token_ids
     assert len(seen) == 6 and max(seen) < 20  # the raw logit, not the biased one: the processor comes first
-    forced = llm.generate(["t7 t8"], _greedy(max_tokens=3, logits_processors=[_only(42)], logprobs=0,
-                                             output_logits="generation"), use_tqdm=False)[0].outputs[0]
+    forced = llm.generate(["t7 t8"], _greedy(max_tokens=3, logits_processors=[_only(42)], logprobs=0),
+                          use_tqdm=False)[0].outputs[0]
     raw = llm.generate(["t7 t8"], _greedy(max_tokens=1, logprobs=1), use_tqdm=False)[0].outputs[0]
     chosen = forced.logprobs[0][42].logprob
     assert chosen < 0 and raw.logprobs[0][raw.token_ids[0]].logprob > chosen  # 42 was not the model's pick
