@@ -31,6 +31,7 @@ from lmjax.config import SamplingParams
 from lmjax.engine.request import check_token_ids
 from lmjax.serve.protocol import ChatCompletionRequest, ChatMessage, _Nullable
 from lmjax.serve.responses import Head
+from lmjax.serve.streams import drain
 
 
 class EmbeddingRequest(_Nullable):
@@ -133,16 +134,10 @@ async def embed(engine, prompts: list[list[int]], normalize: bool | None) -> lis
     sinks = [functools.partial(_hand_over, loop, items, p) for p in range(len(prompts))]
     rids = await _submit(engine, prompts, SamplingParams(**EMBEDDING_PARAMS), sinks)
     finals: dict[int, GenOut] = {}
-    left, done = len(prompts), False
+    done = False
     try:
-        while left:
-            p, item = await items.get()
-            if item is None:
-                left -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                finals[p] = merge_outputs(finals.get(p), item)
+        async for p, item in drain(items, len(prompts)):  # each request's sink ends with None
+            finals[p] = merge_outputs(finals.get(p), item)
         done = True
     finally:
         if not done:

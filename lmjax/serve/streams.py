@@ -31,19 +31,26 @@ async def merge(gens: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
 
     tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
     try:
-        left = len(gens)
-        while left:
-            i, item = await queue.get()
-            if item is _END:
-                left -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield i, item
+        async for pair in drain(queue, len(gens), _END):
+            yield pair
     finally:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def drain(queue: asyncio.Queue, sources: int, end=None):
+    """The (source, item) pairs `sources` producers put on `queue`, until each has put (source, `end`); an
+    exception put as an item is raised."""
+    left = sources
+    while left:
+        i, item = await queue.get()
+        if item is end:
+            left -= 1
+        elif isinstance(item, BaseException):
+            raise item
+        else:
+            yield i, item
 
 
 async def first_and_rest(stream: AsyncIterator):
