@@ -21,7 +21,7 @@ from lmjax.engine.compile_cache import compile_stats, enable_compilation_cache
 from lmjax.engine.detokenizer import IncrementalDetokenizer
 from lmjax.engine.guided import GuidedDecoding, advance_guide
 from lmjax.engine.host_outputs import NO_EXTRAS, HostOutputsMixin, HostRows, needs_host
-from lmjax.engine.model_runner import ModelRunner, StepInputError, StepOutput, bucket
+from lmjax.engine.model_runner import ModelRunner, StepInputError, StepOutput, bucket, rows_pack
 from lmjax.engine.request import (Completion, ContextOverflowError, Request, check_logprobs, check_n, check_prompt,
                                   check_sampling_ids, new_request_id, truncated_prompt, vocab_top_k)
 from lmjax.engine.multistep import MultiStepMixin
@@ -31,7 +31,7 @@ from lmjax.engine.sequence import Sequence
 from lmjax.engine.sessions import SessionsMixin
 from lmjax.engine.speculative import SpeculativeMixin, row_starts
 from lmjax.engine.stop import StopStringMatcher
-from lmjax.layers.sampler import SamplingRow, build_sampling_metadata, row_banned_ids, tokenize_bad_words
+from lmjax.layers.sampler import SamplingRow, row_banned_ids, tokenize_bad_words
 from lmjax.loader.generation_config import generation_eos_ids, read_generation_config, sampling_defaults
 from lmjax.loader.model_loader import load_model
 from lmjax.loader.resolve import resolve_model_path
@@ -293,7 +293,7 @@ class LLMEngine(SessionsMixin, MultiStepMixin, HostOutputsMixin, SpeculativeMixi
         logger.error("step inputs could not be built: %s", error)
         live = [(it, rows[starts[i]:starts[i] + it.num_rows]) for i, it in enumerate(batch.items)
                 if it.seq.seq_id in self._by_seq]
-        blamed = [it for it, own in live if not _packs(own)] or [it for it, _ in live]
+        blamed = [it for it, own in live if not rows_pack(own)] or [it for it, _ in live]
         for it in blamed:
             req, comp = self._by_seq[it.seq.seq_id]
             req.error = f"the step's sampling inputs could not be built: {error}"
@@ -386,15 +386,6 @@ class LLMEngine(SessionsMixin, MultiStepMixin, HostOutputsMixin, SpeculativeMixi
         if req.finished:
             req.metrics.finished_time = time.time()
             self.requests.pop(req.request_id, None)
-
-
-def _packs(rows: list[SamplingRow]) -> bool:
-    """Whether these rows alone make sampling inputs (`_inputs_failed` looks for the rows to blame)."""
-    try:
-        build_sampling_metadata(rows, pad_to=len(rows))
-        return True
-    except Exception:  # noqa: BLE001  (any failure blames them)
-        return False
 
 
 def _tokenizer_eos(tokenizer) -> set[int]:

@@ -62,6 +62,16 @@ def _sampling_inputs(rows: list[SamplingRow], pad_to: int) -> tuple[SamplingMeta
         raise StepInputError(f"{type(e).__name__}: {e}") from e
 
 
+def rows_pack(rows: list[SamplingRow]) -> bool:
+    """Whether these rows alone make sampling inputs (the engine looks for the rows to blame for a
+    StepInputError)."""
+    try:
+        _sampling_inputs(rows, pad_to=len(rows))
+        return True
+    except StepInputError:
+        return False
+
+
 def bucket(n: int, minimum: int) -> int:
     """Next power of two >= max(n, minimum)."""
     return 1 << (max(n, minimum) - 1).bit_length()
