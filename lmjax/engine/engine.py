@@ -31,7 +31,7 @@ from lmjax.engine.sequence import Sequence
 from lmjax.engine.sessions import SessionsMixin
 from lmjax.engine.speculative import SpeculativeMixin, row_starts
 from lmjax.engine.stop import StopStringMatcher
-from lmjax.layers.sampler import SamplingRow, row_banned_ids, tokenize_bad_words
+from lmjax.layers.sampler import NO_TOKEN, SamplingRow, row_banned_ids, tokenize_bad_words
 from lmjax.loader.generation_config import generation_eos_ids, read_generation_config, sampling_defaults
 from lmjax.loader.model_loader import load_model
 from lmjax.loader.resolve import resolve_model_path
@@ -338,6 +338,11 @@ class LLMEngine(SessionsMixin, MultiStepMixin, HostOutputsMixin, SpeculativeMixi
     # ------------------------------------------------------------------ results out
     def _postprocess(self, req: Request, comp: Completion, out: StepOutput, i: int) -> None:
         token = int(out.token_ids[i])
+        if token == NO_TOKEN:
+            comp.token_ids.pop()  # the scheduler appended it; it is no token
+            req.error = (f"nothing could be sampled for output token {len(comp.token_ids)}: the request's "
+                         "bans, allowed tokens, guide or logits processors left every logit at -inf")
+            return self._finish(req, comp, "error")
         req.metrics.token(time.time())
         req.num_cached_tokens = max(req.num_cached_tokens, comp.seq.num_prefix_cached_tokens)
         comp.cumulative_logprob += float(out.logprobs[i])

@@ -34,6 +34,8 @@ import numpy as np
 
 from lmjax.config import SamplingParams
 
+NO_TOKEN = -1  # the token id of a row that had nothing to sample (every logit -inf after bans and masks)
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -173,7 +175,7 @@ def token_rank(logprobs_BV: jax.Array, chosen_B: jax.Array) -> jax.Array:
 
 def _logprob_outputs(raw_BV: jax.Array, token_ids_B: jax.Array, num_logprobs: int, ranks: bool) -> SamplerOutput:
     logprobs_BV = jax.nn.log_softmax(raw_BV, axis=-1)
-    chosen_B = jnp.take_along_axis(logprobs_BV, token_ids_B[:, None], axis=-1)[:, 0]
+    chosen_B = jnp.take_along_axis(logprobs_BV, jnp.maximum(token_ids_B, 0)[:, None], axis=-1)[:, 0]
     B = raw_BV.shape[0]
     if num_logprobs:
         top_logprobs_BK, top_ids_BK = jax.lax.top_k(logprobs_BV, num_logprobs)
@@ -209,12 +211,16 @@ def sample(logits_BV: jax.Array, meta: SamplingMetadata, *, all_greedy: bool, us
     logits_BV = apply_banned(logits_BV, meta.banned_BX)
     if meta.allowed_BW is not None:
         logits_BV = apply_allowed(logits_BV, meta.allowed_BW)
+    # A row whose bans, mask and processors left no finite logit has nothing to sample: NO_TOKEN, which
+    # the engine turns into that request's "error" (an argmax over all -inf would say token 0 silently).
+    stuck_B = jnp.max(logits_BV, axis=-1) == -jnp.inf
     token_ids_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
     if not all_greedy:
         logits_BV = warp(logits_BV, meta, use_top_k_top_p, max_top_k)
         noisy_BV = logits_BV + _gumbel_BV(meta.seeds_B, meta.steps_B, logits_BV.shape[-1])
         sampled_B = jnp.argmax(noisy_BV, axis=-1).astype(jnp.int32)
         token_ids_B = jnp.where(meta.temperature_B > 0, sampled_B, token_ids_B)
+    token_ids_B = jnp.where(stuck_B, NO_TOKEN, token_ids_B)
     return _logprob_outputs(raw_BV, token_ids_B, num_logprobs, ranks)
 
 

@@ -189,7 +189,9 @@ class Embedding(nnx.Module):
         self.embedding = nnx.Param(jnp.zeros((vocab, dim), dtype))
 
     def __call__(self, ids_T):
-        return jnp.take(self.embedding[...], ids_T, axis=0)
+        # clip: a row the sampler marked NO_TOKEN (-1) may still feed a chained decode step before the host
+        # ends its request; it must read some row of the table, not NaNs that would reach its KV blocks.
+        return jnp.take(self.embedding[...], ids_T, axis=0, mode="clip")
 
 
 class LlamaForCausalLM(nnx.Module):
