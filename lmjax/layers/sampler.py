@@ -213,8 +213,9 @@ def sample(logits_BV: jax.Array, meta: SamplingMetadata, *, all_greedy: bool, us
         logits_BV = apply_allowed(logits_BV, meta.allowed_BW)
     # A row whose bans, mask and processors left no finite logit has nothing to sample: NO_TOKEN, which
     # the engine turns into that request's "error" (an argmax over all -inf would say token 0 silently).
-    stuck_B = jnp.max(logits_BV, axis=-1) == -jnp.inf
+    # (Read at the argmax, which is -inf only when every logit is: no second pass over the vocabulary.)
     token_ids_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    stuck_B = jnp.take_along_axis(logits_BV, token_ids_B[:, None], axis=-1)[:, 0] == -jnp.inf
     if not all_greedy:
         logits_BV = warp(logits_BV, meta, use_top_k_top_p, max_top_k)
         noisy_BV = logits_BV + _gumbel_BV(meta.seeds_B, meta.steps_B, logits_BV.shape[-1])
