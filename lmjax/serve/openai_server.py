@@ -20,6 +20,7 @@ the engine request and frees its KV blocks (non-streaming requests poll for a di
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import logging
@@ -50,6 +51,20 @@ class APIError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", code=None):
         super().__init__(message)
         self.status, self.message, self.type, self.code = status, message, type_, code
+
+
+@contextlib.contextmanager
+def api_errors():
+    """The one mapping of what a route's work raises to OpenAI's error body: the request's fault (a value or
+    type the checks refuse, a feature lmjax lacks) is a 400; the engine failing or being closed is a 500
+    "server_error", not a bare 500. Routes wrap only the work that judges the request, so a bug in building
+    the response still surfaces as a 500 of its own."""
+    try:
+        yield
+    except (ValueError, TypeError, NotImplementedError) as e:  # (NotImplementedError is a RuntimeError)
+        raise APIError(400, str(e)) from None
+    except RuntimeError as e:
+        raise APIError(500, str(e), "server_error") from None
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -137,7 +152,7 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
 
     async def start(prompts: list[tuple[str | None, list[int]]], params):
         """Validate, submit every prompt and wait for the first output: (first, rest) of (prompt, GenOut)s."""
-        try:
+        with api_errors():
             for _, ids in prompts:
                 if params.guided_decoding is None:
                     engine.engine.validate_request(ids, params)
@@ -146,18 +161,12 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
                 check_room(ids, params.max_tokens)
             gens = [engine.generate(None, new_session_id(), params, input_ids=ids) for _, ids in prompts]
             return await first_and_rest(merge(gens))
-        except (ValueError, TypeError) as e:
-            raise APIError(400, str(e)) from None
-        except RuntimeError as e:  # the engine failed or is closed: OpenAI's error body, not a bare 500
-            raise APIError(500, str(e), "server_error") from None
 
     async def collect(raw: Request, first, rest, choices: R.Choices) -> bool:
         """A non-streaming response's outputs, all of them (False: the client went away first). An engine
         failure on the way is OpenAI's error body, as in `start`."""
-        try:
+        with api_errors():
             return await until_disconnect(raw, _consume(first, rest, choices))
-        except RuntimeError as e:
-            raise APIError(500, str(e), "server_error") from None
 
     @app.get("/health")
     async def health():
@@ -183,14 +192,12 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
         check_model(req.model)
-        try:
+        with api_errors():
             tools = req.tool_call_parser(tool_parser)
             if tools:  # call markers are special tokens in some vocabularies (InternLM2's): keep them, as vLLM
                 req = req.model_copy(update={"skip_special_tokens": False})
             params = req.sampling_params(defaults())
             prompt = chat_prompt(engine, req)
-        except (ValueError, TypeError) as e:
-            raise APIError(400, str(e)) from None
         head, k, choices = R.Head("chatcmpl", name), req.top_logprobs or 0, R.Choices(req.n)
         first, rest = await start([prompt], params)
         if not req.stream:
@@ -218,12 +225,10 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
     @app.post("/v1/completions", dependencies=[Depends(authorize)])
     async def completions(req: CompletionRequest, raw: Request):
         check_model(req.model)
-        try:
+        with api_errors():
             params = req.sampling_params(defaults())
             prompts = [engine.encode(p, do_preprocess=False) if isinstance(p, str) else (None, list(p))
                        for p in req.prompts()]
-        except (ValueError, TypeError) as e:
-            raise APIError(400, str(e)) from None
         echo = [R.Echo(t if t is not None else engine.tokenizer.decode(ids), ids) for t, ids in prompts] \
             if req.echo else None
         head, k, choices = R.Head("cmpl", name), req.logprobs or 0, R.Choices(req.n)
@@ -252,28 +257,22 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
         if req.model is not None:
             check_model(req.model)
         config = engine.engine.model_config
-        try:
+        with api_errors():  # the engine's own checks too (KV cache size: NotImplementedError)
             prompts = prompt_ids(req, engine.tokenizer, lambda chat: chat_prompt(engine, chat), config.vocab_size,
                                  engine.session_len, config.hidden_size)
             work = asyncio.ensure_future(embed(engine, prompts, req.normalize))
             if not await until_disconnect(raw, work):
                 return Response(status_code=499)  # the client is gone: nobody reads this
             vectors = work.result()
-        except (ValueError, TypeError, NotImplementedError) as e:  # the engine's own checks too (KV cache size)
-            raise APIError(400, str(e)) from None
-        except RuntimeError as e:  # the engine failed or is closed: OpenAI's error body, not a bare 500
-            raise APIError(500, str(e), "server_error") from None
         return embedding_body(R.Head("embd", name), vectors, req.encoding_format, sum(map(len, prompts)))
     # ---- end /v1/embeddings ----
 
     @app.post("/v1/encode", dependencies=[Depends(authorize)])
     async def encode(req: EncodeRequest):
         """LMDeploy's: token ids and their count, a list of each for a list input."""
-        try:  # add_bos=False: a later turn (no BOS, and the template's text that follows a reply)
+        with api_errors():  # add_bos=False: a later turn (no BOS, and the template's text that follows a reply)
             ids = [engine.encode(text, sequence_start=req.add_bos, do_preprocess=req.do_preprocess)[1]
                    for text in req.inputs()]
-        except (ValueError, TypeError) as e:
-            raise APIError(400, str(e)) from None
         if isinstance(req.input, str):
             return {"input_ids": ids[0], "length": len(ids[0])}
         return {"input_ids": ids, "length": [len(i) for i in ids]}
@@ -283,10 +282,8 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
         """vLLM's: the ids of a prompt or of chat messages as /v1/chat/completions would render them."""
         if req.model is not None:
             check_model(req.model)
-        try:
+        with api_errors():
             ids = req.token_ids(engine.tokenizer, lambda chat: chat_prompt(engine, chat))
-        except (ValueError, TypeError) as e:
-            raise APIError(400, str(e)) from None
         strs = engine.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
         return {"count": len(ids), "max_model_len": engine.session_len, "tokens": ids, "token_strs": strs}
 
@@ -295,10 +292,8 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
         """vLLM's: the text of token ids (special tokens kept, as vLLM)."""
         if req.model is not None:
             check_model(req.model)
-        try:
+        with api_errors():
             check_token_ids("tokens", req.tokens, engine.engine.model_config.vocab_size)
-        except ValueError as e:
-            raise APIError(400, str(e)) from None
         return {"prompt": engine.tokenizer.decode(req.tokens)}
 
     @app.post("/v1/chat/interactive", dependencies=[Depends(authorize)])
@@ -314,14 +309,10 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
             await (engine.stop_session(sid) if req.cancel else engine.end_session(sid))
             return {"text": "", "tokens": 0, "input_tokens": 0, "history_tokens": history,
                     "finish_reason": "abort" if req.cancel else "stop", "session_id": sid}
-        try:
+        with api_errors():
             gen = engine.generate(req.prompt, sid, req.gen_config(), sequence_start=history == 0,
                                   sequence_end=not req.interactive_mode)
             first, rest = await first_and_rest(merge([gen]))
-        except (ValueError, TypeError) as e:
-            raise APIError(400, str(e)) from None
-        except RuntimeError as e:
-            raise APIError(500, str(e), "server_error") from None
         choices = R.Choices(1)
 
         def line(out, text) -> dict:
