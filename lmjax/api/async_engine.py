@@ -310,8 +310,8 @@ class _Done(concurrent.futures.Future):
 
 def _response(out: GenOut, session_id: int | None = None, index: int | None = None) -> Response:
     return Response(out.response, out.generate_token_len, out.input_token_len, out.finish_reason,
-                    list(out.token_ids), out.logprobs, out.index if index is None else index, session_id,
-                    out.logits, out.last_hidden_state)
+                    list(out.token_ids), out.logprobs, out.logits, out.last_hidden_state,
+                    out.index if index is None else index, session_id)
 
 
 def _tagged(put, position: int, item) -> None:

@@ -108,12 +108,11 @@ class Response:
     """LMDeploy's pipeline result: `index` is the prompt's position in the batch (with n > 1, completion i
     of prompt p has index p * n + i, as the OpenAI server numbers its choices).
 
-    The first six fields are LMDeploy's, in its positional order (lagent builds `Response('', 0, 0, uid)`;
-    as in current LMDeploy the 4th is finish_reason). logits / last_hidden_state: float32 numpy arrays
-    [rows, vocab] / [rows, hidden] for GenerationConfig(output_logits= / output_last_hidden_state=) ("generation"
-    or "all": lmjax.engine.host_outputs), on a completion's final Response (numpy: LMDeploy gives torch
-    tensors); else None. They come last, not before `index` as in LMDeploy, because lmjax's own builders pass
-    index and session_id (lmjax's extra) by position."""
+    The first nine fields are LMDeploy's, in its positional order (lagent builds `Response('', 0, 0, uid)`;
+    as in current LMDeploy the 4th is finish_reason); session_id is lmjax's. logits / last_hidden_state:
+    float32 numpy arrays [rows, vocab] / [rows, hidden] for GenerationConfig(output_logits= /
+    output_last_hidden_state=) ("generation" or "all": lmjax.engine.host_outputs), on a completion's final
+    Response (numpy: LMDeploy gives torch tensors); else None."""
 
     text: str
     generate_token_len: int
@@ -121,10 +120,10 @@ class Response:
     finish_reason: str | None = None
     token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None
-    index: int = 0
-    session_id: int | None = None
     logits: object | None = None
     last_hidden_state: object | None = None
+    index: int = 0
+    session_id: int | None = None
 
     def __repr__(self) -> str:
         return (f"Response(text={self.text!r}, generate_token_len={self.generate_token_len}, "

@@ -166,7 +166,7 @@ class Pipeline:
                     end = len(c.token_ids)
                     logprobs = None if c.logprobs is None else c.logprobs[end - len(ids):end]
                     yield Response(text, end, len(r.prompt_token_ids), c.finish_reason, ids, logprobs,
-                                   batch_index(position[r.request_id], r.params.n, c.index), **host_arrays(c))
+                                   index=batch_index(position[r.request_id], r.params.n, c.index), **host_arrays(c))
 
     def chat(self, prompt: str, session: Session | None = None, gen_config=None, stream_response: bool = False,
              **legacy) -> Session | Iterator[Response]:

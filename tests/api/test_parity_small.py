@@ -100,7 +100,8 @@ def test_other_vllm_only_arguments_still_raise(kwargs, error, match):
 
 def test_response_has_lmdeploys_fields_and_leading_order():
     names = [f.name for f in dataclasses.fields(Response)]
-    assert names[:6] == ["text", "generate_token_len", "input_token_len", "finish_reason", "token_ids", "logprobs"]
+    assert names[:9] == ["text", "generate_token_len", "input_token_len", "finish_reason", "token_ids", "logprobs",
+                         "logits", "last_hidden_state", "index"]  # LMDeploy's order
     r = Response("", 0, 0, "stop")
     assert (r.finish_reason, r.logits, r.last_hidden_state, r.index, r.session_id) == ("stop", None, None, 0, None)
     assert Response("hi", 1, 2, session_id=3, index=1).session_id == 3
