@@ -85,13 +85,16 @@ def _checked(tensors: Iterable[tuple[str, np.ndarray]], flat: dict, dtype, sourc
              times: PhaseTimes) -> Iterator[tuple[tuple, np.ndarray, np.dtype, bool]]:
     """(NNX path, host array, its dtype in the model, transpose?) per tensor, checked against the model."""
     tensors = iter(tensors)
+    # A tied checkpoint (tie_word_embeddings) may store lm_head.weight as well; transformers ties the head to
+    # the embedding and never reads it, so its model has no place for it here either.
+    tied = not any(p[:1] == ("lm_head",) for p in flat)
     while True:
         with times.phase("read"):
             item = next(tensors, None)
         if item is None:
             return
         name, array = item
-        if name.endswith(_IGNORED_SUFFIXES):
+        if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
             continue
         path, transpose = _target(name, flat)
         expected = tuple(flat[path].shape)

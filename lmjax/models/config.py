@@ -90,6 +90,8 @@ def _rope_spec(hf: dict, head_dim: int, max_pos: int, overrides: dict) -> RopeSp
     if scale > 0 or overrides.get("use_dynamic_ntk"):
         # TurboMind's engine override: dynamic NTK with the engine's factor (the config's if none given).
         rope_type, factor = "dynamic", float(scale or factor)
+    # partial_rotary_factor: honoured as vLLM's Llama does (transformers' Llama / Qwen2 / Mistral rotate the whole
+    # head whatever it says, so such a checkpoint's logits differ from transformers' by design: written down).
     partial = float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
     return RopeSpec(
         rotary_dim=int(head_dim * partial),
@@ -97,10 +99,12 @@ def _rope_spec(hf: dict, head_dim: int, max_pos: int, overrides: dict) -> RopeSp
         rope_type=_ROPE_ALIASES[rope_type],
         factor=factor,
         max_position_embeddings=max_pos,
-        original_max_position_embeddings=params.get("original_max_position_embeddings"),
+        # transformers fills a missing one with max_position_embeddings (llama3 needs it; dynamic reads it too)
+        original_max_position_embeddings=params.get("original_max_position_embeddings") or max_pos,
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        attention_scaling=float(params.get("attention_factor") or 1.0),
+        # attention_factor is yarn's and longrope's (refused above); transformers ignores it for these types
+        attention_scaling=1.0,
     )
 
 
@@ -117,7 +121,7 @@ def _sliding_windows(hf: dict, num_layers: int, arch: str) -> tuple[int | None, 
     if arch.startswith(("Qwen2", "Qwen3")):
         if not hf.get("use_sliding_window") or window is None:
             return ()
-        first = hf.get("max_window_layers", num_layers)
+        first = hf.get("max_window_layers", 28)  # transformers' Qwen2Config / Qwen3Config default
         return tuple(window if i >= first else None for i in range(num_layers))
     if arch.startswith("Mistral") and window is not None:
         return (int(window),) * num_layers
