@@ -104,24 +104,31 @@ class AsyncEngine:
             return messages, ids
         if sequence_start:
             return encode_chat(self.tokenizer, messages, template)
-        text = self._continuation(messages, template, self._reply_closed(session_id))
+        text = self._continuation(messages, template, self._reply_end(session_id))
         return text, self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    def _reply_closed(self, session_id) -> bool:
-        """Whether the session's last reply ended with an EOS token (not cut by max_new_tokens)."""
+    def _reply_end(self, session_id) -> str | None:
+        """The EOS token the session's last reply ended with, as text ("" with no session to ask); None when
+        the reply was cut short (max_new_tokens): the template's end-of-reply marker is still to come then."""
         seq = self.engine.sessions.get(session_id)  # an idle session: the engine thread leaves it alone
-        return seq is None or bool(seq.output_token_ids) and seq.output_token_ids[-1] in self.engine.eos_token_ids
+        if seq is None:
+            return ""
+        last = seq.output_token_ids[-1] if seq.output_token_ids else None
+        return self.tokenizer.convert_ids_to_tokens(last) if last in self.engine.eos_token_ids else None
 
-    def _continuation(self, messages, template: ChatTemplateConfig, reply_closed: bool = True) -> str:
+    def _continuation(self, messages, template: ChatTemplateConfig, reply_end: str | None = "") -> str:
         """Render a probe conversation with `messages` after a reply; keep what follows the reply, minus
-        the end-of-reply marker when the model already generated it (as its EOS token)."""
+        the end-of-reply marker when the model already generated it: the EOS token it ended with (Llama-3's
+        <|eot_id|> is not its tokenizer's eos_token), the template's eoa or the tokenizer's eos_token."""
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
         probe = [{"role": "user", "content": _PROBE_USER}, {"role": "assistant", "content": _PROBE_REPLY}]
         full = template.messages2prompt(probe + list(messages), self.tokenizer)
         tail = full[full.rindex(_PROBE_REPLY) + 1:]
-        for marker in (template.eoa, getattr(self.tokenizer, "eos_token", None)):
-            if reply_closed and marker and tail.startswith(marker):
+        if reply_end is None:
+            return tail
+        for marker in (reply_end, template.eoa, getattr(self.tokenizer, "eos_token", None)):
+            if marker and tail.startswith(marker):
                 return tail[len(marker):]
         return tail
 

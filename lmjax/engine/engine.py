@@ -31,7 +31,7 @@ from lmjax.engine.sequence import Sequence
 from lmjax.engine.sessions import SessionsMixin
 from lmjax.engine.speculative import SpeculativeMixin, row_starts
 from lmjax.engine.stop import StopStringMatcher
-from lmjax.layers.sampler import NO_TOKEN, SamplingRow, row_banned_ids, tokenize_bad_words
+from lmjax.layers.sampler import NO_TOKEN, SamplingRow, row_banned_ids, seed32, tokenize_bad_words
 from lmjax.loader.generation_config import generation_eos_ids, read_generation_config, sampling_defaults
 from lmjax.loader.model_loader import load_model
 from lmjax.loader.resolve import resolve_model_path
@@ -120,7 +120,7 @@ class LLMEngine(SessionsMixin, MultiStepMixin, HostOutputsMixin, SpeculativeMixi
             req.prompt_logprobs, req.prompt_ranks = [None] * n, [0] * n
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
         for i in range(params.n):
-            self._add_completion(req, i, (base_seed + i) & 0xFFFFFFFF)  # vLLM's: completion i is seed + i
+            self._add_completion(req, i, seed32(base_seed + i))  # vLLM's: completion i is seed + i
         self.requests[req.request_id] = req
         return req
 

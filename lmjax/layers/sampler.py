@@ -240,6 +240,21 @@ class SamplingRow:
     allowed_W: np.ndarray | None = None
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def seed32(seed: int) -> int:
+    """A request's seed as the sampler's uint32 key seed. Seeds in [0, 2**32) are themselves (their outputs stay
+    what they were); any other int (vLLM takes int64) is mixed down from all its bits (splitmix64's finalizer),
+    so seed and seed + 2**32 draw differently instead of wrapping to the same tokens."""
+    if 0 <= seed < 1 << 32:
+        return seed
+    x = seed & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) & 0xFFFFFFFF
+
+
 def _bucket(n: int) -> int:
     """Next power of two >= max(n, 1): bounds the number of distinct shapes (compilations)."""
     return 1 << max(n - 1, 0).bit_length()

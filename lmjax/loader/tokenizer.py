@@ -157,6 +157,7 @@ def _with_dict_arguments(message: dict, i: int) -> dict:
 
 
 @functools.lru_cache(maxsize=1)
+@functools.lru_cache(maxsize=1)
 def byte_level_decoder() -> dict[str, int]:
     """GPT-2's byte-level BPE alphabet, character -> byte (transformers' own table)."""
     from transformers.convert_slow_tokenizer import bytes_to_unicode
@@ -174,8 +175,9 @@ def sentencepiece_byte(piece: str) -> int | None:
 def token_bytes(tokenizer, token_id: int) -> bytes:
     """The bytes one token stands for, also when it holds part of a UTF-8 character (OpenAI's logprob
     `bytes`: joined over a reply they give its text; `decode([id])` gives U+FFFD for such a piece).
-    Byte-level BPE pieces map through GPT-2's alphabet, SentencePiece byte pieces <0xNN> to their byte;
-    other tokens are their decoded text."""
+    Byte-level BPE pieces map through GPT-2's alphabet, SentencePiece byte pieces <0xNN> to their byte and
+    other SentencePiece pieces to their text with "▁" as the space it stands for (`decode([id])` strips a
+    leading one: "▁Paris" would lose its space); other tokens are their decoded text."""
     piece = tokenizer.convert_ids_to_tokens(int(token_id))
     if isinstance(piece, str) and (byte := sentencepiece_byte(piece)) is not None:
         return bytes([byte])
@@ -184,4 +186,15 @@ def token_bytes(tokenizer, token_id: int) -> bytes:
     if type(decoder).__name__ == "ByteLevel" and isinstance(piece, str) and all(c in table for c in piece) \
             and int(token_id) not in tokenizer.all_special_ids:
         return bytes(table[c] for c in piece)
+    if isinstance(piece, str) and _SP_SPACE in piece and int(token_id) not in tokenizer.all_special_ids:
+        return piece.replace(_SP_SPACE, " ").encode()
     return tokenizer.decode([int(token_id)]).encode()
+
+
+_SP_SPACE = "\u2581"  # SentencePiece's word-boundary mark "▁"
+
+
+def token_text(tokenizer, token_id: int) -> str:
+    """One token's text as logprobs name it (OpenAI / vLLM): its bytes decoded, U+FFFD for part of a
+    character; a SentencePiece word piece keeps its leading space, so a completion's tokens join to its text."""
+    return token_bytes(tokenizer, token_id).decode("utf-8", errors="replace")

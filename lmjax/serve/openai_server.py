@@ -34,7 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from lmjax.api.async_engine import AsyncEngine
 from lmjax.api.batch import encode_chat
 from lmjax.engine.request import check_token_ids
-from lmjax.loader.tokenizer import render_chat, token_bytes
+from lmjax.loader.tokenizer import render_chat, token_bytes, token_text
 from lmjax.serve import responses as R
 from lmjax.serve.embeddings import EmbeddingRequest, embed, embedding_body, prompt_ids
 from lmjax.serve.metrics import render_metrics
@@ -113,7 +113,7 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
     names = accepted_names(name, model_aliases)
     keys = {f"Bearer {k}" for k in api_keys or ()}
     counter = itertools.count(1 << 48)  # ids of OpenAI requests, clear of /v1/chat/interactive's
-    decode = lambda tid: engine.tokenizer.decode([tid])  # noqa: E731
+    decode = lambda tid: token_text(engine.tokenizer, tid)  # noqa: E731
     to_bytes = lambda tid: token_bytes(engine.tokenizer, tid)  # noqa: E731
 
     def new_session_id() -> int:

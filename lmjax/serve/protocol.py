@@ -386,8 +386,11 @@ class InteractiveRequest(_Nullable):
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     cancel: bool = False
     seed: int | None = Field(None, **INT64)
+    min_new_tokens: int | None = None
+    min_p: float = 0.0
 
     def gen_config(self) -> GenerationConfig:
         if self.request_output_len is not None and self.request_output_len < 1:
@@ -395,4 +398,6 @@ class InteractiveRequest(_Nullable):
         return GenerationConfig(max_new_tokens=self.request_output_len, top_p=self.top_p, top_k=self.top_k,
                                 temperature=self.temperature, repetition_penalty=self.repetition_penalty,
                                 ignore_eos=self.ignore_eos, stop_words=self.stop, random_seed=self.seed,
-                                skip_special_tokens=self.skip_special_tokens)
+                                skip_special_tokens=self.skip_special_tokens, min_p=self.min_p,
+                                min_new_tokens=self.min_new_tokens,
+                                spaces_between_special_tokens=self.spaces_between_special_tokens)

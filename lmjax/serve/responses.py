@@ -84,8 +84,14 @@ def completion_logprobs(out: GenOut, k: int, decode, offset: int = 0, echo: Echo
         offsets.append(pos)
         pos += len(tok)
     return {"tokens": tokens, "token_logprobs": [None if e is None else e[t] for t, e in zip(ids, entries)],
-            "top_logprobs": [None if e is None else {decode(t): lp for t, lp in _top(e, k)} for e in entries],
+            "top_logprobs": [None if e is None else _top_with_chosen(e, k, t, decode) for t, e in zip(ids, entries)],
             "text_offset": offsets}
+
+
+def _top_with_chosen(entry: dict[int, float], k: int, chosen: int, decode) -> dict[str, float]:
+    """Legacy completions' top_logprobs: the k likeliest tokens and always the chosen one (OpenAI: "up to
+    logprobs + 1 elements"; vLLM alike), so logprobs=0 still names the token."""
+    return {decode(t): lp for t, lp in _top(entry, k) + [(chosen, entry[chosen])]}
 
 
 class Choices:
