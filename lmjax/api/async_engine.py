@@ -16,6 +16,7 @@ its new tokens. `step` is accepted for LMDeploy compatibility; the engine tracks
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import dataclasses
 import functools
@@ -68,6 +69,7 @@ class AsyncEngine:
         self._thread = EngineThread(self.engine)
         self.id2step = self._thread.id2step  # session id -> tokens in its kept history (LMDeploy's name)
         self._session_ids = itertools.count(1 << 40)
+        self._streaming: collections.Counter = collections.Counter()  # session id -> its live _run generators
 
     # ------------------------------------------------------------------ requests
     def sampling_params(self, gen_config=None, **legacy) -> SamplingParams:
@@ -154,14 +156,26 @@ class AsyncEngine:
             text, ids = self.encode(messages, sequence_start, do_preprocess, chat_template_config, session_id)
         if params.guided_decoding is not None:
             await asyncio.to_thread(self._compile_guides, [params])
-        async for out in self._run(session_id, ids, params, text, sequence_start, sequence_end, stream_response):
-            yield out
+        for _ in range(3):
+            # A stream of this session left by `break` is closed (its turn aborted) by a task asyncio's
+            # finalizer hook creates a loop round later and runs the round after: let that happen first, so
+            # this turn reaches the engine after the abort, not into a busy session.
+            if not self._streaming[session_id]:
+                break
+            await asyncio.sleep(0)
+        run = self._run(session_id, ids, params, text, sequence_start, sequence_end, stream_response)
+        try:
+            async for out in run:
+                yield out
+        finally:
+            await run.aclose()  # now, with this generator's own close: not one more loop round later
 
     async def _run(self, session_id, ids, params, text, sequence_start, sequence_end, stream) -> AsyncIterator[GenOut]:
         loop, items = asyncio.get_running_loop(), asyncio.Queue()
         sink = lambda item: loop.call_soon_threadsafe(items.put_nowait, item)  # noqa: E731
         request_id = self._thread.submit(session_id, ids, params, text, sequence_start, sequence_end, sink)
         finished, whole = False, {}
+        self._streaming[session_id] += 1
         try:
             while (item := await items.get()) is not None:
                 if isinstance(item, BaseException):
@@ -174,6 +188,9 @@ class AsyncEngine:
             for index in sorted(whole):
                 yield whole[index]
         finally:
+            self._streaming[session_id] -= 1
+            if not self._streaming[session_id]:
+                del self._streaming[session_id]
             if not finished:  # cancelled, disconnected or abandoned: free its blocks
                 self._thread.abort(request_id)
 

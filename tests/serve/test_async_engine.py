@@ -204,3 +204,19 @@ def test_new_guides_compile_outside_the_engine_thread(engine, monkeypatch):
     bad = SamplingParams(max_tokens=4, guided_decoding=GuidedDecodingParams(regex="(unclosed"))
     with pytest.raises(ValueError, match="unclosed"):
         asyncio.run(_run(engine, "x", 902, bad))
+
+
+def test_a_turn_abandoned_by_break_frees_its_session_for_the_next_turn(engine):
+    """Breaking out of `async for` over generate() drops the generator; Python schedules its close (which
+    aborts the turn) for the loop's next round. A next turn on the same session started at once used to reach
+    the engine before that abort: "session 7 is busy with another request". Now generate() lets a pending
+    close run first when the session still has a live stream."""
+    async def main():
+        async for _ in engine.generate("Count to twenty.", 7, GenerationConfig(max_new_tokens=64),
+                                       sequence_end=False):
+            break
+        text, ids, last = await _run(engine, "Thanks.", 7, GREEDY, sequence_start=False, sequence_end=False)
+        await engine.end_session(7)
+        return ids, last
+    ids, last = asyncio.run(main())
+    assert ids and last.finish_reason in ("stop", "length")
