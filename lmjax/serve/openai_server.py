@@ -38,7 +38,8 @@ from lmjax.loader.tokenizer import render_chat, token_bytes, token_text
 from lmjax.serve import responses as R
 from lmjax.serve.embeddings import EmbeddingRequest, embed, embedding_body, prompt_ids
 from lmjax.serve.metrics import render_metrics
-from lmjax.serve.protocol import ChatCompletionRequest, CompletionRequest, EncodeRequest, InteractiveRequest
+from lmjax.serve.lmdeploy_protocol import EncodeRequest, InteractiveRequest
+from lmjax.serve.protocol import ChatCompletionRequest, CompletionRequest
 from lmjax.serve.streams import first_and_rest, merge, until_disconnect
 from lmjax.serve.tokenize_protocol import DetokenizeRequest, TokenizeRequest
 from lmjax.serve.tool_parsers import get_tool_parser

@@ -1,9 +1,9 @@
 """Request bodies of the HTTP API (pydantic, strict: `"5"` is not an int and `true` is not a number) and
 their mapping onto the engine's SamplingParams. Field names and defaults follow OpenAI's API (with vLLM's
 extensions `top_k`, `repetition_penalty`, `ignore_eos`, `min_tokens`, `skip_special_tokens`,
-`include_stop_str_in_output`, `bad_words`, `add_generation_prompt`, `continue_final_message`) and, for
-`/v1/chat/interactive`, LMDeploy's `GenerateRequest`; `logit_bias` is OpenAI's map of token ids (as strings)
-to biases in [-100, 100]. Unknown fields are ignored, as OpenAI does; OpenAI fields lmjax does not honour
+`include_stop_str_in_output`, `bad_words`, `add_generation_prompt`, `continue_final_message`); LMDeploy's
+own bodies are in lmjax.serve.lmdeploy_protocol. `logit_bias` is OpenAI's map of token ids (as strings) to
+biases in [-100, 100]. Unknown fields are ignored, as OpenAI does; OpenAI fields lmjax does not honour
 (best_of > n, suffix, non-text content parts, the deprecated functions, and vLLM's prompt_logprobs and chat
 echo) are a 400 that names them unless left at their no-op values. `tools` are rendered into the prompt
 and, on a server started with --tool-call-parser, the reply is parsed for calls (lmjax.serve.tool_parsers);
@@ -22,7 +22,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from lmjax.config import GenerationConfig, SamplingParams
+from lmjax.config import SamplingParams
 from lmjax.guided_params import GuidedDecodingParams, as_guided, from_response_format
 from lmjax.loader.tokenizer import text_content
 from lmjax.serve.tool_parsers import ForcedToolParser, ToolParser, forced_tool_schema
@@ -351,53 +351,3 @@ class CompletionRequest(_Sampling):
         if not p:
             raise ValueError("prompt must not be empty")
         return list(p)
-
-
-class EncodeRequest(_Nullable):
-    """LMDeploy's `/v1/encode` body: `do_preprocess` puts each input through the chat template first;
-    `add_bos` says the input starts a conversation (else it is tokenized as a later turn, without BOS)."""
-
-    input: str | list[str]
-    do_preprocess: bool = False
-    add_bos: bool = True
-
-    def inputs(self) -> list[str]:
-        """One entry per input; an empty list is a ValueError (it would answer lists of nothing)."""
-        if isinstance(self.input, str):
-            return [self.input]
-        if not self.input:
-            raise ValueError("input=[] is empty: give a string or a list of strings")
-        return self.input
-
-
-class InteractiveRequest(_Nullable):
-    """LMDeploy's `/v1/chat/interactive` body. With `interactive_mode` the session keeps its history
-    (and KV cache) for the next request with the same `session_id`; without it the session ends."""
-
-    prompt: str | list[dict]
-    session_id: int = -1
-    interactive_mode: bool = False
-    stream: bool = False
-    stop: str | list[str] | None = None
-    request_output_len: int | None = None
-    top_p: float = 0.8
-    top_k: int = 40
-    temperature: float = 0.8
-    repetition_penalty: float = 1.0
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    cancel: bool = False
-    seed: int | None = Field(None, **INT64)
-    min_new_tokens: int | None = None
-    min_p: float = 0.0
-
-    def gen_config(self) -> GenerationConfig:
-        if self.request_output_len is not None and self.request_output_len < 1:
-            raise ValueError(f"request_output_len must be at least 1, got {self.request_output_len}")
-        return GenerationConfig(max_new_tokens=self.request_output_len, top_p=self.top_p, top_k=self.top_k,
-                                temperature=self.temperature, repetition_penalty=self.repetition_penalty,
-                                ignore_eos=self.ignore_eos, stop_words=self.stop, random_seed=self.seed,
-                                skip_special_tokens=self.skip_special_tokens, min_p=self.min_p,
-                                min_new_tokens=self.min_new_tokens,
-                                spaces_between_special_tokens=self.spaces_between_special_tokens)
