@@ -63,13 +63,21 @@ class IncrementalDetokenizer:
         self.text = ""
 
     def step(self, new_token_ids: Sequence[int]) -> str:
-        """Append tokens; return the text they complete ('' while a character is unfinished)."""
+        """Append tokens; return the text they complete ('' while a character is unfinished). Several tokens
+        at once give the text they would give one at a time (a deferred catch-up equals a stream)."""
+        marks = len(self._ids), len(self.output_ids)
         self._ids.extend(new_token_ids)
         self.output_ids.extend(new_token_ids)
         prefix_text, window_text = self._window_texts()
+        new_text = window_text[len(prefix_text):]
+        if len(new_token_ids) > 1 and REPLACEMENT_CHAR in new_text:
+            # A byte-fallback run that is not valid UTF-8 decodes as a whole to U+FFFD for every byte, where
+            # a stream's shorter windows keep its good characters ("/" of <0x2F><0x80>): go one at a time.
+            del self._ids[marks[0]:], self.output_ids[marks[1]:]
+            return "".join(self.step([t]) for t in new_token_ids)
         if len(window_text) <= len(prefix_text) or window_text.endswith(REPLACEMENT_CHAR):
             return ""
-        return self._emit(window_text[len(prefix_text):])
+        return self._emit(new_text)
 
     def flush(self) -> str:
         """At the end of generation: emit what is held back, less an unfinished character at its end."""

@@ -61,6 +61,7 @@ class LLMEngine(SessionsMixin, MultiStepMixin, HostOutputsMixin, SpeculativeMixi
         generation = read_generation_config(loaded.path)
         self.eos_token_ids = sorted(set(loaded.config.eos_token_ids) | _tokenizer_eos(self.tokenizer)
                                     | generation_eos_ids(generation))
+        self.tokenizer_eos = getattr(self.tokenizer, "eos_token_id", None)  # the EOS whose stop_reason is None
         self.sampling_defaults = sampling_defaults(generation)  # the checkpoint's, as SamplingParams fields
         num_blocks = kv_cache_blocks(config, loaded.config, loaded.dtype, self.session_len)
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
@@ -365,7 +366,8 @@ class LLMEngine(SessionsMixin, MultiStepMixin, HostOutputsMixin, SpeculativeMixi
         else:
             comp.defer_text()
         if stop_token:
-            comp.stop_reason = token if token in (p.stop_token_ids or ()) else None
+            # vLLM's: None for the tokenizer's EOS; the id for stop_token_ids and other EOS ids (stop ids to vLLM)
+            comp.stop_reason = None if token == self.tokenizer_eos and not p.ignore_eos else token
             return self._finish(req, comp, "stop")
         if comp.guide is not None and (reason := advance_guide(req, comp, token)):
             return self._finish(req, comp, reason)  # the guided output is complete ("stop") or stuck

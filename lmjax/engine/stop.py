@@ -2,7 +2,7 @@
 
 The detokenizer hands over text a few characters at a time, and a stop string can straddle
 several tokens ("<|end" + "|>"). `StopStringMatcher.feed(new_text)` appends the new text, looks
-for the earliest stop string in the part not yet emitted, and returns what may be shown now:
+for a stop string ending in it (the first listed that is found, as vLLM), and returns what may be shown now:
 - a stop string found: the text before it (through it with include_stop_str_in_output), and
   stopped=True; the engine then finishes the request with finish_reason "stop";
 - otherwise: everything except a held-back tail that is a prefix of some stop string, so a stop
@@ -26,11 +26,15 @@ class StopResult(NamedTuple):
 
 def find_stop(text: str, start: int, stops: Sequence[str], lookback: bool = False) -> tuple[int, str] | None:
     """Earliest (index, stop) with index >= start; at equal index the shortest, which completes first.
-    lookback: `start` is where new text begins, and a stop counts if it ends there or later (vLLM's
-    window: each stop from start - len(stop) + 1)."""
+    lookback (the streaming check, vLLM's): `start` is where new text begins, a stop counts if it ends there
+    or later (each stop searched from start - len(stop) + 1), and the first listed that is found wins, as
+    vLLM checks them in their order (stop=["39", "t3"] on " t39" stops at "39")."""
+    if lookback:
+        return next(((i, stop) for stop in stops if (i := text.find(stop, max(0, start - len(stop) + 1))) >= 0),
+                    None)
     best = None
     for stop in stops:
-        i = text.find(stop, max(0, start - len(stop) + 1) if lookback else start)
+        i = text.find(stop, start)
         if i >= 0 and (best is None or (i, len(stop)) < (best[0], len(best[1]))):
             best = (i, stop)
     return best

@@ -365,7 +365,16 @@ def row_banned_ids(params: SamplingParams, output_ids: Sequence[int], eos_token_
 
 
 def tokenize_bad_words(tokenizer, words: Sequence[str]) -> list[list[int]]:
-    """Token ids of each bad word, alone and after a space (BPE tokenizes the two differently)."""
-    variants = {tuple(tokenizer.encode(v, add_special_tokens=False))
-                for w in words for v in (w, " " + w.lstrip())}
-    return [list(v) for v in sorted(variants) if v]
+    """Token ids of each bad word as vLLM takes them: the word without its leading spaces, and after one space
+    when that tokenizes differently into as many tokens (BPE: "Paris" and " Paris"; a SentencePiece
+    tokenizer adds the word-boundary mark itself, so the spaced form is the same word or a longer one)."""
+    out: list[list[int]] = []
+    for word in words:
+        bare = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        if not bare:
+            continue
+        out.append(bare)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+            out.append(spaced)
+    return out

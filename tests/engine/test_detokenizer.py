@@ -144,11 +144,14 @@ def test_false_alarm_is_released():
     assert result is None and out == ["a ", "STOR", "Y ", "", "STO"]
 
 
-def test_earliest_of_several_stops_in_one_chunk():
+def test_first_listed_of_several_stops_in_one_chunk_wins():
+    """vLLM checks stop strings in their order: the first listed that is found wins, not the earliest."""
     matcher = StopStringMatcher(["\n\n", "###"])
     result = matcher.feed("answer### more\n\nx")
-    assert result == ("answer", True, "###") and matcher.text == "answer"
-    assert matcher.feed("more") == ("", True, "###")
+    assert result == ("answer### more", True, "\n\n") and matcher.text == "answer### more"
+    assert matcher.feed("more") == ("", True, "\n\n")
+    matcher = StopStringMatcher(["39", "t3"])  # both end in the chunk " t39": "39" is listed first
+    assert matcher.feed(" t39") == (" t", True, "39")
 
 
 def test_no_stops_passes_through():

@@ -224,7 +224,15 @@ def test_row_banned_ids():
 
 
 def test_tokenize_bad_words():
-    class Tok:
+    """vLLM's variants: the word without leading spaces, and after one space when that is another first token
+    and as many tokens (a leading space given with the word does not hide its bare form)."""
+    class Bpe:  # a leading space joins the first character's token
+        def encode(self, text, add_special_tokens):
+            ids = [ord(c) for c in text.lstrip(" ")]
+            return [ids[0] + 1000] + ids[1:] if text.startswith(" ") else ids
+
+    class Chars:  # the spaced form is one token longer: only the bare one
         def encode(self, text, add_special_tokens):
             return [ord(c) for c in text]
-    assert tokenize_bad_words(Tok(), ["ab"]) == [[32, 97, 98], [97, 98]]
+    assert tokenize_bad_words(Bpe(), ["ab", " cd"]) == [[97, 98], [1097, 98], [99, 100], [1099, 100]]
+    assert tokenize_bad_words(Chars(), [" ab"]) == [[97, 98]]
