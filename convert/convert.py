@@ -98,6 +98,7 @@ def convert_checkpoint(src: str, out: str, dtype: str = "bfloat16", tp: int = 1,
         _write_config(tmp, loaded.hf_config, dict(format=FORMAT_VERSION, dtype=dtype, tp=tp, source=path,
                                                   quant=quant_info))
         _write_tokenizer(tmp, path)
+        _check_out(path, out, overwrite)  # again: OUT may have appeared (another run, a user) meanwhile
         _commit(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -264,8 +265,11 @@ def _read_text(calib_text: str | None) -> str | None:
         return None  # lmjax.calibration_text
     if not os.path.isfile(calib_text):
         raise ValueError(f"calibration text calib_text={calib_text!r} is not a file")
-    with open(calib_text, encoding="utf-8") as f:
-        return f.read()
+    try:
+        with open(calib_text, encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"calibration text calib_text={calib_text!r} is not UTF-8 text: {e}") from None
 
 
 def _quant_info(spec: QuantSpec | None, calibrated: str | None, calib_text: str | None) -> dict | None:

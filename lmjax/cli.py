@@ -298,7 +298,8 @@ def _add_convert(subparsers) -> None:
                    help="UTF-8 text file to calibrate --w4-method awq or gptq on (default: a built-in mix of "
                         "public-domain prose, lists and code, about 1500 tokens, lmjax/calibration_text.py); "
                         "text like the model's workload calibrates best")
-    p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT if it is an earlier conversion or an empty directory (anything else "
+                   "is an error)")
     p.set_defaults(func=_convert)
 
 

@@ -23,7 +23,8 @@ from lmjax.guided_params import GuidedDecodingParams, as_guided, from_response_f
 from lmjax.request_fields import AllIds, RequestOutputKind, check_output_kinds, check_processors
 from lmjax.speculative_config import SpeculativeConfig  # noqa: F401  (re-exported: lmjax.config's name too)
 from lmjax.validation import FLOAT32_MAX, FLOAT32_TINY, as_list as _as_list, check as _check, check_logit_bias
-from lmjax.validation import check_numbers as _check_numbers, strict_fields as _strict_fields, warn_once
+from lmjax.validation import check_numbers as _check_numbers, is_int as _is_int, strict_fields as _strict_fields
+from lmjax.validation import warn_once
 from lmjax.validation import check_defaults_only, warn_no_effect  # noqa: F401  (re-exported, used here too)
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -290,15 +291,17 @@ class EngineConfig:
         for name in ("tp", "max_batch_size", "block_size", "max_prefill_token_num", "num_scheduler_steps"):
             value = getattr(self, name)
             _check(isinstance(value, int) and value >= 1, f"{name} must be an int >= 1, got {value!r}")
-        _check(self.session_len is None or self.session_len >= 1,
-               f"session_len must be None or >= 1, got {self.session_len}")
+        _check(self.session_len is None or _is_int(self.session_len) and self.session_len >= 1,
+               f"session_len must be None or an int >= 1, got {self.session_len!r}")
         c = self.cache_max_entry_count
         _check(0 < c <= 1 or float(c).is_integer(),
                f"cache_max_entry_count must be a fraction in (0, 1] or a block count, got {c}")
-        _check(self.num_gpu_blocks >= 0, f"num_gpu_blocks must be >= 0, got {self.num_gpu_blocks}")
+        _check(_is_int(self.num_gpu_blocks) and self.num_gpu_blocks >= 0,
+               f"num_gpu_blocks must be an int >= 0, got {self.num_gpu_blocks!r}")
         _check(isinstance(self.max_logprobs, int) and self.max_logprobs >= -1,
                f"max_logprobs must be an int >= -1 (-1: the vocabulary), got {self.max_logprobs!r}")
-        _check(self.quant_policy in (0, 4, 8), f"quant_policy must be 0, 4 or 8, got {self.quant_policy}")
+        _check(_is_int(self.quant_policy) and self.quant_policy in (0, 4, 8),
+               f"quant_policy must be the int 0, 4 or 8, got {self.quant_policy!r}")
         _check(self.rope_scaling_factor >= 0,
                f"rope_scaling_factor must be >= 0, got {self.rope_scaling_factor}")
         _check(self.device_type in ("auto", "gpu", "cpu", "tpu"),

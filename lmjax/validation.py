@@ -37,6 +37,11 @@ FLOAT32_MAX = 3.4028234663852886e38
 FLOAT32_TINY = 1.1754943508222875e-38  # numpy.finfo(numpy.float32).tiny, its smallest normal: 1 / it is finite
 
 
+def is_int(value) -> bool:
+    """An int and not a bool (which is an int to Python): 8.0 and True are no block count or policy."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def check(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)

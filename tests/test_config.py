@@ -149,7 +149,7 @@ def test_engine_config_validation():
     with pytest.raises(ValueError, match="cache_max_entry_count .* got 1.5"):
         EngineConfig(cache_max_entry_count=1.5)
     assert EngineConfig(quant_policy=8).quant_policy == 8  # KV int8 (int4: 4), see tests/convert/test_kv_quant.py
-    with pytest.raises(ValueError, match="quant_policy must be 0, 4 or 8, got 3"):
+    with pytest.raises(ValueError, match="quant_policy must be the int 0, 4 or 8, got 3"):
         EngineConfig(quant_policy=3)
 
 
@@ -288,3 +288,12 @@ def test_a_model_without_a_chat_template_gets_lmdeploys_base_template(caplog):
                  {"role": "user", "content": "c"}]
         assert ChatTemplateConfig(model_name="base").messages2prompt(turns, base) == "a b c"
     assert sum("no chat template" in r.getMessage() for r in caplog.records) == 1
+
+
+@pytest.mark.parametrize("field,value", [("quant_policy", 8.0), ("quant_policy", "8"), ("quant_policy", True),
+                                         ("session_len", 64.0), ("num_gpu_blocks", 16.0)])
+def test_engine_config_integer_fields_refuse_other_types_naming_them(field, value):
+    """Before: 8.0 / 64.0 / 16.0 passed (8.0 in (0, 4, 8)) and the engine failed later with a TypeError naming
+    no field; "8" was refused as "got 8", which read as if 8 itself were wrong."""
+    with pytest.raises(ValueError, match=f"{field} must be .*got {value!r}"):
+        EngineConfig(**{field: value})

@@ -67,9 +67,10 @@ def restore_params(path: str, targets: dict) -> dict:
     with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as checkpointer:
         try:
             return checkpointer.restore(ckpt, args=ocp.args.StandardRestore(targets))
-        except (ValueError, KeyError, FileNotFoundError) as e:
+        except Exception as e:  # noqa: BLE001  (a damaged file: TensorStore raises a bare Exception)
             # The first line names what is wrong; Orbax / TensorStore append a 100-line dump (kept as __cause__)
-            summary = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            summary = first.split(" See full TensorStore")[0][:300]
             raise CheckpointError(f"cannot restore the converted checkpoint {ckpt}: {summary}") from e
 
 

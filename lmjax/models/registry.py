@@ -32,13 +32,23 @@ ARCHITECTURES: dict[str, Architecture] = {
 }
 
 
+# model_type -> architecture, for a config.json without `architectures` (a bare `LlamaConfig().save_pretrained`),
+# which transformers' AutoModelForCausalLM maps the same way
+_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                  "qwen3": "Qwen3ForCausalLM", "internlm2": "InternLM2ForCausalLM"}
+
+
 def architecture_of(hf_config: dict) -> str:
     archs = hf_config.get("architectures") or []
     for arch in archs:
         if arch in ARCHITECTURES:
             return arch
-    raise ConfigError(f"unsupported architecture {archs or hf_config.get('model_type')!r}; "
-                      f"supported: {sorted(ARCHITECTURES)}")
+    model_type = hf_config.get("model_type")
+    if not archs and model_type in _BY_MODEL_TYPE:
+        return _BY_MODEL_TYPE[model_type]
+    what = f"architectures {archs!r}" if archs else f"no architectures and model_type {model_type!r}"
+    raise ConfigError(f"unsupported model: config.json has {what}; supported architectures: "
+                      f"{sorted(ARCHITECTURES)} (model_type {sorted(_BY_MODEL_TYPE)})")
 
 
 def parse_config(hf_config: dict, **overrides) -> ModelConfig:
