@@ -93,7 +93,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (vLLM)
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (vLLM; -1: the model's limit)
     allowed_token_ids: list[int] | None = None
     guided_decoding: GuidedDecodingParams | None = None
     structured_outputs: GuidedDecodingParams | None = None  # an alias: moved to guided_decoding
@@ -117,9 +117,11 @@ class SamplingParams:
                f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         self.logits_processors = check_processors(self.logits_processors)
         check_output_kinds(self)
-        _check(self.truncate_prompt_tokens is None or (isinstance(self.truncate_prompt_tokens, int)
-                                                       and self.truncate_prompt_tokens >= 1),
-               f"truncate_prompt_tokens must be None or an int >= 1, got {self.truncate_prompt_tokens!r}")
+        _check(self.truncate_prompt_tokens is None or (_is_int(self.truncate_prompt_tokens)
+                                                       and (self.truncate_prompt_tokens >= 1
+                                                            or self.truncate_prompt_tokens == -1)),
+               f"truncate_prompt_tokens must be None, -1 (the model's limit) or an int >= 1, got "
+               f"{self.truncate_prompt_tokens!r}")
         _check_sampling(self.temperature, self.top_p, self.top_k, self.min_p,
                         self.repetition_penalty, self.n, self.logprobs)
         for name in ("presence_penalty", "frequency_penalty"):

@@ -37,7 +37,7 @@ def test_sampling_params_vllm_defaults():
     (dict(stop_token_ids=["a"]), "stop_token_ids must hold int values"),
     (dict(temperature="0.5"), "temperature must be a number, got '0.5'"),
     (dict(prompt_logprobs="a"), "prompt_logprobs must be None or an int >= 0, got 'a'"),
-    (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens must be None or an int >= 1, got 0"),
+    (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens must be None, -1 (the model's limit) or an int >= 1, got 0"),
     (dict(stop=["\n"], detokenize=False), "stop strings are only supported when detokenize is True"),
 ])
 def test_sampling_params_validation_names_value(kwargs, message):

@@ -108,8 +108,7 @@ class LLMEngine(SessionsMixin, MultiStepMixin, HostOutputsMixin, SpeculativeMixi
                             "own engine; vLLM's add_request(request_id, prompt, params) is lmjax.LLMEngine's")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use by an unfinished request")
-        if params.truncate_prompt_tokens and len(prompt_token_ids) > params.truncate_prompt_tokens:
-            prompt_token_ids, prompt = truncated_prompt(prompt_token_ids, params), None  # the text no longer matches
+        prompt_token_ids = truncated_prompt(prompt_token_ids, params, self.session_len)  # `prompt`: as given (vLLM)
         max_tokens = self.validate_request(prompt_token_ids, params)
         params = vocab_top_k(params, self.model_config.vocab_size)
         n = len(prompt_token_ids)
@@ -134,7 +133,7 @@ class LLMEngine(SessionsMixin, MultiStepMixin, HostOutputsMixin, SpeculativeMixi
         """Every check `add_request` makes, nothing queued (a batch checks all its requests first, so a bad
         one leaves no other behind); returns the request's token budget (max_tokens capped by the context)."""
         check_n(params, self.blocks.num_usable_blocks)  # first: overflowed_request also makes n completions
-        prompt_token_ids = truncated_prompt(prompt_token_ids, params)
+        prompt_token_ids = truncated_prompt(prompt_token_ids, params, self.session_len)
         check_prompt(prompt_token_ids, self.model_config.vocab_size, self.session_len)
         check_logprobs(params, self.model_config.vocab_size, self.config.max_logprobs)
         check_sampling_ids(params, self.model_config.vocab_size)

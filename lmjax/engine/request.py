@@ -191,7 +191,9 @@ def check_logprobs(params: SamplingParams, vocab: int, max_logprobs: int) -> Non
                              f"LLM(max_logprobs=...); -1 allows up to the vocabulary, {vocab})")
 
 
-def truncated_prompt(prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
-    """The prompt's last `truncate_prompt_tokens` tokens (vLLM's left truncation), else all of them."""
+def truncated_prompt(prompt_token_ids: list[int], params: SamplingParams, session_len: int) -> list[int]:
+    """The prompt's last `truncate_prompt_tokens` tokens (vLLM's left truncation), else all of them. -1 (vLLM's
+    "as many as the model takes"): session_len - 1, the longest prompt that leaves room for a token."""
     k = params.truncate_prompt_tokens
-    return list(prompt_token_ids)[-k:] if k else prompt_token_ids
+    k = session_len - 1 if k == -1 else k
+    return list(prompt_token_ids)[-k:] if k and len(prompt_token_ids) > k else prompt_token_ids

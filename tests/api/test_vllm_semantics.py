@@ -72,3 +72,15 @@ def test_generate_text_equals_streamed_text_on_a_broken_byte_run(tmp_path):
         for out in engine.step():
             streamed += out.outputs[0].text
     assert streamed.startswith("/") and done.text == streamed
+
+
+def test_truncate_prompt_tokens_keeps_the_prompt_and_takes_minus_one(llm):
+    """vLLM: RequestOutput.prompt stays the text given (was None after a cut); -1 cuts to the model's limit
+    (here max_model_len - 1 = 63 tokens, the longest prompt that leaves room for one)."""
+    prompt = " ".join(f"t{i}" for i in range(5, 105))
+    full = llm.get_tokenizer()(prompt)["input_ids"]
+    assert len(full) >= 100
+    for k, kept in ((3, 3), (-1, 63)):
+        out = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0, truncate_prompt_tokens=k),
+                           use_tqdm=False)[0]
+        assert out.prompt == prompt and out.prompt_token_ids == full[-kept:]
