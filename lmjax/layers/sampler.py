@@ -169,8 +169,9 @@ def _gumbel_BV(seeds_B: jax.Array, steps_B: jax.Array, V: int) -> jax.Array:
 
 
 def token_rank(logprobs_BV: jax.Array, chosen_B: jax.Array) -> jax.Array:
-    """1 + how many tokens are more likely than the chosen one (vLLM's Logprob.rank), int32 [B]."""
-    return 1 + jnp.sum(logprobs_BV > chosen_B[:, None], axis=-1, dtype=jnp.int32)
+    """How many tokens are at least as likely as the chosen one, itself included (vLLM V1's Logprob.rank: 1 for
+    the likeliest; a tie counts against the chosen token, as vLLM counts >=), int32 [B]."""
+    return jnp.sum(logprobs_BV >= chosen_B[:, None], axis=-1, dtype=jnp.int32)
 
 
 def _logprob_outputs(raw_BV: jax.Array, token_ids_B: jax.Array, num_logprobs: int, ranks: bool) -> SamplerOutput:

@@ -236,3 +236,10 @@ def test_tokenize_bad_words():
             return [ord(c) for c in text]
     assert tokenize_bad_words(Bpe(), ["ab", " cd"]) == [[97, 98], [1097, 98], [99, 100], [1099, 100]]
     assert tokenize_bad_words(Chars(), [" ab"]) == [[97, 98]]
+
+
+def test_token_rank_counts_ties_against_the_chosen_token_as_vllm():
+    from lmjax.layers.sampler import token_rank
+    logprobs = jnp.log(jnp.asarray([[0.4, 0.4, 0.2], [0.5, 0.3, 0.2]], jnp.float32))
+    chosen = jnp.asarray([logprobs[0, 1], logprobs[1, 0]])
+    assert token_rank(logprobs, chosen).tolist() == [2, 1]  # vLLM V1 counts >= (itself included)
