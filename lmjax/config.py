@@ -353,14 +353,20 @@ class ChatTemplateConfig:
         return any(getattr(self, k) is not None for k in ("system", "user", "assistant", "eoh", "eoa"))
 
     def messages2prompt(self, messages: str | list[dict[str, Any]], tokenizer=None, *,
-                        add_generation_prompt: bool = True, continue_final_message: bool = False) -> str:
+                        add_generation_prompt: bool | None = None, continue_final_message: bool | None = None) -> str:
         """Prompt text for `messages` (a string is one user turn). add_generation_prompt: end with the
         assistant's opening; continue_final_message: leave the last (assistant) message open for the
-        model to go on with (vLLM's / transformers' switches)."""
+        model to go on with (vLLM's / transformers' switches). Neither given: LMDeploy's rule, a last
+        message of the assistant's is the start of the reply (continued), else a reply is opened."""
         if self.capability == "completion" and isinstance(messages, str):
             return messages
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
+        if add_generation_prompt is None and continue_final_message is None:
+            prefix = bool(messages) and isinstance(messages[-1], dict) and messages[-1].get("role") == "assistant"
+            add_generation_prompt, continue_final_message = not prefix, prefix
+        add_generation_prompt = True if add_generation_prompt is None else add_generation_prompt
+        continue_final_message = bool(continue_final_message)
         if self.has_markers or tokenizer is None or not getattr(tokenizer, "chat_template", None):
             if not self.has_markers:  # LMDeploy's "base" template for a model without one: the text as is
                 warn_once(f"no chat template (ChatTemplateConfig(model_name={self.model_name!r}) has no role "

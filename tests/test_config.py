@@ -256,7 +256,9 @@ def test_chat_template_role_markers():
     assert ChatTemplateConfig(model_name="x", capability="completion").messages2prompt("raw") == "raw"
     parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
              {"role": "assistant", "content": None}]
-    assert cfg.messages2prompt(parts) == "<s>Be nice.</s>\n<u>a\nb</u>\n<a></a>\n<a>"
+    # a last assistant message starts the reply (LMDeploy): its (empty) content is left open
+    assert cfg.messages2prompt(parts) == "<s>Be nice.</s>\n<u>a\nb</u>\n<a>"
+    assert cfg.messages2prompt(parts, add_generation_prompt=True) == "<s>Be nice.</s>\n<u>a\nb</u>\n<a></a>\n<a>"
     with pytest.raises(ValueError, match=r"messages\[0\]: content parts of type \['input_audio'\]"):
         cfg.messages2prompt([{"role": "user", "content": [{"type": "input_audio"}]}])
 

@@ -174,25 +174,25 @@ class Pipeline:
         with `stream_response` (as LMDeploy) an iterator of the reply's pieces, which records the turn in
         `session` (give one, or take `pipe.session()`) once it is read to the end."""
         session = session or self.session()
-        session.messages.append({"role": "user", "content": prompt})
+        turn = {"role": "user", "content": prompt}  # history only once the turn completes (LMDeploy)
         if stream_response:
-            return self._chat_stream(session, gen_config, legacy)
-        self._record(session, self(list(session.messages), gen_config=gen_config, **legacy))
+            return self._chat_stream(session, turn, gen_config, legacy)
+        self._record(session, turn, self(session.messages + [turn], gen_config=gen_config, **legacy))
         return session
 
-    def _chat_stream(self, session: Session, gen_config, legacy) -> Iterator[Response]:
+    def _chat_stream(self, session: Session, turn: dict, gen_config, legacy) -> Iterator[Response]:
         pieces = []
-        for piece in self.stream_infer([list(session.messages)], gen_config, **legacy):
+        for piece in self.stream_infer([session.messages + [turn]], gen_config, **legacy):
             pieces.append(piece)
             yield piece
-        self._record(session, Response("".join(p.text for p in pieces), pieces[-1].generate_token_len,
-                                       pieces[-1].input_token_len, pieces[-1].finish_reason,
-                                       [t for p in pieces for t in p.token_ids]))
+        self._record(session, turn, Response("".join(p.text for p in pieces), pieces[-1].generate_token_len,
+                                             pieces[-1].input_token_len, pieces[-1].finish_reason,
+                                             [t for p in pieces for t in p.token_ids]))
 
     @staticmethod
-    def _record(session: Session, resp: Response) -> None:
+    def _record(session: Session, turn: dict, resp: Response) -> None:
         session.response = resp
-        session.messages.append({"role": "assistant", "content": resp.text})
+        session.messages += [turn, {"role": "assistant", "content": resp.text}]
 
     def session(self) -> Session:
         """A new chat session for `chat`."""
@@ -200,19 +200,24 @@ class Pipeline:
 
     def get_ppl(self, input_ids: list[int] | list[list[int]]) -> list[float]:
         """LMDeploy's get_ppl: per sequence of token ids, the mean cross-entropy (nats) of each token
-        given the ones before it (exp of it is the perplexity), from the engine's prompt logprobs."""
+        given the ones before it (exp of it is the perplexity), from the engine's logprobs: the prompt's for
+        all but the last token, which is the one sampled token (forced by allowed_token_ids; logprobs are the
+        raw model's), so a sequence of session_len tokens fits as get_logits' does."""
         batch = [input_ids] if input_ids and isinstance(input_ids[0], int) else list(input_ids)
         for i, ids in enumerate(batch):
             if len(ids) < 2:
                 raise ValueError(f"get_ppl needs at least 2 tokens a sequence; input_ids[{i}] has {len(ids)}")
-        scored = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
+        scored = [SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0, logprobs=0,
+                                 allowed_token_ids=[ids[-1]]) for ids in batch]
 
         def run():
-            requests = submit_all(self.engine, [(None, list(ids)) for ids in batch], [scored] * len(batch))
+            requests = submit_all(self.engine, [(None, list(ids[:-1])) for ids in batch], scored)
             return run_to_completion(self.engine, requests)
-        requests = self._exclusive(run)
-        return [-sum(e[t] for t, e in zip(r.prompt_token_ids[1:], r.prompt_logprobs[1:])) / (len(r.prompt_token_ids) - 1)
-                for r in requests]
+
+        def nll(r, ids) -> float:
+            logprobs = [e[t] for t, e in zip(ids[1:-1], r.prompt_logprobs[1:])] + [r.completions[0].logprobs[0][ids[-1]]]
+            return -sum(logprobs) / (len(ids) - 1)
+        return [nll(r, ids) for r, ids in zip(self._exclusive(run), batch)]
 
     def get_logits(self, input_ids: list[int] | list[list[int]]) -> list[np.ndarray]:
         """LMDeploy's get_logits: per sequence of token ids, float32 logits [len, vocab] at every position
