@@ -149,8 +149,9 @@ def _add_serve(subparsers) -> None:
     servers = serve.add_subparsers(dest="server", metavar="SERVER", required=True)
     api = servers.add_parser(
         "api_server", help="OpenAI-compatible HTTP server",
-        description="Serve /v1/models, /v1/chat/completions, /v1/completions, /v1/chat/interactive, /health "
-                    "and /metrics with FastAPI + uvicorn.",
+        description="Serve /v1/models, /v1/chat/completions, /v1/completions, /v1/embeddings, "
+                    "/v1/chat/interactive, /v1/encode, /tokenize, /detokenize, /health and /metrics with FastAPI + "
+                    "uvicorn (pip install 'lmjax[serve]').",
         epilog="example: lmjax serve api_server ./SmolLM2.gguf --server-port 23333 --api-keys sk-1")
     _add_engine_args(api)
     api.add_argument("--server-name", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
@@ -162,7 +163,7 @@ def _add_serve(subparsers) -> None:
                      help="log level (default: INFO)")
     api.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None, metavar="NAME",
                      help="parse chat replies for tool calls in this model family's format, one of "
-                          f"{', '.join(TOOL_CALL_PARSERS)} (default: none; then a request with tools is a 400)")
+                          f"{', '.join(TOOL_CALL_PARSERS)} (default: none; then tools with tool_choice 'auto' are a 400)")
     api.add_argument("--enable-auto-tool-choice", action="store_true",
                      help="accepted for vLLM: tool_choice 'auto' is on whenever --tool-call-parser is given")
     api.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",

@@ -261,7 +261,8 @@ class EngineConfig:
 
     cache_max_entry_count: a fraction in (0, 1] of free device memory for the KV cache, or an
     integer > 1 meaning a block count. num_gpu_blocks > 0 overrides both.
-    session_len None: the model's max_position_embeddings. device_type 'auto': JAX's default.
+    session_len None: the model's context (max_position_embeddings, times the factor of linear or dynamic RoPE
+    scaling). device_type 'auto': JAX's default.
     seed: engine-wide seed; requests without one get seeds derived from it.
     max_logprobs: the most top log-probabilities a request may ask for, per sampled token
     (`logprobs`) or prompt token (`prompt_logprobs`); vLLM's engine argument and default. Each

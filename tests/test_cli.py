@@ -194,3 +194,16 @@ def test_the_default_model_answers_to_its_ids_however_it_was_named(monkeypatch, 
     assert cli.main(argv) == 0
     names = openai_server.accepted_names("SmolLM2-135M-Instruct.Q4_1", served["aliases"])
     assert {"HuggingFaceTB/SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct", "smollm2"} <= names
+
+
+def test_chat_and_generate_import_without_the_serve_extra():
+    """`lmjax chat` imported lmjax.serve, whose package init imported the client's httpx: without the `serve`
+    extra it died with ModuleNotFoundError. Now the client loads on first use."""
+    code = ("import sys\n"
+            "for m in ('httpx', 'fastapi', 'uvicorn'): sys.modules[m] = None  # as if not installed\n"
+            "import lmjax.cli, lmjax.serve.terminal_chat, lmjax.api.async_engine\n"
+            "import lmjax.serve\n"
+            "try:\n    lmjax.serve.APIClient\nexcept ImportError:\n    print('client needs httpx')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "client needs httpx"

@@ -40,9 +40,12 @@ logger = logging.getLogger("lmjax.api")
 # allowed only at these values. tokenizer_mode="slow" stays refused: LLMEngine loads the tokenizer (fast, or
 # a GGUF file's, which has no slow form) and takes no mode; a slow one could also tokenize differently.
 # skip_tokenizer_init: lmjax always detokenizes; revision / tokenizer_revision: another checkpoint;
-# cpu_offload_gb > 0: a model that needs it would not fit (lmjax has no weight offload).
+# cpu_offload_gb > 0: a model that needs it would not fit (lmjax has no weight offload); pipeline_parallel_size:
+# no pipeline parallelism; load_format: lmjax reads the format from the path ("dummy" weights it has not);
+# hf_overrides: another model config.
 _VLLM_ONLY_DEFAULTS = {"tokenizer_mode": "auto", "skip_tokenizer_init": False, "trust_remote_code": False,
-                       "revision": None, "tokenizer_revision": None, "cpu_offload_gb": 0}
+                       "revision": None, "tokenizer_revision": None, "cpu_offload_gb": 0, "pipeline_parallel_size": 1,
+                       "load_format": "auto", "hf_overrides": None}
 
 # vLLM arguments that only tune parts lmjax does not have: any value is accepted, a non-default one is logged
 # once as having no effect. {name: (default, why)}
@@ -54,6 +57,10 @@ _VLLM_TUNING = {
     "disable_async_output_proc": (False, "no asynchronous output processor"),
     # vLLM's LLM defaults it to True; lmjax logs no periodic stats (LLMEngine.stats() gives the counters)
     "disable_log_stats": (True, "lmjax logs no periodic engine stats; see llm.llm_engine.stats()"),
+    "task": ("auto", "an LLM serves generate and embed alike"),
+    "download_dir": (None, "nothing is downloaded: models are local paths"),
+    "distributed_executor_backend": (None, "one process drives every local device (JAX; tp across hosts: "
+                                           "jax.distributed)"),
 }
 
 

@@ -1,6 +1,7 @@
 """OpenAI-compatible serving: `openai_server` (FastAPI app, `run_server`), `protocol` (request models),
 `client` (`APIClient`, LMDeploy's Python client), `launch` (`serve`: the server in a subprocess).
-Importing this package does not import FastAPI.
+Importing this package imports neither FastAPI nor the client's httpx (`lmjax chat` and `lmjax generate` run
+without the `serve` extra): the client's names load on first use.
 
 The package can be called: `lmjax.serve(model_path, ...)` is LMDeploy's `lmdeploy.serve(...)` (see
 lmjax.serve.launch). LMDeploy's top-level `serve` function shadows its `serve` subpackage; here the one
@@ -12,9 +13,15 @@ replace the function.
 import sys
 import types
 
-from lmjax.serve.client import APIClient, APIClientError, APIConnectionError, get_model_list
-
 __all__ = ["APIClient", "APIClientError", "APIConnectionError", "get_model_list"]
+
+
+def __getattr__(name: str):
+    if name in __all__:
+        from lmjax.serve import client
+
+        return getattr(client, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class _CallableModule(types.ModuleType):

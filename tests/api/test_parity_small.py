@@ -192,3 +192,18 @@ def test_detokenize_false_gives_ids_only(llm):
     assert all(lp.decoded_token is None for step in ids.outputs[0].logprobs for lp in step.values())
     assert all(lp.decoded_token is None for step in ids.prompt_logprobs[1:] for lp in step.values())
     assert all(lp.decoded_token for step in text.outputs[0].logprobs for lp in step.values())
+
+
+def test_vllm_arguments_at_their_defaults_are_accepted(tmp_path):
+    """vLLM code passes these at vLLM's defaults (they were a TypeError); the ones that would change the model
+    are NotImplementedError off their default, the tuning-only ones take any value."""
+    from conftest import write_tiny_llama
+
+    path = write_tiny_llama(tmp_path)
+    llm = LLM(path, max_model_len=32, task="auto", download_dir=None, pipeline_parallel_size=1, load_format="auto",
+              distributed_executor_backend=None, hf_overrides=None)
+    assert llm.generate("t5", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+    with pytest.raises(NotImplementedError, match="pipeline_parallel_size=2"):
+        LLM(path, pipeline_parallel_size=2)
+    with pytest.raises(TypeError, match="no_such_argument"):
+        LLM(path, no_such_argument=1)
