@@ -38,8 +38,8 @@ FLOAT32_TINY = 1.1754943508222875e-38  # numpy.finfo(numpy.float32).tiny, its sm
 
 
 def is_int(value) -> bool:
-    """An int and not a bool (which is an int to Python): 8.0 and True are no block count or policy."""
-    return isinstance(value, int) and not isinstance(value, bool)
+    """An integer (numpy's too) and not a bool (an int to Python): 8.0 and True are no block count or policy."""
+    return isinstance(value, Integral) and not isinstance(value, bool)
 
 
 def check(ok: bool, message: str) -> None:

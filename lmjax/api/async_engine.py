@@ -150,25 +150,32 @@ class AsyncEngine:
         elif stop is not None:
             legacy["stop_words"] = [stop] if isinstance(stop, str) else list(stop)
         params = self.sampling_params(gen_config, **legacy)
+        await self._settle(session_id)  # before encode: a later turn's text depends on how the last one ended
         if input_ids is not None:
             text, ids = None, list(input_ids)
         else:
             text, ids = self.encode(messages, sequence_start, do_preprocess, chat_template_config, session_id)
         if params.guided_decoding is not None:
             await asyncio.to_thread(self._compile_guides, [params])
-        for _ in range(3):
-            # A stream of this session left by `break` is closed (its turn aborted) by a task asyncio's
-            # finalizer hook creates a loop round later and runs the round after: let that happen first, so
-            # this turn reaches the engine after the abort, not into a busy session.
-            if not self._streaming[session_id]:
-                break
-            await asyncio.sleep(0)
         run = self._run(session_id, ids, params, text, sequence_start, sequence_end, stream_response)
         try:
             async for out in run:
                 yield out
         finally:
             await run.aclose()  # now, with this generator's own close: not one more loop round later
+
+    async def _settle(self, session_id: int) -> None:
+        """A stream of this session left by `break` is closed (its turn aborted) by a task that asyncio's
+        finalizer hook creates a loop round later and runs the round after: let it run, then wait until the
+        engine thread has done the abort it queued, so the next turn sees the session as that abort left it
+        (history, how its reply ended) and does not reach a busy session."""
+        for _ in range(3):
+            if not self._streaming[session_id]:
+                return
+            await asyncio.sleep(0)
+            if not self._streaming[session_id]:
+                await asyncio.wrap_future(self._thread.call(lambda: None))  # commands run in order
+                return
 
     async def _run(self, session_id, ids, params, text, sequence_start, sequence_end, stream) -> AsyncIterator[GenOut]:
         loop, items = asyncio.get_running_loop(), asyncio.Queue()

@@ -157,7 +157,6 @@ def _with_dict_arguments(message: dict, i: int) -> dict:
 
 
 @functools.lru_cache(maxsize=1)
-@functools.lru_cache(maxsize=1)
 def byte_level_decoder() -> dict[str, int]:
     """GPT-2's byte-level BPE alphabet, character -> byte (transformers' own table)."""
     from transformers.convert_slow_tokenizer import bytes_to_unicode

@@ -55,17 +55,20 @@ class APIError(Exception):
 
 
 @contextlib.contextmanager
-def api_errors():
+def api_errors(judging: bool = True):
     """The one mapping of what a route's work raises to OpenAI's error body: the request's fault (a value or
     type the checks refuse, a feature lmjax lacks) is a 400; the engine failing or being closed is a 500
     "server_error", not a bare 500. Routes wrap only the work that judges the request, so a bug in building
-    the response still surfaces as a 500 of its own."""
+    the response still surfaces as a 500 of its own; `judging=False` (collecting outputs, the request already
+    accepted) maps the engine's failures only."""
     try:
         yield
-    except (ValueError, TypeError, NotImplementedError) as e:  # (NotImplementedError is a RuntimeError)
-        raise APIError(400, str(e)) from None
-    except RuntimeError as e:
-        raise APIError(500, str(e), "server_error") from None
+    except (ValueError, TypeError, RuntimeError) as e:
+        if judging and isinstance(e, (ValueError, TypeError, NotImplementedError)):  # (a RuntimeError too)
+            raise APIError(400, str(e)) from None
+        if isinstance(e, RuntimeError):
+            raise APIError(500, str(e), "server_error") from None
+        raise
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -166,7 +169,7 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
     async def collect(raw: Request, first, rest, choices: R.Choices) -> bool:
         """A non-streaming response's outputs, all of them (False: the client went away first). An engine
         failure on the way is OpenAI's error body, as in `start`."""
-        with api_errors():
+        with api_errors(judging=False):
             return await until_disconnect(raw, _consume(first, rest, choices))
 
     @app.get("/health")

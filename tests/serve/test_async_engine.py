@@ -211,6 +211,10 @@ def test_a_turn_abandoned_by_break_frees_its_session_for_the_next_turn(engine):
     aborts the turn) for the loop's next round. A next turn on the same session started at once used to reach
     the engine before that abort: "session 7 is busy with another request". Now generate() lets a pending
     close run first when the session still has a live stream."""
+    prompts = []
+    encode = engine.encode
+    engine.encode = lambda *a, **k: prompts.append(encode(*a, **k)[0]) or encode(*a, **k)
+
     async def main():
         async for _ in engine.generate("Count to twenty.", 7, GenerationConfig(max_new_tokens=64),
                                        sequence_end=False):
@@ -218,5 +222,11 @@ def test_a_turn_abandoned_by_break_frees_its_session_for_the_next_turn(engine):
         text, ids, last = await _run(engine, "Thanks.", 7, GREEDY, sequence_start=False, sequence_end=False)
         await engine.end_session(7)
         return ids, last
-    ids, last = asyncio.run(main())
+    try:
+        ids, last = asyncio.run(main())
+    finally:
+        del engine.encode
     assert ids and last.finish_reason in ("stop", "length")
+    # The next turn saw the session as the abort left it: a reply cut short, so its end marker is still owed
+    # (before the engine had done the abort, the session looked closed and the marker was dropped).
+    assert prompts[-1].startswith("<|im_end|>"), prompts
