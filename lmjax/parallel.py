@@ -79,7 +79,22 @@ def make_mesh(tp: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
     if not 1 <= tp <= len(devices):
         raise ValueError(f"tp={tp} needs {tp} devices; {len(devices)} available "
                          f"({jax.process_count()} process(es), backend {jax.default_backend()!r})")
+    left_out = sorted({d.process_index for d in devices} - {d.process_index for d in devices[:tp]})
+    if left_out:  # a process with no device in the mesh holds no shard: it fails deep in placement
+        raise ValueError(f"tp={tp} takes the first {tp} of {len(devices)} devices, none of process(es) {left_out} "
+                         f"({jax.process_count()} processes): give tp={len(devices)} to use every process's "
+                         "devices, or start fewer processes")
     return Mesh(np.array(devices[:tp]), (TP_AXIS,), axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def host_array(x: jax.Array, dtype=None) -> np.ndarray:
+    """The whole of `x` on this host, also when it is sharded over devices of other processes (each process
+    must then call this too, in the same order: a collective gather)."""
+    if not getattr(x, "is_fully_addressable", True):
+        from jax.experimental import multihost_utils
+
+        x = multihost_utils.process_allgather(x, tiled=True)
+    return np.asarray(x, dtype)
 
 
 def tp_size(mesh: Mesh | None) -> int:

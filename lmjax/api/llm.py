@@ -21,6 +21,7 @@ from numbers import Integral
 
 import jax
 
+from lmjax import parallel
 from lmjax.api.batch import encode_text, per_prompt, run_to_completion, submit_all
 from lmjax.api.beam_search import BeamSearchOutput, BeamSearchParams, beam_search as run_beam_search
 from lmjax.api.embed import EmbeddingRequestOutput, PoolingParams, embed_token_ids
@@ -154,6 +155,7 @@ def batch_defaults(device=None) -> tuple[int, int]:
     """vLLM's LLM-class defaults for (max_num_seqs, max_num_batched_tokens): larger on big GPUs, where a
     wider decode batch turns bandwidth-bound steps into better-utilised matmuls (vLLM's arg_utils
     picks 1024 / 16384 for devices with >= 70 GiB except A100s, measured slower there by vLLM)."""
+    parallel.initialize_distributed()  # first: a process joins the others before JAX's backend starts
     device = device or jax.devices()[0]
     stats = (device.memory_stats() if device.platform == "gpu" else None) or {}
     # XLA's limit is a fraction of the device's memory (0.75 unless XLA_PYTHON_CLIENT_MEM_FRACTION says)

@@ -227,6 +227,9 @@ class Pipeline:
         for ids in batch:
             check_prompt(ids, self.engine.model_config.vocab_size, self.engine.session_len + 1)
         runner = self.engine.runner
+        if runner.leading:  # its forward is not a step the followers are sent: they would never join it
+            raise NotImplementedError("get_logits is not supported by a multi-process engine led by one process; "
+                                      "run the same program in every process (each calls get_logits) instead")
         return prompt_logits(nnx.merge(runner.graphdef, runner.state), [list(ids) for ids in batch],
                              quant_policy=self.engine.config.quant_policy, kv_maps=self.engine.kv_maps)
 

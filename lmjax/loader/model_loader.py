@@ -90,6 +90,7 @@ def load_model(model: str | None = None, dtype: str = "auto", *, placer: Placer 
     """
     times = PhaseTimes()
     with times.phase("init"):
+        parallel.initialize_distributed()  # before the backend starts: the LMJAX_* variables alone join processes
         jax.local_devices()  # the backend's start (a GPU client and its memory pool): not the checkpoint's
     path = resolve_model_path(model)
     loaded = _load(path, dtype, placer, tp, mesh, times, overrides)

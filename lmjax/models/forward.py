@@ -56,7 +56,7 @@ def prompt_logits(model, prompts: list[list[int]], block_size: int = 16, quant_p
     ids_T, positions_T, caches, meta, mesh = prefill_inputs(model, prompts, block_size, quant_policy, kv_maps)
     with parallel.use_mesh(mesh):
         logits_TV, _ = _forward_all(model, ids_T, positions_T, caches, meta)
-    return np.split(np.asarray(logits_TV), np.cumsum(lengths)[:-1])
+    return np.split(parallel.host_array(logits_TV), np.cumsum(lengths)[:-1])
 
 
 def perplexity(model, ids: list[int], quant_policy: int = 0, kv_maps=None) -> float:

@@ -51,14 +51,14 @@ def calibrate_kv_int4(model, ids: list[int]) -> list[tuple[np.ndarray, np.ndarra
     finally:
         for attn in attentions:
             attn.record_queries = False
-    queries = [np.asarray(sown["layers"][i]["self_attn"]["queries_TNH"].get_value()[0], np.float32)
-               for i in range(len(attentions))]
+    queries = [parallel.host_array(sown["layers"][i]["self_attn"]["queries_TNH"].get_value()[0], np.float32)
+               for i in range(len(attentions))]  # (host_array: the calibration runs in every process)
     slots_T = np.asarray(meta.slot_mapping_T)
     rotation = kv_rotation(cfg.head_dim)
     maps = []
     for (k_cache_PSKH, _), q_TNH in zip(caches, queries):
         P, S, K, H = k_cache_PSKH.shape
-        k_TKH = np.asarray(k_cache_PSKH, np.float32).reshape(P * S, K, H)[slots_T]
+        k_TKH = parallel.host_array(k_cache_PSKH, np.float32).reshape(P * S, K, H)[slots_T]
         k_TKH = k_TKH[:, ::K // cfg.num_kv_heads]  # a tp cache may hold each KV head several times
         maps.append(int4_kv_maps(k_TKH, q_TNH, rotation))
     return maps
