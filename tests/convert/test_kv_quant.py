@@ -114,9 +114,9 @@ def test_bad_quant_policy_names_the_value(bad):
     from lmjax.config import EngineConfig
     from lmjax.lmdeploy_config import TurbomindEngineConfig
 
-    with pytest.raises(ValueError, match=f"quant_policy must be 0, 4 or 8, got {bad}"):
+    with pytest.raises(ValueError, match=f"quant_policy must be the int 0, 4 or 8, got {bad}"):
         EngineConfig(quant_policy=bad)
-    with pytest.raises(ValueError, match=f"quant_policy must be 0, 4 or 8, got {bad}"):
+    with pytest.raises(ValueError, match=f"quant_policy must be the int 0, 4 or 8, got {bad}"):
         TurbomindEngineConfig(quant_policy=bad).to_engine_config()
     with pytest.raises(ValueError, match=f"quant_policy={bad} is not supported"):
         make_quant_kv_caches(1, 2, 4, 1, 8, bad)
