@@ -5,13 +5,12 @@ leave a process without devices is a clear error (was a failure deep in placemen
 int4 KV cache's calibration and get_logits gather arrays spread over both processes (each process running the
 same program); a leader refuses get_logits, which its followers would never join."""
 import os
-import socket
-import subprocess
 import sys
 
 import pytest
 
 from conftest import write_tiny_llama
+from processes import run_joined
 
 DRIVER = os.path.join(os.path.dirname(__file__), "mp_driver.py")
 
@@ -21,24 +20,8 @@ def ckpt(tmp_path_factory):
     return write_tiny_llama(tmp_path_factory.mktemp("tp"), num_attention_heads=8, num_key_value_heads=8)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_two(ckpt: str, devices: int, tp: int, case: str) -> list[tuple[int, str, str]]:
-    env = {**os.environ, "LMJAX_COORDINATOR_ADDRESS": f"127.0.0.1:{_free_port()}", "LMJAX_NUM_PROCESSES": "2"}
-    procs = [subprocess.Popen([sys.executable, DRIVER, ckpt, str(devices), str(tp), case], text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**env, "LMJAX_PROCESS_ID": str(i)})
-             for i in range(2)]
-    try:
-        outs = [p.communicate(timeout=300) for p in procs]
-    finally:
-        for p in procs:  # a hung peer must not outlive the test
-            if p.poll() is None:
-                p.kill()
-    return [(p.returncode, out, err) for p, (out, err) in zip(procs, outs)]
+    return run_joined([sys.executable, DRIVER, ckpt, str(devices), str(tp), case])
 
 
 def _last(text: str) -> str:

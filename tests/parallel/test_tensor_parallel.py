@@ -7,7 +7,6 @@ tests/parallel/tp_driver.py in a subprocess (this pytest process has imported ja
 """
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -16,6 +15,7 @@ import torch
 import transformers
 
 from conftest import smollm2_gguf_path
+from processes import run_joined
 
 DRIVER = os.path.join(os.path.dirname(__file__), "tp_driver.py")
 PROMPTS = [list(range(3, 12)), list(range(20, 61)), [7]]  # 41 tokens: prefilled in two chunks
@@ -132,12 +132,6 @@ def test_smollm2_tp3_matches_tp1():
     _check_param_bytes(out["runs"]["3"], 3)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def one_process_tokens(checkpoints):
     return _drive({"model": checkpoints["llama-kv2"], "tp": [1], "prompts": PROMPTS, "devices": 1})["runs"]["1"]["tokens"]
@@ -150,18 +144,9 @@ def test_two_processes_match_one(checkpoints, one_process_tokens, leader):
     same engine calls, or process 0's scheduler drives process 1 (ModelRunner.lead / follow)."""
     path = checkpoints["llama-kv2"]
     spec = json.dumps({"model": path, "tp": [4], "prompts": PROMPTS, "devices": 2, "leader": leader})
-    common = {**os.environ, "LMJAX_COORDINATOR_ADDRESS": f"127.0.0.1:{_free_port()}", "LMJAX_NUM_PROCESSES": "2"}
-    procs = [subprocess.Popen([sys.executable, DRIVER, spec], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, env={**common, "LMJAX_PROCESS_ID": str(i)}) for i in range(2)]
-    try:
-        outputs = [proc.communicate(timeout=300) for proc in procs]
-    finally:
-        for proc in procs:  # a hung peer must not outlive the test
-            if proc.poll() is None:
-                proc.kill()
     results = []
-    for proc, (stdout, stderr) in zip(procs, outputs):
-        assert proc.returncode == 0, stderr[-4000:]
+    for returncode, stdout, stderr in run_joined([sys.executable, DRIVER, spec]):
+        assert returncode == 0, stderr[-4000:]
         results.append(json.loads(stdout.strip().splitlines()[-1]))
     assert [r["process"] for r in results] == [0, 1]
     assert all(r["devices"] == 4 for r in results)
