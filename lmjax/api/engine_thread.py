@@ -49,6 +49,7 @@ class GenOut:
     prompt_logprobs: list[dict[int, float] | None] | None = None  # with SamplingParams.prompt_logprobs
     logits: Any = None  # output_logits' rows, on a completion's last output (lmjax.engine.host_outputs)
     last_hidden_state: Any = None
+    error: str | None = None  # why, when finish_reason is "error" (lmjax's: LMDeploy's GenOut has no such field)
 
 
 @dataclasses.dataclass(eq=False)
@@ -231,7 +232,8 @@ class EngineThread:
             logprobs = None if c.logprobs is None else c.logprobs[end - len(ids):end]
             if not self._emit(live, GenOut(text, live.history, len(req.prompt_token_ids) - live.history, end,
                                            c.finish_reason, ids, logprobs, c.index, req.num_cached_tokens,
-                                           req.prompt_logprobs, **host_arrays(c))):
+                                           req.prompt_logprobs, **host_arrays(c),
+                                           error=req.error if c.finish_reason == "error" else None)):
                 return
             if c.finished:
                 live.done.add(c.index)
@@ -281,5 +283,5 @@ def merge_outputs(acc: GenOut | None, item: GenOut) -> GenOut:
     if acc.logprobs is not None and item.logprobs:
         acc.logprobs += item.logprobs
     acc.generate_token_len, acc.finish_reason = item.generate_token_len, item.finish_reason
-    acc.logits, acc.last_hidden_state = item.logits, item.last_hidden_state
+    acc.logits, acc.last_hidden_state, acc.error = item.logits, item.last_hidden_state, item.error
     return acc

@@ -24,20 +24,11 @@ class StopResult(NamedTuple):
     stop_str: str | None = None
 
 
-def find_stop(text: str, start: int, stops: Sequence[str], lookback: bool = False) -> tuple[int, str] | None:
-    """Earliest (index, stop) with index >= start; at equal index the shortest, which completes first.
-    lookback (the streaming check, vLLM's): `start` is where new text begins, a stop counts if it ends there
-    or later (each stop searched from start - len(stop) + 1), and the first listed that is found wins, as
-    vLLM checks them in their order (stop=["39", "t3"] on " t39" stops at "39")."""
-    if lookback:
-        return next(((i, stop) for stop in stops if (i := text.find(stop, max(0, start - len(stop) + 1))) >= 0),
-                    None)
-    best = None
-    for stop in stops:
-        i = text.find(stop, start)
-        if i >= 0 and (best is None or (i, len(stop)) < (best[0], len(best[1]))):
-            best = (i, stop)
-    return best
+def find_stop(text: str, start: int, stops: Sequence[str]) -> tuple[int, str] | None:
+    """(index, stop) of the first listed stop found ending at or after `start`, where new text begins (each
+    stop searched from start - len(stop) + 1): vLLM checks stop strings in their order as text streams in,
+    so stop=["39", "t3"] on " t39" stops at "39"."""
+    return next(((i, stop) for stop in stops if (i := text.find(stop, max(0, start - len(stop) + 1))) >= 0), None)
 
 
 def partial_stop_len(text: str, stops: Sequence[str]) -> int:
@@ -71,7 +62,7 @@ class StopStringMatcher:
             return StopResult("", True, self.stop_str)
         start = len(self.text)
         self.text += new_text
-        hit = find_stop(self.text, start, self.stops, lookback=True) if armed else None
+        hit = find_stop(self.text, start, self.stops) if armed else None
         if hit is not None:
             return self._stop(*hit)
         # With the stop string included in the output, nothing needs holding back.

@@ -33,6 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lmjax.api.async_engine import AsyncEngine
 from lmjax.api.batch import encode_chat
+from lmjax.api.engine_thread import GenOut
 from lmjax.engine.request import check_token_ids
 from lmjax.loader.tokenizer import render_chat, token_bytes, token_text
 from lmjax.serve import responses as R
@@ -336,9 +337,20 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
 
 
 async def _chain(first, rest):
-    yield first
+    """The (prompt, GenOut)s of a response. A completion that ended with "error" (nothing left to sample, a
+    step input the request broke) fails the whole response with its reason, as vLLM answers its "error"
+    finish reason with an error response instead of a choice; a 400, since what fails one request and no
+    other is that request's doing (a 5xx would also make openai-python retry it twice)."""
+    yield _checked(first)
     async for item in rest:
-        yield item
+        yield _checked(item)
+
+
+def _checked(item: tuple[int, GenOut]) -> tuple[int, GenOut]:
+    out = item[1]
+    if out.finish_reason == "error":
+        raise APIError(400, f"the request failed: {out.error or 'no reason given'}")
+    return item
 
 
 async def _consume(first, rest, choices: R.Choices) -> None:
@@ -351,6 +363,9 @@ async def _guarded(events):
     try:
         async for e in events:
             yield e
+    except APIError as e:
+        logger.warning("stream failed: %s", e.message)
+        yield R.sse(R.error_body(e.message, e.type, e.status))
     except (ValueError, RuntimeError) as e:
         logger.warning("stream failed: %s", e)
         yield R.sse(R.error_body(str(e), "server_error"))

@@ -117,8 +117,10 @@ def feed_all(matcher, pieces):
 
 def test_find_stop_and_partial():
     assert find_stop("abcXYdefXY", 0, ["XY", "def"]) == (3, "XY")
-    assert find_stop("abcXYdefXY", 4, ["XY", "def"]) == (5, "def")
-    assert find_stop("aab", 0, ["ab", "aab"]) == (0, "aab")
+    assert find_stop("abcXYdefXY", 0, ["def", "XY"]) == (5, "def")  # the first listed found wins
+    assert find_stop("abcXYdefXY", 5, ["XY", "def"]) == (8, "XY")  # "XY" at 3 ends before new text (5)
+    assert find_stop("abcXYdefXY", 4, ["XY", "def"]) == (3, "XY")  # ...but one ending in new text counts
+    assert find_stop("aab", 0, ["ab", "aab"]) == (1, "ab")
     assert find_stop("abc", 0, []) is None
     assert partial_stop_len("hello <|im", ["<|im_end|>"]) == 4
     assert partial_stop_len("hello <|im_end", ["<|im_end|>", "m_e"]) == 8

@@ -11,6 +11,7 @@ exceptions come back as responses, as a client would see them):
 - the Python facades' per-prompt arguments: a list holding something other than the params object it should
   is a TypeError naming the argument, and a chat message without a role a ValueError naming it."""
 import asyncio
+import json
 
 import pytest
 from fastapi.testclient import TestClient
@@ -203,3 +204,30 @@ def test_a_chat_message_without_a_role_is_named(engine):
     with pytest.raises(ValueError, match="role"):
         engine.batch_infer([{"content": "t5"}], gen_config=GenerationConfig(max_new_tokens=2))
     assert engine.batch_infer("t5", gen_config=GenerationConfig(max_new_tokens=2)).finish_reason == "length"
+
+
+STUCK = {"max_tokens": 4, "temperature": 0, "allowed_token_ids": [3], "min_tokens": 2}  # only eos, eos banned
+
+
+@pytest.mark.parametrize("route, body", [
+    ("/v1/completions", {"prompt": [[5, 9], [7, 8]], **STUCK}),
+    ("/v1/chat/completions", {"messages": USER, **STUCK}),
+])
+def test_a_request_ending_with_error_is_an_error_body_naming_why(http, route, body):
+    """A completion that ends with "error" (here: nothing left to sample) answers the request with OpenAI's
+    error body carrying the engine's reason, as vLLM answers its "error" finish reason; before, a 200 whose
+    choice said finish_reason "error" and nothing else."""
+    r = http.post(route, json={"model": "tiny", **body})
+    assert r.status_code == 400, r.text
+    assert "nothing could be sampled for output token 0" in r.json()["error"]["message"]
+    still_serves(http)
+
+
+def test_a_streamed_request_ending_with_error_sends_the_error_event(http):
+    """Streaming: the error event openai-python raises as an APIError, with the engine's reason."""
+    r = http.post("/v1/chat/completions", json={"model": "tiny", "messages": USER, "stream": True, **STUCK})
+    events = [line[len("data: "):] for line in r.text.splitlines() if line.startswith("data: ")]
+    errors = [json.loads(e)["error"] for e in events if e != "[DONE]" and "error" in json.loads(e)]
+    assert len(errors) == 1 and "nothing could be sampled" in errors[0]["message"], r.text
+    assert errors[0]["code"] == 400
+    still_serves(http)
