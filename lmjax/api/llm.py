@@ -182,11 +182,23 @@ def _check_swap_space(swap) -> None:
         raise ValueError(f"swap_space must be a number of GiB >= 0, got {swap!r}")
 
 
+# vLLM's tasks an LLM here serves (generate; embed through LLM.embed): the pooling heads others need
+# (classify, score, reward) and speech (transcription) it has not.
+_SERVED_TASKS = ("auto", "generate", "embed", "embedding")
+
+
+def _check_task(task) -> None:
+    if task not in _SERVED_TASKS:
+        raise NotImplementedError(f"LLM(task={task!r}) is not supported by lmjax: it serves {list(_SERVED_TASKS)} "
+                                  "(no classification, scoring, reward or transcription heads)")
+
+
 def _check_vllm_only(kwargs: dict) -> None:
     unknown = sorted(set(kwargs) - set(_VLLM_ONLY_DEFAULTS) - set(_VLLM_TUNING))
     if unknown:
         raise TypeError(f"LLM() got an unexpected keyword argument {unknown[0]!r}")
     _check_swap_space(kwargs.get("swap_space", 4))
+    _check_task(kwargs.get("task", "auto"))
     for name, value in kwargs.items():
         if name in _VLLM_TUNING and value != _VLLM_TUNING[name][0]:
             warn_no_effect("LLM", name, value, _VLLM_TUNING[name][1])

@@ -207,3 +207,10 @@ def test_vllm_arguments_at_their_defaults_are_accepted(tmp_path):
         LLM(path, pipeline_parallel_size=2)
     with pytest.raises(TypeError, match="no_such_argument"):
         LLM(path, no_such_argument=1)
+
+
+@pytest.mark.parametrize("task", ["classify", "score", "reward", "transcription", "generat"])
+def test_a_task_lmjax_does_not_serve_is_refused_before_loading(task):
+    """vLLM's tasks that need a head lmjax has not (and typos) were accepted with a log line."""
+    with pytest.raises(NotImplementedError, match=f"task={task!r}"):
+        LLM("/no/such/model", task=task)
