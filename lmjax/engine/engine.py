@@ -270,7 +270,7 @@ class LLMEngine(SessionsMixin, MultiStepMixin, HostOutputsMixin, SpeculativeMixi
         drafted = self._accept_drafts(batch, out, starts, changed)
         sampled = {it.seq.seq_id: int(out.token_ids[starts[i]]) for i, it in enumerate(batch.items)
                    if it.samples and it.seq.seq_id not in failed and it.seq.seq_id not in drafted}
-        self.num_generated_tokens += len(sampled)
+        self.num_generated_tokens += sum(t != NO_TOKEN for t in sampled.values())
         self.num_prefill_tokens += sum(max(0, min(it.start_pos + it.num_new_tokens, it.seq.num_prompt_tokens)
                                            - it.start_pos) for it in batch.items)
         self.scheduler.record(batch, sampled)
@@ -338,8 +338,7 @@ class LLMEngine(SessionsMixin, MultiStepMixin, HostOutputsMixin, SpeculativeMixi
     # ------------------------------------------------------------------ results out
     def _postprocess(self, req: Request, comp: Completion, out: StepOutput, i: int) -> None:
         token = int(out.token_ids[i])
-        if token == NO_TOKEN:
-            comp.token_ids.pop()  # the scheduler appended it; it is no token
+        if token == NO_TOKEN:  # (recorded as no token: Scheduler.record, _accept_drafts)
             req.error = (f"nothing could be sampled for output token {len(comp.token_ids)}: the request's "
                          "bans, allowed tokens, guide or logits processors left every logit at -inf")
             return self._finish(req, comp, "error")

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from lmjax.engine.block_manager import BlockManager
 from lmjax.engine.sequence import Sequence, SequenceStatus
+from lmjax.layers.sampler import NO_TOKEN
 
 
 def _arrival(seq: Sequence) -> int:
@@ -218,8 +219,9 @@ class Scheduler:
                 self.bm.register_full_blocks(seq)
 
     def record(self, batch: ScheduledBatch, sampled: dict[int, int]) -> None:
-        """The second half of `update`: append each sampling item's token."""
+        """The second half of `update`: append each sampling item's token (NO_TOKEN, the sampler's "nothing
+        could be sampled", is no token: the engine ends that request)."""
         for item in batch.items:
             seq = item.seq
-            if seq.status is SequenceStatus.RUNNING and item.samples and seq.seq_id in sampled:
+            if seq.status is SequenceStatus.RUNNING and item.samples and sampled.get(seq.seq_id, NO_TOKEN) != NO_TOKEN:
                 seq.output_token_ids.append(sampled[seq.seq_id])

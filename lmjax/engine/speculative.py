@@ -23,6 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from lmjax.engine.host_outputs import needs_host
+from lmjax.layers.sampler import NO_TOKEN
 from lmjax.speculative_config import SpeculativeConfig
 
 
@@ -111,9 +112,10 @@ class SpeculativeMixin:
             self.num_accepted_tokens += a
             req, comp = self._by_seq[seq.seq_id]
             for j in range(a + 1):
-                seq.output_token_ids.append(int(out.token_ids[r0 + j]))
-                seq.num_computed_tokens = seq.num_tokens - 1  # confirmed tokens' KV is in the cache
-                self.num_generated_tokens += 1
+                if out.token_ids[r0 + j] != NO_TOKEN:  # (NO_TOKEN, "nothing could be sampled", ends it)
+                    seq.output_token_ids.append(int(out.token_ids[r0 + j]))
+                    seq.num_computed_tokens = seq.num_tokens - 1  # confirmed tokens' KV is in the cache
+                    self.num_generated_tokens += 1
                 self._postprocess(req, comp, out, r0 + j)
                 if comp.finished:
                     break
