@@ -11,14 +11,13 @@ request's KV blocks.
 
 Sessions (`session_id`, `sequence_start`, `sequence_end`) map onto `LLMEngine.add_session_request`: a turn
 with `sequence_end=False` keeps its KV cache, and the next turn with `sequence_start=False` prefills only
-its new tokens. `step` is accepted for LMDeploy compatibility; the engine tracks the session length itself.
+its new tokens. `step` (LMDeploy's KV offset): 0 continues after the whole history, k > 0 after its first k tokens.
 """
 from __future__ import annotations
 
 import asyncio
 import collections
 import concurrent.futures
-import dataclasses
 import functools
 import itertools
 import logging
@@ -26,10 +25,11 @@ import os
 import queue
 from collections.abc import AsyncIterator, Iterator
 
-from lmjax.api.batch import check_kind, encode_chat, encode_text, per_prompt
+from lmjax.api.batch import encode_chat, encode_text, per_prompt
 from lmjax.api.engine_thread import EngineThread, GenOut, merge_outputs
 from lmjax.api.outputs import Response, batch_index
-from lmjax.api.pipeline import _LEGACY_ARGS, GEN_CONFIG_KINDS, _engine_config, check_adapter, with_legacy
+from lmjax.api.lmdeploy_params import GEN_CONFIG_KINDS, lmdeploy_sampling_params
+from lmjax.api.pipeline import _engine_config, check_adapter
 from lmjax.config import ChatTemplateConfig, SamplingParams
 from lmjax.engine.engine import LLMEngine
 
@@ -73,25 +73,10 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ requests
     def sampling_params(self, gen_config=None, **legacy) -> SamplingParams:
-        """GenerationConfig (LMDeploy) or SamplingParams (vLLM) plus legacy keywords -> SamplingParams,
-        with the chat template's stop words added."""
-        check_kind(gen_config, GEN_CONFIG_KINDS, "gen_config")
-        if isinstance(gen_config, SamplingParams):
-            if legacy:
-                raise TypeError(f"{sorted(legacy)} cannot be combined with a SamplingParams gen_config")
-            params = dataclasses.replace(gen_config)
-        else:
-            unknown = set(legacy) - set(_LEGACY_ARGS) - {"stop_words"}
-            if unknown:
-                raise TypeError(f"unexpected arguments {sorted(unknown)}; pass sampling settings in gen_config")
-            config = with_legacy(gen_config, legacy)
-            if legacy.get("stop_words") is not None:
-                config = dataclasses.replace(config, stop_words=legacy["stop_words"])
-            params = config.to_sampling_params()
-        extra = [w for w in self.chat_template.stop_words or [] if w not in (params.stop or [])]
-        if extra:
-            params.stop = list(params.stop or []) + extra
-        return params
+        """GenerationConfig (LMDeploy) or SamplingParams (vLLM) plus keyword settings -> SamplingParams, with
+        the chat template's stop words added (lmjax.api.lmdeploy_params)."""
+        return lmdeploy_sampling_params(gen_config, legacy, self.chat_template, self.tokenizer,
+                                        self.engine.eos_token_ids)
 
     def encode(self, messages, sequence_start: bool = True, do_preprocess: bool = True,
                chat_template_config: ChatTemplateConfig | None = None, session_id=None) -> tuple[str, list[int]]:
@@ -157,7 +142,7 @@ class AsyncEngine:
             text, ids = self.encode(messages, sequence_start, do_preprocess, chat_template_config, session_id)
         if params.guided_decoding is not None:
             await asyncio.to_thread(self._compile_guides, [params])
-        run = self._run(session_id, ids, params, text, sequence_start, sequence_end, stream_response)
+        run = self._run(session_id, ids, params, text, sequence_start, sequence_end, stream_response, step)
         try:
             async for out in run:
                 yield out
@@ -177,10 +162,11 @@ class AsyncEngine:
                 await asyncio.wrap_future(self._thread.call(lambda: None))  # commands run in order
                 return
 
-    async def _run(self, session_id, ids, params, text, sequence_start, sequence_end, stream) -> AsyncIterator[GenOut]:
+    async def _run(self, session_id, ids, params, text, sequence_start, sequence_end, stream,
+                   step: int = 0) -> AsyncIterator[GenOut]:
         loop, items = asyncio.get_running_loop(), asyncio.Queue()
         sink = lambda item: loop.call_soon_threadsafe(items.put_nowait, item)  # noqa: E731
-        request_id = self._thread.submit(session_id, ids, params, text, sequence_start, sequence_end, sink)
+        request_id = self._thread.submit(session_id, ids, params, text, sequence_start, sequence_end, sink, step)
         finished, whole = False, {}
         self._streaming[session_id] += 1
         try:

@@ -104,14 +104,14 @@ class EngineThread:
         return self.call(stepping)
 
     def submit(self, session_id, ids: list[int], params: SamplingParams, text: str | None, sequence_start: bool,
-               sequence_end: bool, sink: Sink) -> str:
+               sequence_end: bool, sink: Sink, step: int = 0) -> str:
         """Queue one request; errors (a prompt over session_len, a busy session) arrive in the sink."""
         self._check_open()
         request_id = f"{session_id}-{next(_ids)}"
 
         def command():
             try:
-                self._add(request_id, session_id, ids, params, text, sequence_start, sequence_end, sink)
+                self._add(request_id, session_id, ids, params, text, sequence_start, sequence_end, sink, step)
             except ContextOverflowError as e:  # LMDeploy's "run out of tokens": an empty "length" output
                 self._overflowed(session_id, ids, params, e, sink, sequence_start, sequence_end)
             except Exception as e:  # noqa: BLE001  (ValueError for a bad prompt; the caller raises it)
@@ -164,17 +164,21 @@ class EngineThread:
         self.engine.end_session(session_id)
         self.id2step.pop(session_id, None)
 
-    def _add(self, request_id, session_id, ids, params, text, sequence_start, sequence_end, sink) -> None:
+    def _add(self, request_id, session_id, ids, params, text, sequence_start, sequence_end, sink, step=0) -> None:
         if session_id in self._running:
             raise ValueError(f"session {session_id} is busy with another request")
         history = 0 if sequence_start else len(self.engine.sessions[session_id].token_ids) \
             if session_id in self.engine.sessions else 0
+        if step and not sequence_start:
+            history = min(history, step)  # (add_session_request checks it)
+        elif step:
+            raise ValueError(f"step={step!r} needs a session to continue (sequence_start=False)")
         if sequence_start and sequence_end:
             req = self.engine.add_request(ids, params, text, request_id)
             self.end_session(session_id)
         else:
             req = self.engine.add_session_request(session_id, ids, params, sequence_start, sequence_end, text,
-                                                  request_id)
+                                                  request_id, step)
         self.id2step.pop(session_id, None)
         self._running[session_id] = request_id
         self._live[request_id] = _Live(req, sink, session_id, history, not sequence_end)

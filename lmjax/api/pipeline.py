@@ -16,31 +16,15 @@ import numpy as np
 from flax import nnx
 
 from lmjax.api.batch import encode_chat, encode_text, per_prompt, run_to_completion, stream_steps, submit_all
+from lmjax.api.lmdeploy_params import GEN_CONFIG_KINDS, check_keywords, lmdeploy_sampling_params
 from lmjax.api.outputs import Response, batch_index, host_arrays, response
-from lmjax.config import ChatTemplateConfig, EngineConfig, GenerationConfig, SamplingParams
+from lmjax.config import ChatTemplateConfig, EngineConfig, SamplingParams
 from lmjax.engine.engine import LLMEngine
 from lmjax.engine.request import check_prompt
 from lmjax.lmdeploy_config import PytorchEngineConfig, TurbomindEngineConfig
 from lmjax.loader.awq import require_awq
 from lmjax.loader.resolve import resolve_model_path
 from lmjax.models.forward import prompt_logits
-
-_LEGACY_ARGS = {"request_output_len": "max_new_tokens", "top_k": "top_k", "top_p": "top_p",
-                "temperature": "temperature", "repetition_penalty": "repetition_penalty",
-                "ignore_eos": "ignore_eos"}
-# The legacy arguments' own defaults (LMDeploy's call table: request_output_len 512, top_k 40, top_p 0.8,
-# temperature 0.8): a call that passes some of them and no gen_config samples with these, as LMDeploy built
-# its GenerationConfig from them. A call with neither gets GenerationConfig()'s (greedy), as LMDeploy now does.
-_LEGACY_DEFAULTS = GenerationConfig(max_new_tokens=512, top_k=40, top_p=0.8, temperature=0.8)
-GEN_CONFIG_KINDS = (GenerationConfig, SamplingParams, type(None))  # what the LMDeploy facades take as gen_config
-
-
-def with_legacy(gen_config: GenerationConfig | None, legacy: dict) -> GenerationConfig:
-    """gen_config (or the defaults above) with the legacy sampling arguments that are not None."""
-    overrides = {_LEGACY_ARGS[k]: v for k, v in legacy.items() if k in _LEGACY_ARGS and v is not None}
-    base = gen_config if gen_config is not None else _LEGACY_DEFAULTS if overrides else GenerationConfig()
-    return dataclasses.replace(base, **overrides) if overrides else base
-
 
 def check_adapter(adapter_name) -> None:
     """LMDeploy's per-call LoRA adapter: lmjax serves no adapters."""
@@ -94,24 +78,6 @@ class Pipeline:
         self._session_ids = iter(range(1, 1 << 62))
         self._async_engine = None  # LMDeploy's AsyncEngine methods, on an engine thread from their first use
 
-    def _gen_config(self, gen_config, legacy: dict) -> GenerationConfig | SamplingParams:
-        if not isinstance(gen_config, (GenerationConfig, SamplingParams, type(None))):
-            raise TypeError(f"gen_config must be a GenerationConfig (or SamplingParams), got {type(gen_config).__name__}")
-        if isinstance(gen_config, SamplingParams):
-            if any(v is not None for v in legacy.values()):
-                raise TypeError(f"legacy arguments {sorted(legacy)} go with a GenerationConfig, not SamplingParams")
-            return gen_config
-        return with_legacy(gen_config, legacy)
-
-    def _params(self, gen_config: GenerationConfig | SamplingParams):
-        """The engine's SamplingParams (a SamplingParams is taken as it is, as AsyncEngine takes it)."""
-        params = dataclasses.replace(gen_config) if isinstance(gen_config, SamplingParams) else \
-            gen_config.to_sampling_params()
-        extra = self.chat_template.stop_words or []
-        if extra:
-            params.stop = list(params.stop or []) + [w for w in extra if w not in (params.stop or [])]
-        return params
-
     def _encode(self, prompt, do_preprocess: bool, template: ChatTemplateConfig | None = None):
         if do_preprocess:
             return encode_chat(self.tokenizer, prompt, template or self.chat_template)
@@ -123,7 +89,8 @@ class Pipeline:
         single = isinstance(prompts, str) or (prompts and isinstance(prompts[0], dict))
         batch = [prompts] if single else list(prompts)
         configs = per_prompt(gen_config, len(batch), "gen_config", GEN_CONFIG_KINDS)
-        params = [self._params(self._gen_config(g, legacy)) for g in configs]
+        params = [lmdeploy_sampling_params(g, legacy, self.chat_template, self.tokenizer,
+                                           self.engine.eos_token_ids) for g in configs]
         # a prompt over session_len gives an empty "length" Response (LMDeploy's), not an error for the batch
         requests = submit_all(self.engine, [self._encode(p, do_preprocess, template) for p in batch], params,
                               overflow_as_length=True)
@@ -133,7 +100,7 @@ class Pipeline:
                  chat_template_config: ChatTemplateConfig | None = None, adapter_name: str | None = None,
                  **legacy) -> Response | list[Response]:
         """`chat_template_config`: this call's template instead of the pipeline's."""
-        _check_legacy(legacy)
+        check_keywords(legacy)
         check_adapter(adapter_name)
 
         def run():
@@ -151,7 +118,7 @@ class Pipeline:
                      chat_template_config: ChatTemplateConfig | None = None, adapter_name: str | None = None,
                      **legacy) -> Iterator[Response]:
         """Yield Responses carrying the new text of one prompt (`index`) as it is generated."""
-        _check_legacy(legacy)
+        check_keywords(legacy)
         check_adapter(adapter_name)
         if self._async_engine is not None:  # its thread steps the engine now
             yield from self._async_engine.stream_infer(prompts, gen_config, do_preprocess, chat_template_config,
@@ -286,12 +253,6 @@ class Pipeline:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _check_legacy(legacy: dict) -> None:
-    unknown = set(legacy) - set(_LEGACY_ARGS)
-    if unknown:
-        raise TypeError(f"unexpected arguments {sorted(unknown)}; pass sampling settings in gen_config")
 
 
 def pipeline(model_path: str | None = None, backend_config=None, chat_template_config=None,

@@ -146,7 +146,7 @@ class LLMEngine(SessionsMixin, MultiStepMixin, HostOutputsMixin, SpeculativeMixi
         longest = self.session_len if params.max_tokens else min(self.session_len, self.cache_tokens)
         max_tokens = min(params.max_tokens or longest, longest - n)
         if max_tokens < 1 or not self.scheduler.fits_in_cache(n + max_tokens):
-            asked = f" + max_tokens={max_tokens}" if params.max_tokens else ""
+            asked = f" + max_tokens={params.max_tokens}" if params.max_tokens else ""
             raise ValueError(f"prompt of {n} tokens{asked} needs more KV cache than the "
                              f"{self.blocks.num_usable_blocks} blocks of {self.config.block_size} tokens there are")
         return max_tokens
@@ -343,7 +343,9 @@ class LLMEngine(SessionsMixin, MultiStepMixin, HostOutputsMixin, SpeculativeMixi
                          "bans, allowed tokens, guide or logits processors left every logit at -inf")
             return self._finish(req, comp, "error")
         req.metrics.token(time.time())
-        req.num_cached_tokens = max(req.num_cached_tokens, comp.seq.num_prefix_cached_tokens)
+        if len(comp.token_ids) == 1:  # the prompt's hit, as vLLM counts it (a recompute also hits its own output)
+            hit = min(comp.seq.num_prefix_cached_tokens, len(req.prompt_token_ids))
+            req.num_cached_tokens = max(req.num_cached_tokens, hit)
         comp.cumulative_logprob += float(out.logprobs[i])
         if comp.logprobs is not None:
             k = req.params.logprobs

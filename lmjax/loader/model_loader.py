@@ -120,9 +120,8 @@ def _load(path: str, dtype: str, placer: Placer | None, tp: int, mesh: Mesh | No
         placer = parallel.make_placer(mesh, cfg)
     kwargs = {"placer": placer} if placer is not None else {}
     spec = awq_spec(hf_config)
-    named = arch.tensor_map(tensors(), cfg)
-    if spec is not None:
-        named = awq_tensors(named, spec.group_size)
+    # AWQ first: its (kernel, scale, offset) are [in, out]-major, which a fused projection's split must know
+    named = arch.tensor_map(awq_tensors(tensors(), spec.group_size) if spec is not None else tensors(), cfg)
     net = load_params(lambda: quantize_model(arch.model_cls(cfg, dtype=jdtype), spec, abstract=True), named,
                       jnp.dtype(jdtype), source, times=times, **kwargs)
     return LoadedModel(net, cfg, hf_config, path, jdtype, mesh)

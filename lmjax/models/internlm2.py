@@ -16,6 +16,7 @@ _RENAMES = {
     "model.tok_embeddings.weight": "model.embed_tokens.weight",
     "output.weight": "lm_head.weight",
 }
+_W4_LEAVES = ("kernel", "scale", "offset")
 _LAYER_RENAMES = {
     "attention.wo": "self_attn.o_proj",
     "feed_forward.w1": "mlp.gate_proj",
@@ -48,7 +49,10 @@ def internlm2_to_hf(tensors: Iterable[tuple[str, np.ndarray]], cfg: ModelConfig)
     for name, array in tensors:
         if ".attention.wqkv." in name:
             prefix, kind = name.split(".attention.wqkv.")
-            for proj, part in zip(("q_proj", "k_proj", "v_proj"), unpack_wqkv(array, cfg)):
-                yield f"{prefix}.self_attn.{proj}.{kind}", part
+            # torch's weight / bias are [out, ...]; an AWQ checkpoint's unpacked w4 leaves [in, out] (lmjax.loader.awq)
+            out_last = kind in _W4_LEAVES
+            parts = unpack_wqkv(array.T if out_last else array, cfg)
+            for proj, part in zip(("q_proj", "k_proj", "v_proj"), parts):
+                yield f"{prefix}.self_attn.{proj}.{kind}", part.T if out_last else part
         else:
             yield _rename(name), array

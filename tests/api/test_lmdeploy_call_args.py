@@ -6,7 +6,7 @@ import pytest
 
 from conftest import write_tiny_llama
 from lmjax import ChatTemplateConfig, GenerationConfig, pipeline
-from lmjax.api.pipeline import with_legacy
+from lmjax.api.lmdeploy_params import with_legacy
 
 MARKED = ChatTemplateConfig(model_name="marked", user="t9 ", eoh=" t8", assistant=" t7")  # 3 more tokens
 

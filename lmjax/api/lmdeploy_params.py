@@ -1,0 +1,76 @@
+"""What LMDeploy's facades (pipeline, AsyncEngine) make of a call's sampling settings: a GenerationConfig (or a
+vLLM SamplingParams) plus keyword arguments, and the chat template's stop words -> the engine's SamplingParams.
+
+Keywords: LMDeploy's old argument names (`request_output_len`, `top_k`, ...) and GenerationConfig's own field
+names override the gen_config. LMDeploy's `generate(..., **kwargs)` reads none of them, and lagent's
+AsyncLMDeployPipeline forwards its per-call overrides (`max_new_tokens=...`) there as well as into its
+gen_config: honouring them keeps such code working and never drops a setting the caller wrote. Other names
+are a TypeError (lmjax ignores no argument silently).
+
+Stop words: matched on the output text (vLLM's stop strings); one that is a special token of the vocabulary
+(InternLM2's `<|action_end|>`) is also a stop token id, as LMDeploy turns stop words into ids: a special token
+adds no text when skip_special_tokens is on, so the text alone would never see it."""
+from __future__ import annotations
+
+import dataclasses
+
+from lmjax.api.batch import check_kind
+from lmjax.config import ChatTemplateConfig, GenerationConfig, SamplingParams
+
+LEGACY_ARGS = {"request_output_len": "max_new_tokens", "top_k": "top_k", "top_p": "top_p",
+               "temperature": "temperature", "repetition_penalty": "repetition_penalty", "ignore_eos": "ignore_eos"}
+_CONFIG_FIELDS = {f.name for f in dataclasses.fields(GenerationConfig)}
+# The legacy arguments' own defaults (LMDeploy's call table: request_output_len 512, top_k 40, top_p 0.8,
+# temperature 0.8): a call that passes some of them and no gen_config samples with these, as LMDeploy built
+# its GenerationConfig from them. A call with neither gets GenerationConfig()'s (greedy), as LMDeploy now does.
+_LEGACY_DEFAULTS = GenerationConfig(max_new_tokens=512, top_k=40, top_p=0.8, temperature=0.8)
+GEN_CONFIG_KINDS = (GenerationConfig, SamplingParams, type(None))  # what the LMDeploy facades take as gen_config
+
+
+def check_keywords(kwargs: dict) -> None:
+    unknown = set(kwargs) - set(LEGACY_ARGS) - _CONFIG_FIELDS
+    if unknown:
+        raise TypeError(f"unexpected arguments {sorted(unknown)}: sampling keywords are LMDeploy's old names "
+                        f"{sorted(LEGACY_ARGS)} or GenerationConfig's fields")
+
+
+def with_legacy(gen_config: GenerationConfig | None, kwargs: dict) -> GenerationConfig:
+    """gen_config (or the defaults above) with the keyword settings that are not None."""
+    overrides = {LEGACY_ARGS.get(k, k): v for k, v in kwargs.items() if v is not None}
+    legacy = any(k in LEGACY_ARGS for k, v in kwargs.items() if v is not None)  # (some are fields' names too)
+    base = gen_config if gen_config is not None else _LEGACY_DEFAULTS if legacy else GenerationConfig()
+    return dataclasses.replace(base, **overrides) if overrides else base
+
+
+def lmdeploy_sampling_params(gen_config, kwargs: dict, template: ChatTemplateConfig, tokenizer,
+                             eos_ids=()) -> SamplingParams:
+    """The engine's SamplingParams of one prompt (a SamplingParams gen_config is taken as it is, keywords
+    refused with it), with the template's stop words added; `eos_ids`: the engine's."""
+    check_kind(gen_config, GEN_CONFIG_KINDS, "gen_config")
+    if isinstance(gen_config, SamplingParams):
+        given = sorted(k for k, v in kwargs.items() if v is not None)
+        if given:
+            raise TypeError(f"{given} cannot be combined with a SamplingParams gen_config")
+        params, words = dataclasses.replace(gen_config), []
+    else:
+        check_keywords(kwargs)
+        config = with_legacy(gen_config, kwargs)
+        params, words = config.to_sampling_params(), list(config.stop_words or [])
+    words += [w for w in template.stop_words or [] if w not in words]
+    if words:
+        params.stop = list(params.stop or []) + [w for w in words if w not in (params.stop or [])]
+        # EOS ids stay out: they stop anyway, and ignore_eos must still be able to pass them
+        known = set(params.stop_token_ids or []) | set(eos_ids)
+        ids = [i for i in special_token_ids(tokenizer, words) if i not in known]
+        if ids:
+            params.stop_token_ids = list(params.stop_token_ids or []) + ids
+    return params
+
+
+def special_token_ids(tokenizer, words: list[str]) -> list[int]:
+    """The ids of the `words` that are special tokens of `tokenizer` (added tokens marked special)."""
+    special = {tok.content: i for i, tok in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items()
+               if getattr(tok, "special", False)}
+    special.update({t: tokenizer.convert_tokens_to_ids(t) for t in getattr(tokenizer, "all_special_tokens", ())
+                    if t not in special})
+    return [special[w] for w in words if w in special]
