@@ -354,11 +354,14 @@ class ChatTemplateConfig:
         return any(getattr(self, k) is not None for k in ("system", "user", "assistant", "eoh", "eoa"))
 
     def messages2prompt(self, messages: str | list[dict[str, Any]], tokenizer=None, *,
-                        add_generation_prompt: bool | None = None, continue_final_message: bool | None = None) -> str:
+                        add_generation_prompt: bool | None = None, continue_final_message: bool | None = None,
+                        **template_kwargs) -> str:
         """Prompt text for `messages` (a string is one user turn). add_generation_prompt: end with the
         assistant's opening; continue_final_message: leave the last (assistant) message open for the
         model to go on with (vLLM's / transformers' switches). Neither given: LMDeploy's rule, a last
-        message of the assistant's is the start of the reply (continued), else a reply is opened."""
+        message of the assistant's is the start of the reply (continued), else a reply is opened.
+        template_kwargs: for the tokenizer's Jinja template (vLLM's chat_template_kwargs, `tools`, a
+        `chat_template` of the request's own); role markers have no use for them (a ValueError names them)."""
         if self.capability == "completion" and isinstance(messages, str):
             return messages
         if isinstance(messages, str):
@@ -368,7 +371,12 @@ class ChatTemplateConfig:
             add_generation_prompt, continue_final_message = not prefix, prefix
         add_generation_prompt = True if add_generation_prompt is None else add_generation_prompt
         continue_final_message = bool(continue_final_message)
-        if self.has_markers or tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        jinja = template_kwargs.get("chat_template") or getattr(tokenizer, "chat_template", None)
+        if self.has_markers or tokenizer is None or not jinja:
+            if template_kwargs:
+                raise ValueError(f"{sorted(template_kwargs)} are for a Jinja chat template: this one renders "
+                                 f"{'role markers' if self.has_markers else 'plain text'} "
+                                 f"(ChatTemplateConfig(model_name={self.model_name!r}))")
             if not self.has_markers:  # LMDeploy's "base" template for a model without one: the text as is
                 warn_once(f"no chat template (ChatTemplateConfig(model_name={self.model_name!r}) has no role "
                           "markers, the tokenizer none): messages are joined as plain text")
@@ -376,7 +384,8 @@ class ChatTemplateConfig:
         from lmjax.loader.tokenizer import render_chat  # config stays import-light for every layer
 
         extra = {"continue_final_message": True} if continue_final_message else {}  # older templates: not asked
-        return render_chat(tokenizer, messages, tokenize=False, add_generation_prompt=add_generation_prompt, **extra)
+        return render_chat(tokenizer, messages, tokenize=False, add_generation_prompt=add_generation_prompt, **extra,
+                           **template_kwargs)
 
     def _from_markers(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                       continue_final_message: bool = False) -> str:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import functools
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import Field
@@ -49,6 +49,8 @@ class EmbeddingRequest(_Nullable):
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = False
     continue_final_message: bool = False
+    chat_template: str | None = None  # vLLM's, as /v1/chat/completions takes them
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def _single(self) -> bool:
         return isinstance(self.input, str) or bool(self.input) and isinstance(self.input[0], int)
@@ -90,7 +92,8 @@ class EmbeddingRequest(_Nullable):
                              f"last role {self.messages[-1].role!r})")
         chat = ChatCompletionRequest(model=self.model or "", messages=self.messages,
                                      add_generation_prompt=self.add_generation_prompt,
-                                     continue_final_message=self.continue_final_message)
+                                     continue_final_message=self.continue_final_message,
+                                     chat_template=self.chat_template, chat_template_kwargs=self.chat_template_kwargs)
         text, ids = render_chat(chat)
         return tokenizer(text, add_special_tokens=True)["input_ids"] if self.add_special_tokens else ids
 

@@ -25,6 +25,7 @@ import itertools
 import json
 import logging
 import time
+from collections.abc import Callable
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -35,7 +36,7 @@ from lmjax.api.async_engine import AsyncEngine
 from lmjax.api.batch import encode_chat
 from lmjax.api.engine_thread import GenOut
 from lmjax.engine.request import check_token_ids
-from lmjax.loader.tokenizer import render_chat, token_bytes, token_text
+from lmjax.loader.tokenizer import token_bytes, token_text
 from lmjax.serve import responses as R
 from lmjax.serve.embeddings import EmbeddingRequest, embed, embedding_body, prompt_ids
 from lmjax.serve.metrics import render_metrics
@@ -76,6 +77,10 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     """(message naming every bad field, the first bad field for the error's `param`)."""
     parts, fields = [], []
     for e in exc.errors():
+        if e.get("type") == "json_invalid":  # its loc holds a character offset, not a field
+            parts.append(f"the request body is not valid JSON: {e.get('msg')} (at character {e['loc'][-1]})")
+            fields.append(None)
+            continue
         where = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
         parts.append(f"{where}: {e.get('msg')}" if where else str(e.get("msg")))
         fields.append(where)
@@ -90,17 +95,16 @@ def accepted_names(name: str, aliases: tuple[str, ...] = ()) -> set[str]:
 
 
 def chat_prompt(engine: AsyncEngine, req: ChatCompletionRequest) -> tuple[str, list[int]]:
-    """The request's prompt (text, ids). With `tools`, the tokenizer's own template renders them (the
-    template decides where; one that ignores them is the model's business, as in vLLM); a role-marker
-    ChatTemplateConfig (--chat-template) has no place for them and renders the messages alone."""
-    tools, template, tok = req.tool_dicts(), engine.chat_template, engine.tokenizer
-    if tools and not template.has_markers and getattr(tok, "chat_template", None):
-        extra = {"continue_final_message": True} if req.continue_final_message else {}  # older templates: not asked
-        text = render_chat(tok, req.message_dicts(), tools=tools, tokenize=False,
-                           add_generation_prompt=req.add_generation_prompt, **extra)
-        return text, tok(text, add_special_tokens=False)["input_ids"]
+    """The request's prompt (text, ids), with vLLM's `chat_template_kwargs` and per-request `chat_template`
+    (a role-marker --chat-template has no use for them: a 400 names them). `tools` go to a Jinja template (it
+    decides where; one that ignores them is the model's business, as in vLLM); a role-marker
+    ChatTemplateConfig has no place for them and renders the messages alone."""
+    template, tok = engine.chat_template, engine.tokenizer
+    kwargs = req.template_kwargs()
+    if req.tools and not template.has_markers and (kwargs.get("chat_template") or getattr(tok, "chat_template", None)):
+        kwargs["tools"] = req.tool_dicts()
     return encode_chat(tok, req.message_dicts(), template, add_generation_prompt=req.add_generation_prompt,
-                       continue_final_message=req.continue_final_message)
+                       continue_final_message=req.continue_final_message, **kwargs)
 
 
 def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_name: str | None = None,
@@ -118,7 +122,11 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
     names = accepted_names(name, model_aliases)
     keys = {f"Bearer {k}" for k in api_keys or ()}
     counter = itertools.count(1 << 48)  # ids of OpenAI requests, clear of /v1/chat/interactive's
-    decode = lambda tid: token_text(engine.tokenizer, tid)  # noqa: E731
+    def named_by(req) -> Callable[[int], str]:
+        """How the request's logprobs name a token: its text, or vLLM's "token_id:{id}" when it asks so."""
+        if req.return_tokens_as_token_ids:
+            return lambda tid: f"token_id:{tid}"
+        return lambda tid: token_text(engine.tokenizer, tid)
     to_bytes = lambda tid: token_bytes(engine.tokenizer, tid)  # noqa: E731
 
     def new_session_id() -> int:
@@ -204,6 +212,7 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
             params = req.sampling_params(defaults())
             prompt = chat_prompt(engine, req)
         head, k, choices = R.Head("chatcmpl", name), req.top_logprobs or 0, R.Choices(req.n)
+        decode = named_by(req)
         first, rest = await start([prompt], params)
         if not req.stream:
             if not await collect(raw, first, rest, choices):
@@ -237,14 +246,18 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
         echo = [R.Echo(t if t is not None else engine.tokenizer.decode(ids), ids) for t, ids in prompts] \
             if req.echo else None
         head, k, choices = R.Head("cmpl", name), req.logprobs or 0, R.Choices(req.n)
+        decode = named_by(req)
         first, rest = await start(prompts, params)
         if not req.stream:
             if not await collect(raw, first, rest, choices):
                 return Response(status_code=499)  # the client is gone: nobody reads this
+            if req.echo_only:
+                choices.outs = {i: R.prompt_only(o) for i, o in choices.outs.items()}
             return R.completion_body(head, choices, k, decode, echo)
 
         async def events():
             async for p, out in _chain(first, rest):
+                out = R.prompt_only(out) if req.echo_only else out
                 before = choices.outs.get(choices.index(p, out))
                 echoed = echo[p] if echo and before is None else None  # the prompt goes out with the first piece
                 offset = (len(echo[p].text) if echo else 0) + (len(before.response) if before else 0)

@@ -18,7 +18,7 @@ Responses are plain dicts built in `responses.py`.
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -145,6 +145,7 @@ class _Sampling(_Nullable):
     user: str | None = None
     allowed_token_ids: list[int] | None = None  # vLLM's
     logit_bias: dict | None = None  # OpenAI's {"token id": bias in [-100, 100]} (`_logit_bias`)
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:{id}" (no text to decode)
     # Structured outputs (lmjax.engine.guided): OpenAI's / LMDeploy's response_format, vLLM's guided_* fields
     # and its newer structured_outputs; at most one of them.
     response_format: dict | None = None
@@ -240,6 +241,8 @@ class ChatCompletionRequest(_Sampling):
     # for the model to go on with it ("prefill")
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template: str | None = None  # vLLM's: a Jinja template for this request
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: variables for the template (enable_thinking)
     echo: bool = False  # vLLM's chat echo: not done here (a 400 rather than silently ignored)
 
     def _unsupported(self) -> dict:
@@ -261,11 +264,19 @@ class ChatCompletionRequest(_Sampling):
             raise ValueError("continue_final_message=true needs add_generation_prompt=false and an assistant "
                              f"message last (got add_generation_prompt={self.add_generation_prompt}, "
                              f"last role {self.messages[-1].role!r})")
+        if self.max_completion_tokens is not None and self.max_completion_tokens < 1:  # named as the client sent it
+            raise ValueError(f"max_completion_tokens must be at least 1, got {self.max_completion_tokens}")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return self._params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None, defaults=defaults)
 
     def message_dicts(self) -> list[dict]:
         return [m.to_dict() for m in self.messages]
+
+    def template_kwargs(self) -> dict:
+        """What the chat template gets beyond the messages and switches (vLLM's chat_template_kwargs, and the
+        request's own chat_template)."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        return {**kwargs, "chat_template": self.chat_template} if self.chat_template else kwargs
 
     def tool_dicts(self) -> list[dict] | None:
         """The tools for the chat template (None without any): rendered also with tool_choice "none", as
@@ -282,7 +293,8 @@ class ChatCompletionRequest(_Sampling):
             raise ValueError(f"tool_choice={choice!r} needs tools")
         if choice == "required":
             return True, None
-        name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+        fn = choice.get("function") if isinstance(choice, dict) else None
+        name = fn.get("name") if isinstance(fn, dict) else None
         if not (isinstance(choice, dict) and choice.get("type") == "function" and isinstance(name, str)):
             raise ValueError(f"tool_choice must be 'none', 'auto', 'required' or "
                              f"{{'type': 'function', 'function': {{'name': ...}}}}, got {choice!r}")
@@ -341,7 +353,13 @@ class CompletionRequest(_Sampling):
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
         prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
-        return self._params(self.max_tokens, self.logprobs, prompt_logprobs, defaults)
+        return self._params(1 if self.echo_only else self.max_tokens, self.logprobs, prompt_logprobs, defaults)
+
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: the prompt (and its logprobs) alone, OpenAI's legacy way to score a prompt;
+        as vLLM, one token is generated and left out of the answer."""
+        return self.echo and self.max_tokens == 0
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: a string or a list of token ids."""

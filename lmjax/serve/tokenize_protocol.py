@@ -3,6 +3,8 @@ in protocol.py): a prompt, or chat messages rendered by the chat template as /v1
 them, into token ids; token ids back into text."""
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import Field
 
 from lmjax.serve.protocol import ChatCompletionRequest, ChatMessage, Tool, _Nullable
@@ -17,6 +19,8 @@ class TokenizeRequest(_Nullable):
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template: str | None = None  # vLLM's, as /v1/chat/completions takes them
+    chat_template_kwargs: dict[str, Any] | None = None
     tools: list[Tool] | None = None
     return_token_strs: bool = False
 
@@ -29,7 +33,8 @@ class TokenizeRequest(_Nullable):
             return tokenizer(self.prompt, add_special_tokens=add)["input_ids"]
         chat = ChatCompletionRequest(model=self.model or "", messages=self.messages, tools=self.tools,
                                      add_generation_prompt=self.add_generation_prompt,
-                                     continue_final_message=self.continue_final_message)
+                                     continue_final_message=self.continue_final_message,
+                                     chat_template=self.chat_template, chat_template_kwargs=self.chat_template_kwargs)
         text, ids = render_chat(chat)
         return tokenizer(text, add_special_tokens=True)["input_ids"] if self.add_special_tokens else ids
 
