@@ -7,8 +7,7 @@ Two families of names reach one engine:
   (lmjax/lmdeploy_config.py) lower onto it with `to_engine_config()`. A field lmjax cannot honour yet
   raises `NotImplementedError` when set to anything but its default: it is never silently ignored.
 
-`ChatTemplateConfig` turns chat messages into a prompt string (role markers, or the tokenizer's
-own chat template when only `model_name` is given).
+`ChatTemplateConfig` (lmjax.chat_template, re-exported here) turns chat messages into a prompt string.
 
 Errors name the offending value: `ValueError("top_p must be in (0, 1], got 0")`; an unknown
 keyword is a `TypeError` that lists it and suggests the nearest valid field.
@@ -19,12 +18,12 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any
 
+from lmjax.chat_template import ChatTemplateConfig  # noqa: F401  (re-exported: lmjax.config's name too)
 from lmjax.guided_params import GuidedDecodingParams, as_guided, from_response_format
 from lmjax.request_fields import AllIds, RequestOutputKind, check_output_kinds, check_processors
 from lmjax.speculative_config import SpeculativeConfig  # noqa: F401  (re-exported: lmjax.config's name too)
 from lmjax.validation import FLOAT32_MAX, FLOAT32_TINY, as_list as _as_list, check as _check, check_logit_bias
 from lmjax.validation import check_numbers as _check_numbers, is_int as _is_int, strict_fields as _strict_fields
-from lmjax.validation import warn_once
 from lmjax.validation import check_defaults_only, warn_no_effect  # noqa: F401  (re-exported, used here too)
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -54,8 +53,8 @@ def _check_sampling(temperature, top_p, top_k, min_p, repetition_penalty, n, log
            f"repetition_penalty must be in [{FLOAT32_TINY:.6g}, {FLOAT32_MAX:.6g}] (float32's range, for it and "
            f"its inverse), got {repetition_penalty}")
     _check(isinstance(n, int) and n >= 1, f"n must be an int >= 1, got {n!r}")
-    _check(logprobs is None or (isinstance(logprobs, int) and logprobs >= 0),
-           f"logprobs must be None or an int >= 0, got {logprobs!r}")
+    _check(logprobs is None or (isinstance(logprobs, int) and logprobs >= -1),
+           f"logprobs must be None, -1 (the whole vocabulary) or an int >= 0, got {logprobs!r}")
 
 
 @_strict_fields
@@ -107,6 +106,8 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # vLLM's: what lmjax.LLMEngine.step returns
     # vLLM fields lmjax does not implement: accepted at their defaults only
     best_of: int | None = None
+    # vLLM's room for custom samplers' arguments (no in-tree sampler there reads it either): carried, unread
+    extra_args: dict[str, Any] | None = None
 
     def __post_init__(self):
         _check_numbers(self, SAMPLING_NUMBERS + ("presence_penalty", "frequency_penalty"))
@@ -132,9 +133,10 @@ class SamplingParams:
                f"min_tokens must be an int >= 0, got {self.min_tokens!r}")
         _check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
                f"min_tokens={self.min_tokens} must not exceed max_tokens={self.max_tokens}")
-        _check(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and self.prompt_logprobs >= 0),
-               f"prompt_logprobs must be None or an int >= 0, got {self.prompt_logprobs!r}")
+        _check(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and self.prompt_logprobs >= -1),
+               f"prompt_logprobs must be None, -1 (the whole vocabulary) or an int >= 0, got {self.prompt_logprobs!r}")
         _check(self.seed is None or isinstance(self.seed, int), f"seed must be an int, got {self.seed!r}")
+        self.seed = None if self.seed == -1 else self.seed  # vLLM's: -1 is "no seed", as None
         for name, kind in (("stop", str), ("bad_words", str), ("stop_token_ids", int), ("bad_token_ids", int),
                            ("allowed_token_ids", int)):
             setattr(self, name, _as_list(getattr(self, name), name, kind))
@@ -156,6 +158,11 @@ class SamplingParams:
         request is submitted; these params do not know the model, so here (as on a fresh vLLM object) it is
         set(stop_token_ids). The engine adds its EOS ids itself (LLMEngine.eos_token_ids)."""
         return set(self.stop_token_ids)
+
+    @staticmethod
+    def from_optional(**fields) -> SamplingParams:
+        """vLLM's: SamplingParams of the fields given, a None one taking its default."""
+        return SamplingParams(**{k: v for k, v in fields.items() if v is not None})
 
     def clone(self) -> SamplingParams:
         """A deep copy (vLLM's), e.g. to set one prompt's fields without touching a shared object. The
@@ -321,88 +328,3 @@ class EngineConfig:
         if self.cache_max_entry_count > 1:
             return int(self.cache_max_entry_count)
         return int(free_bytes * self.cache_max_entry_count) // bytes_per_block
-
-
-@_strict_fields
-@dataclass
-class ChatTemplateConfig:
-    """LMDeploy's chat-template fields. With only `model_name` set, the tokenizer's own chat
-    template is used (without one, LMDeploy's "base" template: the messages' text as is); with role
-    markers, the prompt is built from them:
-    [system meta_instruction eosys] then per message `<role marker> content <role end>`, then
-    `assistant` to open the reply (LMDeploy's BaseChatTemplate layout).
-    `stop_words` are added to each request's stop strings by the pipeline."""
-    model_name: str | None = None
-    system: str | None = None
-    meta_instruction: str | None = None
-    eosys: str | None = None
-    user: str | None = None
-    eoh: str | None = None
-    assistant: str | None = None
-    eoa: str | None = None
-    separator: str | None = None
-    capability: str | None = None
-    stop_words: list[str] | None = None
-
-    def __post_init__(self):
-        _check(self.capability in (None, "completion", "chat"),
-               f"capability must be None, 'completion' or 'chat', got {self.capability!r}")
-        self.stop_words = _as_list(self.stop_words, "stop_words", str)
-
-    @property
-    def has_markers(self) -> bool:
-        return any(getattr(self, k) is not None for k in ("system", "user", "assistant", "eoh", "eoa"))
-
-    def messages2prompt(self, messages: str | list[dict[str, Any]], tokenizer=None, *,
-                        add_generation_prompt: bool | None = None, continue_final_message: bool | None = None,
-                        **template_kwargs) -> str:
-        """Prompt text for `messages` (a string is one user turn). add_generation_prompt: end with the
-        assistant's opening; continue_final_message: leave the last (assistant) message open for the
-        model to go on with (vLLM's / transformers' switches). Neither given: LMDeploy's rule, a last
-        message of the assistant's is the start of the reply (continued), else a reply is opened.
-        template_kwargs: for the tokenizer's Jinja template (vLLM's chat_template_kwargs, `tools`, a
-        `chat_template` of the request's own); role markers have no use for them (a ValueError names them)."""
-        if self.capability == "completion" and isinstance(messages, str):
-            return messages
-        if isinstance(messages, str):
-            messages = [{"role": "user", "content": messages}]
-        if add_generation_prompt is None and continue_final_message is None:
-            prefix = bool(messages) and isinstance(messages[-1], dict) and messages[-1].get("role") == "assistant"
-            add_generation_prompt, continue_final_message = not prefix, prefix
-        add_generation_prompt = True if add_generation_prompt is None else add_generation_prompt
-        continue_final_message = bool(continue_final_message)
-        jinja = template_kwargs.get("chat_template") or getattr(tokenizer, "chat_template", None)
-        if self.has_markers or tokenizer is None or not jinja:
-            if template_kwargs:
-                raise ValueError(f"{sorted(template_kwargs)} are for a Jinja chat template: this one renders "
-                                 f"{'role markers' if self.has_markers else 'plain text'} "
-                                 f"(ChatTemplateConfig(model_name={self.model_name!r}))")
-            if not self.has_markers:  # LMDeploy's "base" template for a model without one: the text as is
-                warn_once(f"no chat template (ChatTemplateConfig(model_name={self.model_name!r}) has no role "
-                          "markers, the tokenizer none): messages are joined as plain text")
-            return self._from_markers(messages, add_generation_prompt, continue_final_message)
-        from lmjax.loader.tokenizer import render_chat  # config stays import-light for every layer
-
-        extra = {"continue_final_message": True} if continue_final_message else {}  # older templates: not asked
-        return render_chat(tokenizer, messages, tokenize=False, add_generation_prompt=add_generation_prompt, **extra,
-                           **template_kwargs)
-
-    def _from_markers(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                      continue_final_message: bool = False) -> str:
-        from lmjax.loader.tokenizer import check_messages, text_content  # config stays import-light
-
-        check_messages(messages)  # a message without a role: a ValueError naming it, not a KeyError
-        s = lambda v: v or ""  # noqa: E731  (None markers render as nothing)
-        opens = {"system": s(self.system), "user": s(self.user), "assistant": s(self.assistant)}
-        ends = {"system": s(self.eosys), "user": s(self.eoh),
-                "assistant": s(self.eoa) + s(self.separator)}
-        prompt = ""
-        if self.meta_instruction is not None and (not messages or messages[0]["role"] != "system"):
-            prompt = f"{s(self.system)}{self.meta_instruction}{s(self.eosys)}"
-        for i, m in enumerate(messages):
-            if m["role"] not in opens:
-                raise ValueError(f"unknown chat role {m['role']!r}; expected one of {list(opens)}")
-            content = text_content(m.get("content"), f"messages[{i}]")
-            open_last = continue_final_message and i == len(messages) - 1
-            prompt += f"{opens[m['role']]}{content or ''}{'' if open_last else ends[m['role']]}"  # None: empty
-        return prompt + (s(self.assistant) if add_generation_prompt and not continue_final_message else "")

@@ -28,7 +28,7 @@ from collections.abc import AsyncIterator, Iterator
 from lmjax.api.batch import encode_chat, encode_text, per_prompt
 from lmjax.api.engine_thread import EngineThread, GenOut, merge_outputs
 from lmjax.api.outputs import Response, batch_index
-from lmjax.api.lmdeploy_params import GEN_CONFIG_KINDS, lmdeploy_sampling_params
+from lmjax.api.lmdeploy_params import GEN_CONFIG_KINDS, lmdeploy_sampling_params, special_token_ids
 from lmjax.api.pipeline import _engine_config, check_adapter
 from lmjax.config import ChatTemplateConfig, SamplingParams
 from lmjax.engine.engine import LLMEngine
@@ -101,7 +101,14 @@ class AsyncEngine:
         if seq is None:
             return ""
         last = seq.output_token_ids[-1] if seq.output_token_ids else None
-        return self.tokenizer.convert_ids_to_tokens(last) if last in self.engine.eos_token_ids else None
+        if last is None:
+            return None
+        text = self.tokenizer.convert_ids_to_tokens(last)
+        # a stop id that is a special token (a stop word such as <|im_end|> where the EOS is another) ends a
+        # reply as the EOS does; a plain word stopping it leaves the end-of-reply marker still to come
+        stop_ids = getattr(seq.params, "stop_token_ids", None) or ()
+        stopped = last in stop_ids and special_token_ids(self.tokenizer, [text])
+        return text if last in self.engine.eos_token_ids or stopped else None
 
     def _continuation(self, messages, template: ChatTemplateConfig, reply_end: str | None = "") -> str:
         """Render a probe conversation with `messages` after a reply; keep what follows the reply, minus

@@ -22,10 +22,14 @@ def encode_text(tokenizer, text: str) -> list[int]:
 
 def encode_chat(tokenizer, messages: str | Messages, template: ChatTemplateConfig | None,
                 **switches) -> tuple[str, list[int]]:
-    """A chat turn through the template; the template text already holds any BOS it wants. switches:
-    add_generation_prompt / continue_final_message (`ChatTemplateConfig.messages2prompt`)."""
-    text = (template or ChatTemplateConfig()).messages2prompt(messages, tokenizer, **switches)
-    return text, tokenizer(text, add_special_tokens=False)["input_ids"]
+    """A first turn through the template. switches: add_generation_prompt / continue_final_message and Jinja
+    template arguments (`ChatTemplateConfig.messages2prompt`). A Jinja template's text holds any BOS it wants
+    (tokenized without special tokens, as vLLM does); LMDeploy's role markers and plain text hold none: the
+    tokenizer adds its own, as LMDeploy's encode(prompt, add_bos=True) does."""
+    template = template or ChatTemplateConfig()
+    text = template.messages2prompt(messages, tokenizer, **switches)
+    jinja = template.renders_jinja(messages, tokenizer, switches.get("chat_template"))
+    return text, tokenizer(text, add_special_tokens=not jinja)["input_ids"]
 
 
 def check_kind(value, kind: type | tuple[type, ...], name: str) -> None:

@@ -51,13 +51,13 @@ class EmbeddingRequestOutput:
 
 
 def embed_token_ids(engine: LLMEngine, encoded: Sequence[tuple[str | None, list[int]]],
-                    pooling: PoolingParams | None = None, use_tqdm: bool = False) -> list[EmbeddingRequestOutput]:
-    """One embedding per (text, token ids) prompt, in order; every prompt is checked before any runs."""
-    pooling = pooling or PoolingParams()
-    params = SamplingParams(**EMBEDDING_PARAMS, truncate_prompt_tokens=pooling.truncate_prompt_tokens)
-    requests = run_to_completion(engine, submit_all(engine, encoded, [params] * len(encoded)), use_tqdm)
-    return [EmbeddingRequestOutput(r.request_id, EmbeddingOutput(_pooled(r, pooling.normalize)),
-                                   list(r.prompt_token_ids)) for r in requests]
+                    pooling: Sequence[PoolingParams], use_tqdm: bool = False) -> list[EmbeddingRequestOutput]:
+    """One embedding per (text, token ids) prompt, in order, with its PoolingParams; every prompt is checked
+    before any runs."""
+    params = [SamplingParams(**EMBEDDING_PARAMS, truncate_prompt_tokens=p.truncate_prompt_tokens) for p in pooling]
+    requests = run_to_completion(engine, submit_all(engine, encoded, params), use_tqdm)
+    return [EmbeddingRequestOutput(r.request_id, EmbeddingOutput(_pooled(r, p.normalize)), list(r.prompt_token_ids))
+            for r, p in zip(requests, pooling)]
 
 
 EMBEDDING_PARAMS = dict(temperature=0.0, max_tokens=1, ignore_eos=True, output_last_hidden_state="generation")

@@ -44,6 +44,7 @@ logger = logging.getLogger("lmjax.api")
 # cpu_offload_gb > 0: a model that needs it would not fit (lmjax has no weight offload); pipeline_parallel_size:
 # no pipeline parallelism; load_format: lmjax reads the format from the path ("dummy" weights it has not);
 # hf_overrides: another model config.
+_PROMPT_KEYS = {"prompt", "prompt_token_ids"}  # a prompt dict's fields lmjax reads (vLLM's TextPrompt / TokensPrompt)
 _VLLM_ONLY_DEFAULTS = {"tokenizer_mode": "auto", "skip_tokenizer_init": False, "trust_remote_code": False,
                        "revision": None, "tokenizer_revision": None, "cpu_offload_gb": 0, "pipeline_parallel_size": 1,
                        "load_format": "auto", "hf_overrides": None}
@@ -251,7 +252,15 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def set_tokenizer(self, tokenizer) -> None:
+        """vLLM's: prompts and outputs go through `tokenizer` from now on (requests already running keep
+        the one they started with)."""
+        self.llm_engine.set_tokenizer(tokenizer)
+
     def _encode(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict) and set(prompt) - _PROMPT_KEYS:  # multi_modal_data, mm_processor_kwargs...
+            raise NotImplementedError(f"prompt fields {sorted(set(prompt) - _PROMPT_KEYS)} are not supported by "
+                                      "lmjax (text-only models): a prompt takes 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, str):
             return prompt, encode_text(self.llm_engine.tokenizer, prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
@@ -292,10 +301,14 @@ class LLM:
 
     def generate(self, prompts=None, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  prompt_token_ids: list[int] | list[list[int]] | None = None, use_tqdm: bool = True,
-                 lora_request=None, prompt_adapter_request=None, guided_options_request=None) -> list[RequestOutput]:
+                 lora_request=None, prompt_adapter_request=None, guided_options_request=None,
+                 priority: list[int] | None = None) -> list[RequestOutput]:
         """Completions for `prompts` (str, token-id list, or dict, one or a list), in input order.
-        guided_options_request: vLLM's older way to guide every prompt ({"guided_json": schema}, ...)."""
+        guided_options_request: vLLM's older way to guide every prompt ({"guided_json": schema}, ...).
+        priority: vLLM's priority scheduling, which lmjax has not (first come, first served): all 0 or None."""
         _no_lora(lora_request)
+        check_defaults_only("LLM.generate", {"priority": None if priority is None or not any(priority) else priority},
+                            {"priority": None})
         _no_prompt_adapter(prompt_adapter_request)
         guide = _guide_from_options(guided_options_request)  # a bad one fails before any prompt is encoded
         if prompts is None and prompt_token_ids is None:
@@ -323,20 +336,23 @@ class LLM:
         return run_beam_search(self.llm_engine, token_ids, params, use_tqdm, concurrency_limit)
 
     def embed(self, prompts, *, truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
-              pooling_params: PoolingParams | None = None, lora_request=None) -> list[EmbeddingRequestOutput]:
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+              lora_request=None) -> list[EmbeddingRequestOutput]:
         """vLLM's embeddings (lmjax.api.embed): per prompt (the forms generate takes) the final-norm hidden
-        state of its last token, L2-normalized unless pooling_params.normalize is False."""
+        state of its last token, L2-normalized unless pooling_params.normalize is False (one PoolingParams,
+        or a list of one per prompt)."""
         _no_lora(lora_request)
-        pooling = pooling_params or PoolingParams()
-        if truncate_prompt_tokens is not None:
-            pooling = dataclasses.replace(pooling, truncate_prompt_tokens=truncate_prompt_tokens)
         encoded = [self._encode(p) for p in _as_list(prompts)]
+        pooling = per_prompt(pooling_params or PoolingParams(), len(encoded), "pooling_params", PoolingParams)
+        if truncate_prompt_tokens is not None:
+            pooling = [dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in pooling]
         return embed_token_ids(self.llm_engine, encoded, pooling, use_tqdm)
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True, chat_template: str | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
              chat_template_kwargs: dict | None = None, tools: list | None = None,
-             lora_request=None) -> list[RequestOutput]:
+             lora_request=None, chat_template_content_format: str = "auto",
+             mm_processor_kwargs: dict | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {'role', 'content'}) or a list of them.
         continue_final_message: the last (assistant) message is left open for the model to go on with;
         chat_template_kwargs: extra variables for the template (vLLM's); tools: OpenAI-style tool
@@ -344,6 +360,11 @@ class LLM:
         LLM.chat does not either). Each conversation is rendered once and its text tokenized as the
         template's own tokenize=True would (no special tokens added)."""
         _no_lora(lora_request)
+        # content parts are joined as text ("string", what "auto" picks for a text-only model); no multi-modal input
+        check_defaults_only("LLM.chat", {"chat_template_content_format": "auto" if chat_template_content_format
+                                         == "string" else chat_template_content_format,
+                                         "mm_processor_kwargs": mm_processor_kwargs},
+                            {"chat_template_content_format": "auto", "mm_processor_kwargs": None})
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.llm_engine.tokenizer
         extra = {**(chat_template_kwargs or {}), **({"tools": tools} if tools else {})}

@@ -19,11 +19,11 @@ from lmjax.engine.block_manager import BlockManager
 from lmjax.engine.cache_sizing import kv_cache_blocks
 from lmjax.engine.compile_cache import compile_stats, enable_compilation_cache
 from lmjax.engine.detokenizer import IncrementalDetokenizer
-from lmjax.engine.guided import GuidedDecoding, advance_guide
+from lmjax.engine.guided import advance_guide
 from lmjax.engine.host_outputs import NO_EXTRAS, HostOutputsMixin, HostRows, needs_host
 from lmjax.engine.model_runner import ModelRunner, StepInputError, StepOutput, bucket, rows_pack
 from lmjax.engine.request import (Completion, ContextOverflowError, Request, check_logprobs, check_n, check_prompt,
-                                  check_sampling_ids, new_request_id, truncated_prompt, vocab_top_k)
+                                  check_sampling_ids, in_vocab_terms, new_request_id, truncated_prompt)
 from lmjax.engine.multistep import MultiStepMixin
 from lmjax.engine.prompt_logprobs import PromptLogprobsMixin
 from lmjax.engine.scheduler import ScheduledBatch, Scheduler
@@ -31,6 +31,7 @@ from lmjax.engine.sequence import Sequence
 from lmjax.engine.sessions import SessionsMixin
 from lmjax.engine.speculative import SpeculativeMixin, row_starts
 from lmjax.engine.stop import StopStringMatcher
+from lmjax.engine.vllm_names import VLLMNamesMixin
 from lmjax.layers.sampler import NO_TOKEN, SamplingRow, row_banned_ids, seed32, tokenize_bad_words
 from lmjax.loader.generation_config import generation_eos_ids, read_generation_config, sampling_defaults
 from lmjax.loader.model_loader import load_model
@@ -42,7 +43,7 @@ logger = logging.getLogger("lmjax.engine")
 _GREEDY_ROW = SamplingRow(SamplingParams(temperature=0.0), seed=0)
 
 
-class LLMEngine(SessionsMixin, MultiStepMixin, HostOutputsMixin, SpeculativeMixin, PromptLogprobsMixin):
+class LLMEngine(SessionsMixin, MultiStepMixin, HostOutputsMixin, SpeculativeMixin, PromptLogprobsMixin, VLLMNamesMixin):
     def __init__(self, model: str | None = None, config: EngineConfig | None = None, tokenizer: str | None = None):
         self.config = config = config or EngineConfig()
         self.compilation_cache_dir = enable_compilation_cache()  # a second start compiles nothing
@@ -59,9 +60,7 @@ class LLMEngine(SessionsMixin, MultiStepMixin, HostOutputsMixin, SpeculativeMixi
         self.load_seconds = loaded.load_seconds  # per load phase (read, place, transpose, sync, ...)
         self.session_len = config.session_len or loaded.config.context_len
         generation = read_generation_config(loaded.path)
-        self.eos_token_ids = sorted(set(loaded.config.eos_token_ids) | _tokenizer_eos(self.tokenizer)
-                                    | generation_eos_ids(generation))
-        self.tokenizer_eos = getattr(self.tokenizer, "eos_token_id", None)  # the EOS whose stop_reason is None
+        self.checkpoint_eos_ids = set(loaded.config.eos_token_ids) | generation_eos_ids(generation)
         self.sampling_defaults = sampling_defaults(generation)  # the checkpoint's, as SamplingParams fields
         num_blocks = kv_cache_blocks(config, loaded.config, loaded.dtype, self.session_len)
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
@@ -70,7 +69,7 @@ class LLMEngine(SessionsMixin, MultiStepMixin, HostOutputsMixin, SpeculativeMixi
         self.runner = ModelRunner(loaded.model, num_blocks, config.block_size, config.max_prefill_token_num,
                                   config.max_batch_size, -(-self.session_len // config.block_size), loaded.dtype,
                                   config.quant_policy, self.kv_maps)
-        self.guided = GuidedDecoding(self.tokenizer, loaded.config.vocab_size, self.eos_token_ids)
+        self.set_tokenizer(self.tokenizer)  # its EOS ids (with the checkpoint's), its guides
         self._rng = random.Random(config.seed)
         self._by_seq: dict[int, tuple[Request, Completion]] = {}
         self._seq_ids = iter(range(1 << 62))
@@ -110,7 +109,7 @@ class LLMEngine(SessionsMixin, MultiStepMixin, HostOutputsMixin, SpeculativeMixi
             raise ValueError(f"request id {request_id!r} is already in use by an unfinished request")
         prompt_token_ids = truncated_prompt(prompt_token_ids, params, self.session_len)  # `prompt`: as given (vLLM)
         max_tokens = self.validate_request(prompt_token_ids, params)
-        params = vocab_top_k(params, self.model_config.vocab_size)
+        params = in_vocab_terms(params, self.model_config.vocab_size)
         n = len(prompt_token_ids)
         req = Request(request_id or new_request_id(), prompt, list(prompt_token_ids), params, max_tokens)
         if params.bad_words:
@@ -393,8 +392,3 @@ class LLMEngine(SessionsMixin, MultiStepMixin, HostOutputsMixin, SpeculativeMixi
         if req.finished:
             req.metrics.finished_time = time.time()
             self.requests.pop(req.request_id, None)
-
-
-def _tokenizer_eos(tokenizer) -> set[int]:
-    eos = getattr(tokenizer, "eos_token_id", None)
-    return {eos} if isinstance(eos, int) else set()

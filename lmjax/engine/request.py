@@ -173,11 +173,14 @@ def check_n(params: SamplingParams, num_blocks: int) -> None:
                          "one at least each)")
 
 
-def vocab_top_k(params: SamplingParams, vocab: int) -> SamplingParams:
-    """`params` with a top_k of the whole vocabulary or more made 0 (off): the same tokens stay in play (the
-    sampler keeps min(top_k, V)), as vLLM clamps top_k >= vocab_size to the vocabulary; and the value (up
-    to 2**63 over HTTP) never reaches the sampler's int32 column. Other params come back as they are."""
-    return dataclasses.replace(params, top_k=0) if params.top_k >= vocab else params
+def in_vocab_terms(params: SamplingParams, vocab: int) -> SamplingParams:
+    """`params` with the vocabulary's size put for what stands for it: a top_k of the whole vocabulary or more
+    made 0 (off; the same tokens stay in play, as vLLM clamps top_k >= vocab_size, and the value, up to 2**63
+    over HTTP, never reaches the sampler's int32 column); logprobs / prompt_logprobs -1 (vLLM's "the whole
+    vocabulary") made `vocab`. Other params come back as they are."""
+    changes = {"top_k": 0} if params.top_k >= vocab else {}
+    changes.update({name: vocab for name in ("logprobs", "prompt_logprobs") if getattr(params, name) == -1})
+    return dataclasses.replace(params, **changes) if changes else params
 
 
 def check_logprobs(params: SamplingParams, vocab: int, max_logprobs: int) -> None:
@@ -186,6 +189,7 @@ def check_logprobs(params: SamplingParams, vocab: int, max_logprobs: int) -> Non
     cap = vocab if max_logprobs == -1 else min(max_logprobs, vocab)
     for name in ("logprobs", "prompt_logprobs"):
         k = getattr(params, name)
+        k = vocab if k == -1 else k
         if k is not None and k > cap:
             raise ValueError(f"{name}={k} is more than max_logprobs={cap} (EngineConfig(max_logprobs=...), "
                              f"LLM(max_logprobs=...); -1 allows up to the vocabulary, {vocab})")

@@ -3,12 +3,10 @@
 
 InternLM2's fused `attention.wqkv` is one Linear to AutoAWQ / `lmdeploy lite auto_awq`: its qweight is
 [in, out/8], qzeros [in/G, out/8], scales [in/G, out] with the packed head order along the OUTPUT
-(column) axis. lmjax's InternLM2 tensor map splits `wqkv.*` along axis 0 (the rows of a float [out, in]
-weight) before the AWQ tensors are unpacked, so it reshapes qweight's input axis as if it were heads."""
+(column) axis. lmjax's InternLM2 tensor map split `wqkv.*` along axis 0 (the rows of a float [out, in]
+weight) before the AWQ tensors were unpacked, reshaping qweight's input axis as if it were heads (probe 24):
+the AWQ tensors are now unpacked first and the split is along the output axis."""
 import json
-import os
-
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import numpy as np
 import torch
@@ -57,7 +55,8 @@ def _write(tmp, awq: bool):
            "output.weight": sd["lm_head.weight"]}
     for i in range(CFG["num_hidden_layers"]):
         p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
-        linears = {p + "attention.wqkv": _pack_wqkv(sd[a + "q_proj.weight"], sd[a + "k_proj.weight"], sd[a + "v_proj.weight"]),
+        wqkv = _pack_wqkv(sd[a + "q_proj.weight"], sd[a + "k_proj.weight"], sd[a + "v_proj.weight"])
+        linears = {p + "attention.wqkv": wqkv,
                    p + "attention.wo": sd[a + "o_proj.weight"]}
         for new, old in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")):
             linears[p + f"feed_forward.{new}"] = sd[p + f"mlp.{old}.weight"]

@@ -53,7 +53,8 @@ def test_chat_template_kwargs_and_a_requests_own_template_reach_the_prompt(http)
     assert _chat(http, chat_template_kwargs={"enable_thinking": False})["usage"]["prompt_tokens"] == 6
     own = "{% for m in messages %}{{ m['content'] }} {% endfor %}t6 t6"
     assert _chat(http, chat_template=own)["usage"]["prompt_tokens"] == 4
-    r = http.post("/tokenize", json={"model": "tiny", "messages": USER, "chat_template_kwargs": {"enable_thinking": False}})
+    r = http.post("/tokenize", json={"model": "tiny", "messages": USER,
+                                     "chat_template_kwargs": {"enable_thinking": False}})
     assert r.status_code == 200 and r.json()["tokens"] == [9, 8, 7, 7, 7, 5], r.text
 
 

@@ -16,8 +16,9 @@ from conftest import write_smollm2_pruned
 from lmjax.config import SamplingParams
 
 
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
+def _relabelled(tmp_path_factory, eos_ids: list[int]):
+    """An AsyncEngine over pruned SmolLM2 whose tokenizer's eos_token is <|endoftext|> and config's EOS ids
+    `eos_ids`; yields it."""
     from lmjax.api.async_engine import AsyncEngine
     from lmjax.lmdeploy_config import TurbomindEngineConfig
 
@@ -30,7 +31,7 @@ def engine(tmp_path_factory):
         json.dump(tok, f)
     with open(os.path.join(path, "config.json")) as f:
         cfg = json.load(f)
-    cfg["eos_token_id"] = [0, 2]
+    cfg["eos_token_id"] = eos_ids
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f)
     e = AsyncEngine(path, backend_config=TurbomindEngineConfig(session_len=512, dtype="float32",
@@ -38,6 +39,17 @@ def engine(tmp_path_factory):
     yield e
     e.close()
     shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    yield from _relabelled(tmp_path_factory, [0, 2])
+
+
+@pytest.fixture(scope="module")
+def base_engine(tmp_path_factory):
+    """As a base model: <|im_end|> (2) is no EOS id, only the chat's end of turn."""
+    yield from _relabelled(tmp_path_factory, [0])
 
 
 def test_second_turn_does_not_repeat_the_end_of_turn_token(engine):
@@ -53,3 +65,36 @@ def test_second_turn_does_not_repeat_the_end_of_turn_token(engine):
         return text, ids
     text, ids = asyncio.run(main())
     assert not text.startswith("<|im_end|>"), f"the next turn repeats the end-of-turn marker: {text!r}"
+
+
+@pytest.mark.parametrize("how", ["stop_token_ids", "template stop word"])
+def test_a_reply_ended_by_a_special_stop_token_is_not_followed_by_it_again(base_engine, how):
+    """Probe 24: a turn that ended on a stop id that is no EOS (stop_token_ids, or LMDeploy's template stop word
+    <|im_end|>, a special token and so a stop id) was taken for one cut short: the next turn began with a
+    second <|im_end|>. The session's ids now equal transformers' render of the whole conversation."""
+    from lmjax.config import ChatTemplateConfig
+
+    engine, tok = base_engine, base_engine.tokenizer
+    end_of_turn = tok.convert_tokens_to_ids("<|im_end|>")
+    assert end_of_turn not in engine.engine.eos_token_ids
+    ends_now = SamplingParams(max_tokens=4, temperature=0, logit_bias={end_of_turn: 100},
+                              stop_token_ids=[end_of_turn] if how == "stop_token_ids" else [])
+    kept = engine.chat_template
+    if how != "stop_token_ids":
+        engine.chat_template = ChatTemplateConfig(stop_words=["<|im_end|>"])
+
+    async def main():
+        outs = [o async for o in engine.generate("Hi", 2, ends_now, sequence_end=False)]
+        text, ids = engine.encode("And now?", sequence_start=False, session_id=2)
+        history = list(engine.engine.sessions[2].token_ids)
+        await engine.end_session(2)
+        return outs[-1], history + ids
+    try:
+        last, session_ids = asyncio.run(main())
+    finally:
+        engine.chat_template = kept
+    assert last.token_ids[-1] == end_of_turn and last.finish_reason == "stop"
+    want = tok.apply_chat_template([{"role": "user", "content": "Hi"},
+                                    {"role": "assistant", "content": tok.decode(last.token_ids[:-1])},
+                                    {"role": "user", "content": "And now?"}], tokenize=False, add_generation_prompt=True)
+    assert tok.decode(session_ids) == want
