@@ -70,6 +70,7 @@ class AsyncEngine:
         self.id2step = self._thread.id2step  # session id -> tokens in its kept history (LMDeploy's name)
         self._session_ids = itertools.count(1 << 40)
         self._streaming: collections.Counter = collections.Counter()  # session id -> its live _run generators
+        self._aborting: dict = {}  # session id -> the Future of its abandoned turn's abort, until it is done
 
     # ------------------------------------------------------------------ requests
     def sampling_params(self, gen_config=None, **legacy) -> SamplingParams:
@@ -157,17 +158,18 @@ class AsyncEngine:
             await run.aclose()  # now, with this generator's own close: not one more loop round later
 
     async def _settle(self, session_id: int) -> None:
-        """A stream of this session left by `break` is closed (its turn aborted) by a task that asyncio's
-        finalizer hook creates a loop round later and runs the round after: let it run, then wait until the
-        engine thread has done the abort it queued, so the next turn sees the session as that abort left it
+        """Before a turn is encoded: a stream of this session left by `break` is closed (its turn aborted) by a
+        task that asyncio's finalizer hook creates a loop round later and runs the round after: let it run.
+        Then wait until the engine thread has done the abort of any abandoned turn (broken off, cancelled,
+        timed out, or left by a closed event loop), so the next turn sees the session as that abort left it
         (history, how its reply ended) and does not reach a busy session."""
         for _ in range(3):
             if not self._streaming[session_id]:
-                return
+                break
             await asyncio.sleep(0)
-            if not self._streaming[session_id]:
-                await asyncio.wrap_future(self._thread.call(lambda: None))  # commands run in order
-                return
+        pending = self._aborting.get(session_id)
+        if pending is not None:
+            await asyncio.wrap_future(pending)
 
     async def _run(self, session_id, ids, params, text, sequence_start, sequence_end, stream,
                    step: int = 0) -> AsyncIterator[GenOut]:
@@ -192,7 +194,13 @@ class AsyncEngine:
             if not self._streaming[session_id]:
                 del self._streaming[session_id]
             if not finished:  # cancelled, disconnected or abandoned: free its blocks
-                self._thread.abort(request_id)
+                self._note_abort(session_id, self._thread.abort(request_id))
+
+    def _note_abort(self, session_id, done: concurrent.futures.Future) -> None:
+        """Keep the abort's Future for the session's next turn (`_settle`) until it is done."""
+        self._aborting[session_id] = done
+        done.add_done_callback(lambda f: self._aborting.pop(session_id, None) if self._aborting.get(session_id) is f
+                               else None)
 
     def stop_session(self, session_id: int) -> _Done:
         """Stop the session's running turn (its history so far is kept). Await the result, or

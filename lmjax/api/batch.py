@@ -3,7 +3,8 @@ engine to completion (every request validated before any is queued, results in i
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+import threading
+from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
@@ -69,11 +70,19 @@ def submit_all(engine: LLMEngine, prompts: Sequence[tuple[str | None, list[int]]
             else engine.add_request(ids, p, prompt=text) for i, ((text, ids), p) in enumerate(zip(prompts, params))]
 
 
-def run_to_completion(engine: LLMEngine, requests: list[Request], use_tqdm: bool = False) -> list[Request]:
+class Stopped(Exception):
+    """A batch given up by its caller (Ctrl-C while waiting for it on another thread): its requests aborted."""
+
+
+def run_to_completion(engine: LLMEngine, requests: list[Request], use_tqdm: bool = False,
+                      stop: threading.Event | None = None) -> list[Request]:
+    """Step the engine until every request is finished; `stop` set (between steps) aborts them (Stopped)."""
     bar = tqdm(total=len(requests), desc="Generating", disable=not use_tqdm)
     done: set[str] = set()
     try:
         while not all(r.finished for r in requests):
+            if stop is not None and stop.is_set():
+                raise Stopped(f"{len(requests)} requests stopped by their caller")
             for r in engine.step():
                 if r.finished and r.request_id not in done:
                     done.add(r.request_id)
@@ -86,19 +95,3 @@ def run_to_completion(engine: LLMEngine, requests: list[Request], use_tqdm: bool
         bar.close()
     logger.info("batch done: %s", engine.stats())
     return requests
-
-
-def stream_steps(engine: LLMEngine, requests: list[Request]) -> Iterator[Request]:
-    """Yield each request every time it changes, until all are finished (aborting them if abandoned);
-    those finished before any step (`submit_all`'s overflowed ones) first."""
-    yield from (r for r in requests if r.finished)
-    try:
-        while not all(r.finished for r in requests):
-            mine = {r.request_id for r in requests}
-            for r in engine.step():
-                if r.request_id in mine:
-                    yield r
-    finally:
-        for r in requests:
-            if not r.finished:
-                engine.abort(r.request_id)

@@ -71,6 +71,7 @@ class EngineThread:
         self._live: dict[str, _Live] = {}
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = False
+        self._lock = threading.Lock()  # a command is queued before close's sentinel, or refused
         self._thread = threading.Thread(target=self._loop, name="lmjax-engine", daemon=True)
         self._thread.start()
 
@@ -79,17 +80,23 @@ class EngineThread:
         if self._closed or not self._thread.is_alive():  # nobody would read the command: fail, not hang
             raise RuntimeError("the engine is closed")
 
+    def _put(self, command: Callable[[], None]) -> None:
+        with self._lock:
+            self._check_open()
+            self._commands.put(command)
+
     def call(self, fn: Callable[[], object]) -> concurrent.futures.Future:
-        """Run `fn()` on the engine thread; its result or exception lands in the returned Future."""
-        self._check_open()
+        """Run `fn()` on the engine thread; its result or exception lands in the returned Future (a
+        RuntimeError when the engine closed before the command's turn came)."""
         future: concurrent.futures.Future = concurrent.futures.Future()
 
         def command():
             try:
+                self._check_open()
                 future.set_result(fn())
             except BaseException as e:  # noqa: BLE001  (handed to the caller)
                 future.set_exception(e)
-        self._commands.put(command)
+        self._put(command)
         return future
 
     def call_stepping(self, fn: Callable[[], object]) -> concurrent.futures.Future:
@@ -105,26 +112,45 @@ class EngineThread:
 
     def submit(self, session_id, ids: list[int], params: SamplingParams, text: str | None, sequence_start: bool,
                sequence_end: bool, sink: Sink, step: int = 0) -> str:
-        """Queue one request; errors (a prompt over session_len, a busy session) arrive in the sink."""
-        self._check_open()
+        """Queue one request; errors (a prompt over session_len, a busy session, the engine closed before the
+        request's turn came) arrive in the sink."""
         request_id = f"{session_id}-{next(_ids)}"
 
         def command():
             try:
+                self._check_open()
                 self._add(request_id, session_id, ids, params, text, sequence_start, sequence_end, sink, step)
             except ContextOverflowError as e:  # LMDeploy's "run out of tokens": an empty "length" output
                 self._overflowed(session_id, ids, params, e, sink, sequence_start, sequence_end)
             except Exception as e:  # noqa: BLE001  (ValueError for a bad prompt; the caller raises it)
                 _quietly(sink, e) and _quietly(sink, None)
-        self._commands.put(command)
+        self._put(command)
         return request_id
 
-    def abort(self, request_id: str) -> None:
-        self._commands.put(lambda: self._abort(request_id))
+    def abort(self, request_id: str) -> concurrent.futures.Future:
+        """Queue an abort; the Future is done once the engine thread has done it (at once when the engine is
+        closed: closing aborted every request)."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+
+        def command():
+            try:
+                self._abort(request_id)
+            finally:
+                done.set_result(None)
+        try:
+            self._put(command)
+        except RuntimeError:
+            done.set_result(None)
+        return done
 
     def close(self) -> None:
-        self._closed = True
-        self._commands.put(None)
+        """Stop the engine thread: every live request ends with "abort" (delivered), every command queued
+        before is refused ("the engine is closed"); a second close does nothing."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._commands.put(None)
         self._thread.join(timeout=10)
 
     # ------------------------------------------------------------------ engine thread only
@@ -198,6 +224,8 @@ class EngineThread:
                 except queue.Empty:
                     break
                 if command is None:
+                    for request_id in list(self._live):
+                        self._abort(request_id)
                     return
                 try:
                     command()
@@ -243,12 +271,22 @@ class EngineThread:
                 live.done.add(c.index)
                 self.finished[c.finish_reason] += 1
         if req.finished:
-            del self._live[req.request_id]
-            self._running.pop(live.session_id, None)
-            kept = self.engine.sessions.get(live.session_id) if live.keep else None
-            if kept is not None:
-                self.id2step[live.session_id] = kept.num_tokens
+            self._retire(live)
             self._emit(live, None)
+
+    def _retire(self, live: _Live) -> None:
+        """A finished request's bookkeeping: its completions' finish reasons counted, it leaves _live and
+        _running, a kept session's length recorded (LMDeploy's id2step)."""
+        for c in live.req.completions:
+            if c.finished and c.index not in live.done:
+                live.done.add(c.index)
+                self.finished[c.finish_reason] += 1
+        self._live.pop(live.req.request_id, None)
+        if self._running.get(live.session_id) == live.req.request_id:
+            del self._running[live.session_id]
+        kept = self.engine.sessions.get(live.session_id) if live.keep else None
+        if kept is not None:
+            self.id2step[live.session_id] = kept.num_tokens
 
     def _emit(self, live: _Live, item) -> bool:
         """Hand `item` to the request's consumer; False when it is gone (an asyncio loop closed under an
@@ -257,10 +295,8 @@ class EngineThread:
         if _quietly(live.sink, item):
             return True
         logger.info("request %s: its consumer is gone; aborting it", live.req.request_id)
-        self._live.pop(live.req.request_id, None)
-        if self._running.get(live.session_id) == live.req.request_id:
-            del self._running[live.session_id]
         self.engine.abort(live.req.request_id)
+        self._retire(live)
         return False
 
 

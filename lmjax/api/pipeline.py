@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 from collections.abc import Iterator
 
 import numpy as np
 from flax import nnx
 
-from lmjax.api.batch import encode_chat, encode_text, per_prompt, run_to_completion, stream_steps, submit_all
+from lmjax.api.batch import encode_chat, encode_text, per_prompt, run_to_completion, submit_all
 from lmjax.api.lmdeploy_params import GEN_CONFIG_KINDS, check_keywords, lmdeploy_sampling_params
-from lmjax.api.outputs import Response, batch_index, host_arrays, response
+from lmjax.api.outputs import Response, batch_index, response
 from lmjax.config import ChatTemplateConfig, EngineConfig, SamplingParams
 from lmjax.engine.engine import LLMEngine
 from lmjax.engine.request import check_prompt
@@ -103,9 +104,9 @@ class Pipeline:
         check_keywords(legacy)
         check_adapter(adapter_name)
 
-        def run():
+        def run(stop):
             single, requests = self._submit(prompts, gen_config, do_preprocess, legacy, chat_template_config)
-            run_to_completion(self.engine, requests, use_tqdm)
+            run_to_completion(self.engine, requests, use_tqdm, stop)
             out = [response(r, c, index=batch_index(p, r.params.n, c.index))
                    for p, r in enumerate(requests) for c in r.completions]
             return out[0] if single and len(out) == 1 else out
@@ -117,23 +118,11 @@ class Pipeline:
     def stream_infer(self, prompts, gen_config=None, do_preprocess: bool = True,
                      chat_template_config: ChatTemplateConfig | None = None, adapter_name: str | None = None,
                      **legacy) -> Iterator[Response]:
-        """Yield Responses carrying the new text of one prompt (`index`) as it is generated."""
+        """Yield Responses carrying the new text of one prompt (`index`) as it is generated (on the engine
+        thread, as every call: a stream left suspended meanwhile keeps all of its output)."""
         check_keywords(legacy)
         check_adapter(adapter_name)
-        if self._async_engine is not None:  # its thread steps the engine now
-            yield from self._async_engine.stream_infer(prompts, gen_config, do_preprocess, chat_template_config,
-                                                       **legacy)
-            return
-        _, requests = self._submit(prompts, gen_config, do_preprocess, legacy, chat_template_config)
-        position = {r.request_id: i for i, r in enumerate(requests)}
-        for r in stream_steps(self.engine, requests):
-            for c in r.completions:
-                text, ids = c.take_delta()
-                if text or ids or c.finished:
-                    end = len(c.token_ids)
-                    logprobs = None if c.logprobs is None else c.logprobs[end - len(ids):end]
-                    yield Response(text, end, len(r.prompt_token_ids), c.finish_reason, ids, logprobs,
-                                   index=batch_index(position[r.request_id], r.params.n, c.index), **host_arrays(c))
+        yield from self._async().stream_infer(prompts, gen_config, do_preprocess, chat_template_config, **legacy)
 
     def chat(self, prompt: str, session: Session | None = None, gen_config=None, stream_response: bool = False,
              **legacy) -> Session | Iterator[Response]:
@@ -177,9 +166,9 @@ class Pipeline:
         scored = [SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0, logprobs=0,
                                  allowed_token_ids=[ids[-1]]) for ids in batch]
 
-        def run():
+        def run(stop):
             requests = submit_all(self.engine, [(None, list(ids[:-1])) for ids in batch], scored)
-            return run_to_completion(self.engine, requests)
+            return run_to_completion(self.engine, requests, stop=stop)
 
         def nll(r, ids) -> float:
             logprobs = [e[t] for t, e in zip(ids[1:-1], r.prompt_logprobs[1:])] + [r.completions[0].logprobs[0][ids[-1]]]
@@ -232,21 +221,23 @@ class Pipeline:
         return self._async().id2step
 
     def _exclusive(self, run):
-        """run() (it steps the engine to its end) here, or once the engine thread exists, on that thread
-        (async callers' requests wait meanwhile, and get their outputs after)."""
-        if self._async_engine is None:
-            return run()
-        return self._async_engine._thread.call_stepping(run).result()
+        """run(stop) (it steps the engine to its end) on the engine thread, started on first use: one owner
+        steps the engine, so calls from several threads, suspended streams and async callers never step it
+        at once (async callers' requests wait meanwhile, and get their outputs after). Ctrl-C while waiting
+        sets `stop`: the batch is aborted at its next step."""
+        stop = threading.Event()
+        future = self._async()._thread.call_stepping(lambda: run(stop))
+        try:
+            return future.result()
+        except KeyboardInterrupt:
+            stop.set()
+            raise
 
     def close(self) -> None:
         """Abort whatever is still running and stop the engine thread, if one started (LMDeploy frees its
-        engine here; lmjax's goes with the object)."""
-        def abort_all():
-            for request_id in list(self.engine.requests):
-                self.engine.abort(request_id)
-        self._exclusive(abort_all)
+        engine here; lmjax's goes with the object). A second close does nothing."""
         if self._async_engine is not None:
-            self._async_engine.close()
+            self._async_engine.close()  # aborts what runs, fails what was queued
 
     def __enter__(self) -> "Pipeline":
         return self

@@ -1,7 +1,7 @@
 """LMDeploy's pipeline is an AsyncEngine (seed 000/001): `pipe.generate` (async, sessions), `stop_session`,
 `end_session`, `get_generator`, `session_len`, `id2step` (lagent's AsyncLMDeployPipeline calls
-`pipe.generate`). They start an engine thread; from then on the synchronous methods step the engine
-through it, so async streams and synchronous batches share the engine safely."""
+`pipe.generate`). Every call runs on the pipeline's engine thread (started by the first), so async streams
+and synchronous batches share the engine safely."""
 import asyncio
 import threading
 
@@ -25,8 +25,8 @@ async def _collect(pipe, prompt, session_id, **kw):
 
 def test_pipeline_serves_asyncengine_methods_beside_its_own(tiny):
     pipe = pipeline(tiny)
-    want = pipe(["t5 t6", "t7"], gen_config=GREEDY, do_preprocess=False)  # no thread yet
-    assert pipe._async_engine is None and pipe.session_len == pipe.engine.session_len
+    want = pipe(["t5 t6", "t7"], gen_config=GREEDY, do_preprocess=False)  # starts the engine thread
+    assert pipe._async_engine is not None and pipe.session_len == pipe.engine.session_len
     assert asyncio.run(_collect(pipe, "t5 t6", 1)) == want[0].token_ids
     asyncio.run(_collect(pipe, "t7", 2, sequence_end=False))  # a session kept for its next turn
     assert pipe.id2step[2] == 1 + 24 and 2 in pipe.engine.sessions
