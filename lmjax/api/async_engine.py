@@ -92,29 +92,34 @@ class AsyncEngine:
             return messages, ids
         if sequence_start:
             return encode_chat(self.tokenizer, messages, template)
-        text = self._continuation(messages, template, self._reply_end(session_id))
+        text = self._continuation(messages, template, *self._reply_end(session_id))
         return text, self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    def _reply_end(self, session_id) -> str | None:
-        """The EOS token the session's last reply ended with, as text ("" with no session to ask); None when
-        the reply was cut short (max_new_tokens): the template's end-of-reply marker is still to come then."""
+    def _reply_end(self, session_id) -> tuple[str | None, bool]:
+        """(how the session's last reply ended, whether only that token may come off the next turn's text):
+        ("", False) with no session to ask; (the EOS token's text, False) after an EOS; (the token's text, True)
+        after a stop id that is a special token (a stop word such as <|im_end|> where the EOS is another, or
+        InternLM2's <|action_end|>, after which the template's own end marker is still owed); (None, False)
+        when the reply was cut short (max_new_tokens, a plain stop word): the end-of-reply marker is still to
+        come then."""
         seq = self.engine.sessions.get(session_id)  # an idle session: the engine thread leaves it alone
         if seq is None:
-            return ""
+            return "", False
         last = seq.output_token_ids[-1] if seq.output_token_ids else None
         if last is None:
-            return None
+            return None, False
         text = self.tokenizer.convert_ids_to_tokens(last)
-        # a stop id that is a special token (a stop word such as <|im_end|> where the EOS is another) ends a
-        # reply as the EOS does; a plain word stopping it leaves the end-of-reply marker still to come
+        if last in self.engine.eos_token_ids:
+            return text, False
         stop_ids = getattr(seq.params, "stop_token_ids", None) or ()
-        stopped = last in stop_ids and special_token_ids(self.tokenizer, [text])
-        return text if last in self.engine.eos_token_ids or stopped else None
+        return (text, True) if last in stop_ids and special_token_ids(self.tokenizer, [text]) else (None, False)
 
-    def _continuation(self, messages, template: ChatTemplateConfig, reply_end: str | None = "") -> str:
+    def _continuation(self, messages, template: ChatTemplateConfig, reply_end: str | None = "",
+                      exact: bool = False) -> str:
         """Render a probe conversation with `messages` after a reply; keep what follows the reply, minus
         the end-of-reply marker when the model already generated it: the EOS token it ended with (Llama-3's
-        <|eot_id|> is not its tokenizer's eos_token), the template's eoa or the tokenizer's eos_token."""
+        <|eot_id|> is not its tokenizer's eos_token), the template's eoa or the tokenizer's eos_token; with
+        `exact`, the token it ended with alone."""
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
         probe = [{"role": "user", "content": _PROBE_USER}, {"role": "assistant", "content": _PROBE_REPLY}]
@@ -122,7 +127,8 @@ class AsyncEngine:
         tail = full[full.rindex(_PROBE_REPLY) + 1:]
         if reply_end is None:
             return tail
-        for marker in (reply_end, template.eoa, getattr(self.tokenizer, "eos_token", None)):
+        markers = (reply_end,) if exact else (reply_end, template.eoa, getattr(self.tokenizer, "eos_token", None))
+        for marker in markers:
             if marker and tail.startswith(marker):
                 return tail[len(marker):]
         return tail

@@ -367,10 +367,10 @@ class LLM:
                             {"chat_template_content_format": "auto", "mm_processor_kwargs": None})
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.llm_engine.tokenizer
-        extra = {**(chat_template_kwargs or {}), **({"tools": tools} if tools else {})}
-        texts = [render_chat(tok, c, chat_template=chat_template, tokenize=False,
-                             add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
-                             **extra)
-                 for c in conversations]
+        # as vLLM: chat_template_kwargs may set the switches too (they update the template's arguments)
+        kwargs = {"chat_template": chat_template, "add_generation_prompt": add_generation_prompt,
+                  "continue_final_message": continue_final_message, **(chat_template_kwargs or {}),
+                  **({"tools": tools} if tools else {})}
+        texts = [render_chat(tok, c, tokenize=False, **kwargs) for c in conversations]
         prompts = [{"prompt_token_ids": tok(t, add_special_tokens=False)["input_ids"], "prompt": t} for t in texts]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

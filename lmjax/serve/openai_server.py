@@ -100,11 +100,11 @@ def chat_prompt(engine: AsyncEngine, req: ChatCompletionRequest) -> tuple[str, l
     decides where; one that ignores them is the model's business, as in vLLM); a role-marker
     ChatTemplateConfig has no place for them and renders the messages alone."""
     template, tok = engine.chat_template, engine.tokenizer
-    kwargs = req.template_kwargs()
+    kwargs = {"add_generation_prompt": req.add_generation_prompt, "continue_final_message": req.continue_final_message}
+    kwargs.update(req.template_kwargs())  # as vLLM: chat_template_kwargs may set the switches too
     if req.tools and not template.has_markers and (kwargs.get("chat_template") or getattr(tok, "chat_template", None)):
         kwargs["tools"] = req.tool_dicts()
-    return encode_chat(tok, req.message_dicts(), template, add_generation_prompt=req.add_generation_prompt,
-                       continue_final_message=req.continue_final_message, **kwargs)
+    return encode_chat(tok, req.message_dicts(), template, **kwargs)
 
 
 def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_name: str | None = None,
@@ -175,11 +175,11 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
             gens = [engine.generate(None, new_session_id(), params, input_ids=ids) for _, ids in prompts]
             return await first_and_rest(merge(gens))
 
-    async def collect(raw: Request, first, rest, choices: R.Choices) -> bool:
+    async def collect(raw: Request, first, rest, choices: R.Choices, openai: bool = True) -> bool:
         """A non-streaming response's outputs, all of them (False: the client went away first). An engine
         failure on the way is OpenAI's error body, as in `start`."""
         with api_errors(judging=False):
-            return await until_disconnect(raw, _consume(first, rest, choices))
+            return await until_disconnect(raw, _consume(first, rest, choices, openai))
 
     @app.get("/health")
     async def health():
@@ -337,26 +337,27 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
             return {"text": text, "tokens": out.generate_token_len, "input_tokens": out.input_token_len,
                     "history_tokens": out.history_token_len, "finish_reason": out.finish_reason, "session_id": sid}
         if not req.stream:
-            if not await collect(raw, first, rest, choices):
+            if not await collect(raw, first, rest, choices, openai=False):
                 return Response(status_code=499)  # the client is gone: nobody reads this
             return line(choices.outs[0], choices.outs[0].response)
 
         async def lines():
-            async for _, out in _chain(first, rest):
+            async for _, out in _chain(first, rest, openai=False):
                 yield json.dumps(line(out, out.response), ensure_ascii=False) + "\n"
         return StreamingResponse(_guarded(lines()), media_type="application/x-ndjson")
 
     return app
 
 
-async def _chain(first, rest):
-    """The (prompt, GenOut)s of a response. A completion that ended with "error" (nothing left to sample, a
-    step input the request broke) fails the whole response with its reason, as vLLM answers its "error"
-    finish reason with an error response instead of a choice; a 400, since what fails one request and no
-    other is that request's doing (a 5xx would also make openai-python retry it twice)."""
-    yield _checked(first)
+async def _chain(first, rest, openai: bool = True):
+    """The (prompt, GenOut)s of a response. On the OpenAI routes a completion that ended with "error" (nothing
+    left to sample, a step input the request broke) fails the whole response with its reason, as vLLM answers
+    its "error" finish reason with an error response instead of a choice; a 400, since what fails one request
+    and no other is that request's doing (a 5xx would also make openai-python retry it twice). LMDeploy's
+    /v1/chat/interactive (`openai=False`) answers it as LMDeploy does, a line whose finish_reason is "error"."""
+    yield _checked(first) if openai else first
     async for item in rest:
-        yield _checked(item)
+        yield _checked(item) if openai else item
 
 
 def _checked(item: tuple[int, GenOut]) -> tuple[int, GenOut]:
@@ -366,8 +367,8 @@ def _checked(item: tuple[int, GenOut]) -> tuple[int, GenOut]:
     return item
 
 
-async def _consume(first, rest, choices: R.Choices) -> None:
-    async for p, out in _chain(first, rest):
+async def _consume(first, rest, choices: R.Choices, openai: bool = True) -> None:
+    async for p, out in _chain(first, rest, openai):
         choices.add(p, out)
 
 
