@@ -119,24 +119,25 @@ def as_guided(guided_decoding, structured_outputs=None) -> GuidedDecodingParams 
     return _fail(f"guided_decoding must be a GuidedDecodingParams or a dict of its fields, got {value!r}")
 
 
-def from_response_format(response_format: dict | None) -> GuidedDecodingParams | None:
+def from_response_format(response_format: dict | None, whitespace_pattern: str | None = None
+                         ) -> GuidedDecodingParams | None:
     """LMDeploy's (and OpenAI's) response_format: {"type": "json_schema", "json_schema": {"name": ...,
     "schema": {...}}}, {"type": "regex_schema", "regex_schema": "..."}, {"type": "json_object"}, or
-    {"type": "text"} (no guide)."""
+    {"type": "text"} (no guide). `whitespace_pattern` (vLLM's guided_whitespace_pattern) for the JSON ones."""
     if response_format is None:
         return None
     kind = response_format.get("type") if isinstance(response_format, dict) else None
     if kind == "text":
         return None
     if kind == "json_object":
-        return GuidedDecodingParams(json_object=True)
+        return GuidedDecodingParams(json_object=True, whitespace_pattern=whitespace_pattern)
     if kind == "regex_schema" and isinstance(response_format.get("regex_schema"), str):
         return GuidedDecodingParams(regex=response_format["regex_schema"])
     if kind == "json_schema":
         schema = response_format.get("json_schema")
         schema = schema.get("schema") if isinstance(schema, dict) else None
         if schema is not None:
-            return GuidedDecodingParams(json=schema)
+            return GuidedDecodingParams(json=schema, whitespace_pattern=whitespace_pattern)
         _fail(f"response_format of type 'json_schema' needs json_schema={{'name': ..., 'schema': {{...}}}}, "
               f"got {response_format!r}")
     return _fail(f"response_format must be a dict with type 'json_schema', 'regex_schema', 'json_object' or "

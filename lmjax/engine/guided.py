@@ -8,8 +8,9 @@ schema is a ValueError naming it, and no other request ever sees it) and kept in
 Each completion walks it with its own `GuideState`. Before a step, the engine puts the packed mask of the
 tokens the state allows into the completion's SamplingRow (outlines writes it straight into numpy: about
 2 us for a 49k vocabulary); the sampler sets every other logit to -inf, greedy rows included
-(lmjax.layers.sampler.apply_allowed). After the step, the state advances by the sampled token; when the
-output is complete (only EOS could follow) the request ends right there, with finish reason "stop".
+(lmjax.layers.sampler.apply_allowed). After the step, the state advances by the sampled token; where the
+output is a whole match, EOS may end it (and the model may go on where the guide lets it); when only EOS
+could follow, the request ends right there, with finish reason "stop".
 With byte-level BPE and SentencePiece vocabularies the text is the bytes the guide walked: it continues
 the prompt (lmjax.engine.detokenizer), so a first "▁Paris" (b" Paris" here) is " Paris" there too, and a
 regex that counts that space fullmatches the text.
@@ -37,6 +38,11 @@ from lmjax.loader.tokenizer import byte_level_decoder, sentencepiece_byte
 
 logger = logging.getLogger("lmjax.engine")
 INDEX_CACHE_SIZE = 32  # compiled guides kept per engine (a JSON schema's: milliseconds to a second each)
+# Every guide's regex ends with END, a byte no guided output holds, under a token id of its own: the output is
+# complete exactly where END may follow. outlines-core's automaton (a leftmost-first DFA whose matches show one
+# byte late) drops the tokens that go on past a shorter match, so without it choice=["Paris", "Paris, France"]
+# could only give "Paris", and a number "3.14" or an integer 42 not at all.
+END = b"\x00"
 
 
 def _outlines():
@@ -104,20 +110,23 @@ class GuidedDecoding:
         self.num_words = -(-vocab_size // 32)
         self.eos_W = pack_token_ids(self.eos_token_ids, self.num_words)
         self.not_eos_W = ~self.eos_W
-        self._vocabulary, self._buffer_words = None, self.num_words
+        self._vocabulary, self._buffer_words, self.end_id = None, self.num_words, None
         self._indexes: OrderedDict = OrderedDict()
         self._lock = threading.Lock()
         self.compile_seconds = 0.0  # spent compiling guides (a stat)
 
     def vocabulary(self):
+        """outlines' Vocabulary: the tokens a guided output may hold (none with a NUL byte) and the END
+        sentinel, b"\x00" under an id past every real one (`self.end_id`), which each guide's regex ends with."""
         if self._vocabulary is None:
             start, oc = time.perf_counter(), _outlines()
-            vocab = vocabulary_map(self.tokenizer, set(self.eos_token_ids))
+            vocab = {b: ids for b, ids in vocabulary_map(self.tokenizer, set(self.eos_token_ids)).items()
+                     if END not in b}
             eos = getattr(self.tokenizer, "eos_token_id", None)
             eos = eos if eos in self.eos_token_ids else (self.eos_token_ids or [self.vocab_size])[0]
-            self._vocabulary = oc.Vocabulary(eos, vocab)
-            top = max([eos, *(i for ids in vocab.values() for i in ids)])  # outlines' masks span ids 0..top
-            self._buffer_words = max(self.num_words, top // 32 + 1)
+            self.end_id = max([self.vocab_size - 1, eos, *(i for ids in vocab.values() for i in ids)]) + 1
+            self._vocabulary = oc.Vocabulary(eos, {**vocab, END: [self.end_id]})
+            self._buffer_words = max(self.num_words, self.end_id // 32 + 1)  # outlines' masks span ids 0..end_id
             logger.info("guided decoding vocabulary: %d tokens in %.2f s", len(vocab), time.perf_counter() - start)
         return self._vocabulary
 
@@ -144,7 +153,7 @@ class GuidedDecoding:
             vocabulary = self.vocabulary()
         start = time.perf_counter()
         try:
-            index = _outlines().Index(guide_regex(guided), vocabulary)
+            index = _outlines().Index(f"(?:{guide_regex(guided)})\\x00", vocabulary)  # END: see module doc
         except (ValueError, TypeError, RuntimeError) as e:  # outlines' errors for bad schemas and regexes
             anchored = "anchored" in str(e)
             hint = " (anchors such as ^ and $ are only allowed at the very start and end)" if anchored else ""
@@ -180,6 +189,7 @@ class GuideState:
         self._buffer = np.zeros((1, owner._buffer_words), np.int32)  # outlines writes int32 words here
         self._address = self._buffer.ctypes.data  # (asking numpy for it each step costs a microsecond)
         self._mask_W: np.ndarray | None = None
+        self.complete = False  # whether the output so far is a whole match (set with each mask)
         self.error: str | None = None
 
     def mask_W(self) -> np.ndarray:
@@ -187,8 +197,12 @@ class GuideState:
         copies it into its [B, W] mask before that)."""
         if self._mask_W is None:
             self.guide.write_mask_into(self._address, self._buffer.size, 4)
-            mask_W = self._buffer[0, :self._owner.num_words].view(np.uint32)
-            if self.guide.is_finished():  # the output could end here: every EOS id may, unless ignore_eos
+            words = self._buffer[0].view(np.uint32)
+            end = self._owner.end_id
+            self.complete = bool((words[end >> 5] >> (end & 31)) & 1)  # END may follow: the output may end here
+            words[end >> 5] &= ~np.uint32(1 << (end & 31))  # never sampled (it may share the model's last word)
+            mask_W = words[:self._owner.num_words]
+            if self.complete:  # every EOS id may end it, unless ignore_eos
                 mask_W &= self._owner.not_eos_W
                 if not self._ignore_eos:
                     mask_W |= self._owner.eos_W
@@ -206,7 +220,7 @@ class GuideState:
         self._mask_W = None
         mask_W = self.mask_W()  # the next step's mask, computed now (it is needed anyway) to see what may follow
         if not (mask_W & self._owner.not_eos_W).any():
-            if self.guide.is_finished():
+            if self.complete:
                 return "stop"
             self.error = "guided decoding: no allowed token can continue the output (allowed_token_ids?)"
             return "error"

@@ -85,6 +85,7 @@ def _regex(guided: GuidedDecodingParams) -> str:
         return json_object_regex(2, guided.whitespace)
     from outlines_core.json_schema import build_regex_from_schema
 
+    check_keywords(json.loads(guided.json))
     schema, ranges = _bounded_integers(json.loads(guided.json))
     regex = build_regex_from_schema(json.dumps(schema) if ranges else guided.json, guided.whitespace)
     for placeholder, (lo, hi) in ranges.items():  # each stands for one bounded integer (see _bounded_integers)
@@ -92,9 +93,41 @@ def _regex(guided: GuidedDecodingParams) -> str:
     return regex
 
 
-# ------------------------------------------------------------------ integer minimum / maximum
+# ------------------------------------------------------------------ what a JSON schema may ask
 
 _NOT_SCHEMAS = {"const", "enum", "default", "examples"}  # keys whose values are data, not subschemas
+_SCHEMA_MAPS = {"properties", "$defs", "definitions"}  # keys whose values map names to subschemas
+# Keywords outlines-core's regex leaves out, so a guide would let JSON through that breaks them (checked with
+# outlines-core 0.2.14): refused by name, as vLLM refuses what its backend cannot enforce, not ignored.
+UNSUPPORTED_KEYWORDS = {"multipleOf", "uniqueItems", "contains", "minContains", "maxContains", "patternProperties",
+                        "propertyNames", "minProperties", "maxProperties", "dependentRequired", "dependentSchemas",
+                        "if", "then", "else"}
+
+
+def check_keywords(schema) -> None:
+    """A ValueError naming the keywords of `schema` (at any depth) that the guide cannot enforce."""
+    found: set[str] = set()
+
+    def walk(node) -> None:
+        if isinstance(node, list):
+            for v in node:
+                walk(v)
+        elif isinstance(node, dict):
+            for key, value in node.items():
+                if key in UNSUPPORTED_KEYWORDS:
+                    found.add(key)
+                if key in _SCHEMA_MAPS and isinstance(value, dict):
+                    for sub in value.values():
+                        walk(sub)
+                elif key not in _NOT_SCHEMAS:
+                    walk(value)
+    walk(schema)
+    if found:
+        raise ValueError(f"JSON schema keywords {sorted(found)} are not supported by guided decoding (the guide "
+                         "could not enforce them)")
+
+
+# ------------------------------------------------------------------ integer minimum / maximum
 
 
 def _bounded_integers(schema) -> tuple[object, dict[str, tuple[int | None, int | None]]]:
@@ -131,6 +164,11 @@ def _bounded_integers(schema) -> tuple[object, dict[str, tuple[int | None, int |
             return [walk(v) for v in node]
         if not isinstance(node, dict):
             return node
+        types = node.get("type")
+        bounded = any(k in node for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"))
+        if bounded and isinstance(types, list) and "integer" in types and len(types) > 1:  # ["integer", "null"]
+            rest = {k: v for k, v in node.items() if k != "type"}
+            return walk({"anyOf": [{**rest, "type": t} for t in types]})
         found = bounds(node)
         if found is not None:
             placeholder = f"LMJAXINTRANGE{len(ranges)}Q"

@@ -206,7 +206,7 @@ class _Sampling(_Nullable):
 
     def _guides(self) -> dict:
         """{field: GuidedDecodingParams} of every structured-output field the request sets."""
-        guides = {"response_format": from_response_format(self.response_format),
+        guides = {"response_format": from_response_format(self.response_format, self.guided_whitespace_pattern),
                   "structured_outputs": as_guided(self.structured_outputs)}
         kinds = ("json", "regex", "choice", "grammar")
         vllm = [f"guided_{k}" for k in kinds if getattr(self, f"guided_{k}") is not None]
@@ -313,7 +313,8 @@ class ChatCompletionRequest(_Sampling):
         if other:
             raise ValueError(f"tool_choice={self.tool_choice!r} constrains the reply to a tool call: it cannot "
                              f"be combined with {', '.join(other)}")
-        return GuidedDecodingParams(json=forced_tool_schema(self.tool_dicts(), name))
+        return GuidedDecodingParams(json=forced_tool_schema(self.tool_dicts(), name),
+                                    whitespace_pattern=self.guided_whitespace_pattern)
 
     def tool_call_parser(self, server_parser: ToolParser | None) -> ToolParser | None:
         """What the reply is parsed with: for tool_choice "auto" (or unset) with tools, the server's parser

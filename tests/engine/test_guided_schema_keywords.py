@@ -1,0 +1,79 @@
+"""JSON schema keywords the guide cannot enforce (multipleOf, uniqueItems, contains, patternProperties,
+propertyNames, maxProperties, dependentRequired, if/then, ...) are refused by name (probe 24): the guide let
+JSON through that breaks them. Integer minimum / maximum hold also when `type` is a list (["integer",
+"null"])."""
+import json
+import string
+
+import jsonschema
+import pytest
+
+from lmjax import GuidedDecodingParams, SamplingParams
+from lmjax.engine.guided import GuidedDecoding
+
+CHARS = [c for c in string.printable if c not in "\x0b\x0c\r"]
+
+
+class CharTokenizer:
+    """One token per printable ASCII character (ids 1..), EOS 0."""
+    eos_token_id = 0
+    all_special_ids = [0]
+    added_tokens_decoder: dict = {}
+
+    def get_vocab(self):
+        return {"</s>": 0, **{c: i + 1 for i, c in enumerate(CHARS)}}
+
+
+@pytest.fixture(scope="module")
+def guided():
+    return GuidedDecoding(CharTokenizer(), len(CHARS) + 1, [0])
+
+
+def _completes(guided, params, text) -> bool:
+    """Whether the guide lets `text` be written in full and then end."""
+    state = guided.new_state(params, None)
+    for c in text:
+        t = CHARS.index(c) + 1
+        if not (state.mask_W()[t >> 5] >> (t & 31)) & 1:
+            return False
+        if state.advance(t) == "stop":
+            return True
+    return bool(state.mask_W()[0] & 1)  # EOS allowed: the output may end here
+
+
+@pytest.mark.parametrize("keyword, schema, invalid", [
+    ("multipleOf", {"type": "object", "properties": {"n": {"type": "integer", "multipleOf": 5}}, "required": ["n"]},
+     '{"n":7}'),
+    ("uniqueItems", {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "[1,1]"),
+    ("contains", {"type": "array", "items": {"type": "integer"}, "contains": {"const": 5}}, "[1]"),
+    ("patternProperties", {"type": "object", "patternProperties": {"^x": {"type": "integer"}}}, '{"x1":"s"}'),
+    ("propertyNames", {"type": "object", "propertyNames": {"maxLength": 1},
+                       "additionalProperties": {"type": "integer"}}, '{"abc":1}'),
+    ("maxProperties", {"type": "object", "additionalProperties": {"type": "integer"}, "maxProperties": 1},
+     '{"a":1,"b":2}'),
+    ("dependentRequired", {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                           "dependentRequired": {"a": ["b"]}}, '{"a":1}'),
+    ("if", {"type": "object", "properties": {"n": {"type": "integer", "if": {"minimum": 5}, "then": {"maximum": 3}}},
+            "required": ["n"]}, '{"n":7}'),
+])
+def test_unenforced_keyword_is_refused_or_honoured(guided, keyword, schema, invalid):
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(json.loads(invalid), schema)  # the text really violates the schema
+    params = SamplingParams(guided_decoding=GuidedDecodingParams(json=schema, disable_any_whitespace=True))
+    try:
+        guided.check(params)
+    except ValueError as e:
+        assert keyword in str(e), f"refused, but the message does not name {keyword!r}: {e}"
+        return
+    assert not _completes(guided, params, invalid), f"{keyword} silently ignored: the guide accepts {invalid}"
+
+
+def test_integer_bounds_hold_when_type_is_a_list(guided):
+    """README: integer minimum / maximum are enforced. `_bounded_integers` only looks at type == "integer";
+    {"type": ["integer", "null"], "minimum": 5} (an optional bounded field) lets 1 through."""
+    schema = {"type": "object", "properties": {"n": {"type": ["integer", "null"], "minimum": 5, "maximum": 9}},
+              "required": ["n"]}
+    params = SamplingParams(guided_decoding=GuidedDecodingParams(json=schema, disable_any_whitespace=True))
+    guided.check(params)
+    assert _completes(guided, params, '{"n":7}') and _completes(guided, params, '{"n":null}')
+    assert not _completes(guided, params, '{"n":1}')
