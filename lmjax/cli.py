@@ -38,7 +38,7 @@ def _bounded(kind, name: str, low=None, high=None, low_open=False):
 
 def _add_generate(subparsers) -> None:
     p = subparsers.add_parser(
-        "generate", help="complete prompts and print the results",
+        "generate", allow_abbrev=False, help="complete prompts and print the results",
         description="Complete each PROMPT with a model and print the completions. One prompt streams its "
                     "tokens; several run as one batch. Sampling is greedy unless --temperature > 0.",
         epilog="example: lmjax generate --model ./SmolLM2 --max-new-tokens 32 'What is JAX?'")
@@ -64,10 +64,25 @@ def _add_generate(subparsers) -> None:
     p.set_defaults(func=_generate)
 
 
+class _Parser(argparse.ArgumentParser):
+    """`--model` (vLLM's and `lmjax generate`'s spelling) fills the MODEL positional of chat / serve (a
+    positional and an option cannot share a field in argparse: the empty positional would overwrite it)."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, rest = super().parse_known_args(args, namespace)
+        option = vars(namespace).pop("model_option", None)
+        if option is not None:
+            if getattr(namespace, "model", None) not in (None, option):
+                self.error(f"the model is given twice: {namespace.model!r} and --model {option!r}")
+            namespace.model = option
+        return namespace, rest
+
+
 def build_parser() -> argparse.ArgumentParser:
     from lmjax import __version__
 
-    parser = argparse.ArgumentParser(prog="lmjax", description="lmjax: LLM inference in JAX.")
+    # allow_abbrev=False: argparse would otherwise take `--model DIR` for `--model-name DIR` (a silent wrong run)
+    parser = _Parser(prog="lmjax", description="lmjax: LLM inference in JAX.", allow_abbrev=False)
     parser.add_argument("--version", action="version", version=f"lmjax {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_generate(subparsers)
@@ -107,6 +122,20 @@ def _add_engine_args(p) -> None:
                    help="vLLM's n-gram speculative decoding, e.g. '{\"method\": \"ngram\", "
                         "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 3}'")
     p.add_argument("--backend", choices=["turbomind", "pytorch"], default=None, help="accepted for LMDeploy")
+    p.add_argument("--model-format", choices=["hf", "awq"], default=None,
+                   help="LMDeploy's: the format is read from the checkpoint; 'awq' checks that it is an AWQ one")
+    p.add_argument("--model", dest="model_option", default=argparse.SUPPRESS, metavar="MODEL",
+                   help="the model, as MODEL (vLLM's and `lmjax generate`'s spelling)")
+    _vllm_aliases(p, {"--max-model-len": ("session_len", "--session-len", _bounded(int, "max-model-len", 1)),
+                      "--tensor-parallel-size": ("tp", "--tp", _bounded(int, "tensor-parallel-size", 1)),
+                      "--max-num-seqs": ("max_batch_size", "--max-batch-size", _bounded(int, "max-num-seqs", 1)),
+                      "--served-model-name": ("model_name", "--model-name", str)})
+
+
+def _vllm_aliases(p, aliases: dict) -> None:
+    """vLLM's spellings of options, each setting the lmjax option's field ({flag: (dest, lmjax flag, type)})."""
+    for flag, (dest, ours, kind) in aliases.items():
+        p.add_argument(flag, dest=dest, type=kind, default=argparse.SUPPRESS, help=f"vLLM's name for {ours}")
 
 
 def _json_object(text: str) -> dict:
@@ -123,7 +152,7 @@ def _json_object(text: str) -> dict:
 
 def _add_chat(subparsers) -> None:
     p = subparsers.add_parser(
-        "chat", help="chat with a model in the terminal",
+        "chat", allow_abbrev=False, help="chat with a model in the terminal",
         description="A streaming multi-turn chat. The session keeps its KV cache between turns, so each turn "
                     "only prefills its new message. Type 'exit' to quit, 'end' to start a new session.")
     _add_engine_args(p)
@@ -145,10 +174,10 @@ TOOL_CALL_PARSERS = ("hermes", "internlm", "llama3", "llama3_json", "qwen")
 
 
 def _add_serve(subparsers) -> None:
-    serve = subparsers.add_parser("serve", help="serve a model over HTTP")
+    serve = subparsers.add_parser("serve", help="serve a model over HTTP", allow_abbrev=False)
     servers = serve.add_subparsers(dest="server", metavar="SERVER", required=True)
     api = servers.add_parser(
-        "api_server", help="OpenAI-compatible HTTP server",
+        "api_server", allow_abbrev=False, help="OpenAI-compatible HTTP server",
         description="Serve /v1/models, /v1/chat/completions, /v1/completions, /v1/embeddings, "
                     "/v1/chat/interactive, /v1/encode, /tokenize, /detokenize, /health and /metrics with FastAPI + "
                     "uvicorn (pip install 'lmjax[serve]').",
@@ -159,6 +188,8 @@ def _add_serve(subparsers) -> None:
                      help="port (default: 23333)")
     api.add_argument("--api-keys", nargs="+", default=None, metavar="KEY",
                      help="accepted bearer keys (default: none needed)")
+    _vllm_aliases(api, {"--port": ("server_port", "--server-port", _bounded(int, "port", 0, 65535)),
+                        "--host": ("server_name", "--server-name", str)})
     api.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
                      help="log level (default: INFO)")
     api.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None, metavar="NAME",
@@ -177,6 +208,11 @@ def _async_engine(args, log_level: str = "ERROR"):
     from lmjax.config import EngineConfig
 
     template = _chat_template(args.chat_template, args.model_name)  # a bad file fails before the model loads
+    if args.model_format == "awq":  # LMDeploy's --model-format awq: the checkpoint must be one
+        from lmjax.loader.awq import require_awq
+        from lmjax.loader.resolve import resolve_model_path
+
+        require_awq(resolve_model_path(args.model), "--model-format awq")
     config = EngineConfig(dtype=args.dtype, session_len=args.session_len, tp=args.tp,
                           max_batch_size=args.max_batch_size, cache_max_entry_count=args.cache_max_entry_count,
                           enable_prefix_caching=args.enable_prefix_caching, quant_policy=args.quant_policy,
@@ -225,6 +261,9 @@ def _serve(args) -> int:
 
     if args.enable_auto_tool_choice and not args.tool_call_parser:  # as vLLM, before anything loads
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser NAME")
+    taken = [k for k in args.api_keys or () if args.model is None and (os.sep in k or os.path.exists(k))]
+    if taken:  # `--api-keys KEY MODEL`: nargs="+" swallowed the model, and the default one would be served
+        raise ValueError(f"--api-keys took {taken[0]!r}, which looks like the model: give MODEL before --api-keys")
     from lmjax.loader.generation_config import check_generation_config_choice, chosen_sampling_defaults
 
     check_generation_config_choice(args.generation_config, "--generation-config")
@@ -257,21 +296,34 @@ def _generate(args) -> int:
     from lmjax.api.pipeline import pipeline
     from lmjax.config import EngineConfig
 
-    pipe = pipeline(args.model, backend_config=EngineConfig(dtype=args.dtype, session_len=args.session_len))
-    gen, chat = _gen_config(args), not args.no_chat_template
-    if len(args.prompts) == 1:
-        for piece in pipe.stream_infer(args.prompts, gen_config=gen, do_preprocess=chat):
-            print(piece.text, end="", flush=True)
-        print()
-        return 0
-    for prompt, resp in zip(args.prompts, pipe(args.prompts, gen_config=gen, do_preprocess=chat)):
-        print(f">>> {prompt}\n{resp.text}", flush=True)
+    with pipeline(args.model, backend_config=EngineConfig(dtype=args.dtype, session_len=args.session_len)) as pipe:
+        gen, chat = _gen_config(args), not args.no_chat_template
+        if len(args.prompts) == 1:
+            pieces = []
+            for piece in pipe.stream_infer(args.prompts, gen_config=gen, do_preprocess=chat):
+                pieces.append(piece)
+                print(piece.text, end="", flush=True)
+            print()
+            return _check_fits(pipe, pieces[-1:])
+        responses = pipe(args.prompts, gen_config=gen, do_preprocess=chat)
+        for prompt, resp in zip(args.prompts, responses):
+            print(f">>> {prompt}\n{resp.text}", flush=True)
+        return _check_fits(pipe, responses)
+
+
+def _check_fits(pipe, last_pieces) -> int:
+    """0, or a ValueError for the prompts that left no room in --session-len (LMDeploy's empty "length"
+    answer, printed as the empty text it is; vLLM refuses them)."""
+    unfit = [r.input_token_len for r in last_pieces if r.finish_reason == "length" and r.generate_token_len == 0]
+    if unfit:
+        raise ValueError(f"a prompt of {unfit[0]} tokens leaves no room in the session length of {pipe.session_len} "
+                         "tokens (--session-len)")
     return 0
 
 
 def _add_convert(subparsers) -> None:
     p = subparsers.add_parser(
-        "convert", help="convert an HF directory or GGUF file into a fast-loading Orbax directory",
+        "convert", allow_abbrev=False, help="convert an HF directory or GGUF file into a fast-loading Orbax directory",
         description="Write SRC's weights as an Orbax checkpoint (optionally int8/int4 weight-only quantized) "
                     "with its config, tokenizer and chat template into the directory OUT, which every lmjax "
                     "command accepts as a model path. OUT appears only once complete.",

@@ -18,13 +18,27 @@ def pipe_calls(smollm2_gguf):
     module loads the model a single time."""
     from lmjax.api import pipeline as pipeline_module
 
-    calls, real, cached = [], pipeline_module.pipeline, {}
+    calls, real, cached = [], pipeline_module.pipeline, {"closes": 0}
+
+    class Shared:
+        """The cached pipeline, left open when the CLI's `with pipeline(...)` ends (the end is counted)."""
+        def __getattr__(self, name):
+            return getattr(cached["pipe"], name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            cached["closes"] += 1
+
+        def __call__(self, *args, **kwargs):
+            return cached["pipe"](*args, **kwargs)
 
     def spy(model_path=None, backend_config=None, **kwargs):
         calls.append((model_path, backend_config, kwargs))
         if "pipe" not in cached:
             cached["pipe"] = real(model_path, backend_config=backend_config, **kwargs)
-        return cached["pipe"]
+        return Shared()
 
     patch = pytest.MonkeyPatch()
     patch.setattr(pipeline_module, "pipeline", spy)
@@ -88,7 +102,9 @@ def test_sampling_flags_reach_generation_config():
 def test_generate_one_prompt_streams_the_pipeline_text(capsys, pipe_calls):
     calls, cached = pipe_calls
     prompt = "What is the capital of France?"
+    closes = cached["closes"]
     assert cli.main(["generate", "--max-new-tokens", "8", prompt]) == 0
+    assert cached["closes"] == closes + 1  # the pipeline is closed (Ctrl-C mid-step would abort the process)
     printed = capsys.readouterr().out
     assert calls[-1][:2] == (None, EngineConfig(dtype="auto", session_len=None))
     expected = cached["pipe"](prompt, gen_config=GREEDY_8)

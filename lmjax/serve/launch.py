@@ -115,6 +115,10 @@ def _flag(name: str, value) -> list[str]:
         return [flag]
     if isinstance(value, (list, tuple)):
         return [flag, *map(str, value)]
+    if dataclasses.is_dataclass(value):  # SpeculativeConfig: the CLI takes its fields as a JSON object
+        value = {k: v for k, v in dataclasses.asdict(value).items() if v is not None}
+    if isinstance(value, dict):
+        return [flag, json.dumps(value)]
     return [flag, str(value)]
 
 
