@@ -90,10 +90,25 @@ def as_list(value, name: str, item_type: type) -> list | None:
     """None stays None; a lone item becomes a one-element list; items must be `item_type`."""
     if value is None:
         return None
-    items = [value] if isinstance(value, item_type) else list(value)
+    iterable = isinstance(value, (list, tuple, set, frozenset)) or hasattr(value, "__array__")
+    items = [value] if isinstance(value, item_type) else list(value) if iterable else [value]
     bad = [v for v in items if not isinstance(v, item_type) or isinstance(v, bool)]
     check(not bad, f"{name} must hold {item_type.__name__} values, got {value!r}")
+    if item_type is str:
+        for item in items:
+            check_text(item, name)
     return items
+
+
+def check_text(text: str, where: str) -> str:
+    """`text` if it can be encoded as UTF-8, else a ValueError naming `where` and the offending characters (a
+    lone surrogate: the tokenizer's own error names neither)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{where} is not valid text: {e.reason} at character {e.start} "
+                         f"({text[e.start:e.end]!r})") from None
+    return text
 
 
 def check_numbers(obj, names: tuple[str, ...]) -> None:

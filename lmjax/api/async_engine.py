@@ -25,7 +25,7 @@ import os
 import queue
 from collections.abc import AsyncIterator, Iterator
 
-from lmjax.api.batch import encode_chat, encode_text, per_prompt
+from lmjax.api.batch import encode_chat, encode_text, per_prompt, token_ids_of
 from lmjax.api.engine_thread import EngineThread, GenOut, merge_outputs
 from lmjax.api.outputs import Response, batch_index
 from lmjax.api.lmdeploy_params import GEN_CONFIG_KINDS, lmdeploy_sampling_params, special_token_ids
@@ -151,7 +151,7 @@ class AsyncEngine:
         params = self.sampling_params(gen_config, **legacy)
         await self._settle(session_id)  # before encode: a later turn's text depends on how the last one ended
         if input_ids is not None:
-            text, ids = None, list(input_ids)
+            text, ids = None, token_ids_of(input_ids, "input_ids")
         else:
             text, ids = self.encode(messages, sequence_start, do_preprocess, chat_template_config, session_id)
         if params.guided_decoding is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from numbers import Integral
 from collections.abc import Sequence
 
 from tqdm.auto import tqdm
@@ -11,14 +12,37 @@ from tqdm.auto import tqdm
 from lmjax.config import ChatTemplateConfig, SamplingParams
 from lmjax.engine.engine import LLMEngine
 from lmjax.engine.request import Request
+from lmjax.validation import check_text
 
 Messages = list[dict]
 logger = logging.getLogger("lmjax.engine")
 
 
+def is_token_id(t) -> bool:
+    """An int or a numpy integer (ids often come from an array); not a bool, which is an int to Python."""
+    return isinstance(t, Integral) and not isinstance(t, bool)
+
+
+def token_ids_of(ids, where: str) -> list[int]:
+    """A prompt's token ids as plain ints; a TypeError naming the first entry that is not one."""
+    ids = list(ids)
+    bad = next((i for i, t in enumerate(ids) if not is_token_id(t)), None)
+    if bad is not None:
+        raise TypeError(f"{where}[{bad}] must be an int token id, got {ids[bad]!r} ({type(ids[bad]).__name__})")
+    return [int(t) for t in ids]
+
+
+def token_id_lists(input_ids, where: str) -> list[list[int]]:
+    """One sequence of token ids (a list or array of them) or a list of such, as lists of ints (each checked)."""
+    one = len(input_ids) > 0 and is_token_id(input_ids[0])
+    if one:
+        return [token_ids_of(input_ids, where)]
+    return [token_ids_of(x, f"{where}[{i}]") for i, x in enumerate(input_ids)]
+
+
 def encode_text(tokenizer, text: str) -> list[int]:
     """A raw prompt: the tokenizer adds its special tokens (BOS) as for any plain text."""
-    return tokenizer(text)["input_ids"]
+    return tokenizer(check_text(text, "prompt"))["input_ids"]
 
 
 def encode_chat(tokenizer, messages: str | Messages, template: ChatTemplateConfig | None,

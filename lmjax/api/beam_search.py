@@ -76,6 +76,8 @@ class BeamSearchParams:
             check(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
                   f"{name} must be a finite number, got {value!r}")
         check(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
+        # a beam's score divides by len ** length_penalty: past +-50 that leaves float64 for real lengths
+        check(abs(self.length_penalty) <= 50, f"length_penalty must be in [-50, 50], got {self.length_penalty}")
         if self.structured_outputs is not None:
             raise NotImplementedError(f"BeamSearchParams(structured_outputs={self.structured_outputs!r}) is not "
                                       "supported by lmjax (no guided beam search)")

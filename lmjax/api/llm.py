@@ -17,12 +17,11 @@ import dataclasses
 import logging
 import os
 from collections.abc import Sequence
-from numbers import Integral
 
 import jax
 
 from lmjax import parallel
-from lmjax.api.batch import encode_text, per_prompt, run_to_completion, submit_all
+from lmjax.api.batch import encode_text, is_token_id, per_prompt, run_to_completion, submit_all, token_ids_of
 from lmjax.api.beam_search import BeamSearchOutput, BeamSearchParams, beam_search as run_beam_search
 from lmjax.api.embed import EmbeddingRequestOutput, PoolingParams, embed_token_ids
 from lmjax.api.outputs import RequestOutput, request_output
@@ -77,24 +76,12 @@ def _check_quantization(model, quantization: str | None) -> None:
     require_awq(resolve_model_path(model), "LLM(quantization='awq')")
 
 
-def _is_token_id(t) -> bool:
-    """An int or a numpy integer (ids often come from an array); not a bool, which is an int to Python."""
-    return isinstance(t, Integral) and not isinstance(t, bool)
-
-
 def _as_list(prompts) -> list:
     """One prompt (a str, a dict or a list of token ids) or a list of them, as a list."""
-    one = isinstance(prompts, (str, dict)) or (prompts and _is_token_id(prompts[0]))
+    if isinstance(prompts, (bytes, bytearray)):  # a Sequence of ints to Python: not token ids
+        raise TypeError(f"a prompt must be a str or token ids, got {type(prompts).__name__} (bytes: decode them first)")
+    one = isinstance(prompts, (str, dict)) or (prompts and is_token_id(prompts[0]))
     return [prompts] if one else prompts
-
-
-def _token_ids(ids, where: str) -> list[int]:
-    """A prompt's token ids as plain ints; a TypeError naming the first entry that is not one."""
-    ids = list(ids)
-    bad = next((i for i, t in enumerate(ids) if not _is_token_id(t)), None)
-    if bad is not None:
-        raise TypeError(f"{where}[{bad}] must be an int token id, got {ids[bad]!r} ({type(ids[bad]).__name__})")
-    return [int(t) for t in ids]
 
 
 def refuse_host_rows(params: SamplingParams) -> None:
@@ -264,11 +251,11 @@ class LLM:
         if isinstance(prompt, str):
             return prompt, encode_text(self.llm_engine.tokenizer, prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            return prompt.get("prompt"), _token_ids(prompt["prompt_token_ids"], "prompt_token_ids")
+            return prompt.get("prompt"), token_ids_of(prompt["prompt_token_ids"], "prompt_token_ids")
         if isinstance(prompt, dict) and "prompt" in prompt:
             return prompt["prompt"], encode_text(self.llm_engine.tokenizer, prompt["prompt"])
-        if isinstance(prompt, Sequence):  # (a str went above) token ids, each checked
-            return None, _token_ids(prompt, "prompt")
+        if isinstance(prompt, Sequence) and not isinstance(prompt, (bytes, bytearray)):  # token ids, each checked
+            return None, token_ids_of(prompt, "prompt")
         raise TypeError(f"a prompt must be a str, a list of token ids or a dict with 'prompt' or "
                         f"'prompt_token_ids', got {type(prompt).__name__}")
 

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import numpy as np
 from flax import nnx
 
-from lmjax.api.batch import encode_chat, encode_text, per_prompt, run_to_completion, submit_all
+from lmjax.api.batch import encode_chat, encode_text, per_prompt, run_to_completion, submit_all, token_id_lists
 from lmjax.api.lmdeploy_params import GEN_CONFIG_KINDS, check_keywords, lmdeploy_sampling_params
 from lmjax.api.outputs import Response, batch_index, response
 from lmjax.config import ChatTemplateConfig, EngineConfig, SamplingParams
@@ -159,7 +159,7 @@ class Pipeline:
         given the ones before it (exp of it is the perplexity), from the engine's logprobs: the prompt's for
         all but the last token, which is the one sampled token (forced by allowed_token_ids; logprobs are the
         raw model's), so a sequence of session_len tokens fits as get_logits' does."""
-        batch = [input_ids] if input_ids and isinstance(input_ids[0], int) else list(input_ids)
+        batch = token_id_lists(input_ids, "input_ids")
         for i, ids in enumerate(batch):
             if len(ids) < 2:
                 raise ValueError(f"get_ppl needs at least 2 tokens a sequence; input_ids[{i}] has {len(ids)}")
@@ -179,7 +179,7 @@ class Pipeline:
         """LMDeploy's get_logits: per sequence of token ids, float32 logits [len, vocab] at every position
         (numpy arrays; LMDeploy's are torch tensors), from one forward of the engine's model through a KV
         cache of the engine's quant_policy, outside its cache (lmjax.models.forward.prompt_logits)."""
-        batch = [input_ids] if input_ids and isinstance(input_ids[0], int) else list(input_ids)
+        batch = token_id_lists(input_ids, "input_ids")
         for ids in batch:
             check_prompt(ids, self.engine.model_config.vocab_size, self.engine.session_len + 1)
         runner = self.engine.runner

@@ -109,7 +109,7 @@ class LLMEngine(SessionsMixin, MultiStepMixin, HostOutputsMixin, SpeculativeMixi
             raise ValueError(f"request id {request_id!r} is already in use by an unfinished request")
         prompt_token_ids = truncated_prompt(prompt_token_ids, params, self.session_len)  # `prompt`: as given (vLLM)
         max_tokens = self.validate_request(prompt_token_ids, params)
-        params = in_vocab_terms(params, self.model_config.vocab_size)
+        params = in_vocab_terms(params.clone(), self.model_config.vocab_size)  # vLLM's defensive copy
         n = len(prompt_token_ids)
         req = Request(request_id or new_request_id(), prompt, list(prompt_token_ids), params, max_tokens)
         if params.bad_words:

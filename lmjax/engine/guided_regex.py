@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import re
 
 from lmjax.guided_params import GuidedDecodingParams
 
@@ -56,8 +57,52 @@ def ascii_digits(regex: str) -> str:
     return "".join(out)
 
 
+# What one guide may ask of outlines-core, whose automaton grows with a regex's expanded size (a counted
+# repeat multiplies its body; measured: {"minLength": 10**9} reached 20 GB, 50 nested arrays 24 GB): a guide
+# past these is a ValueError naming its size, before any large allocation.
+MAX_GUIDE_SIZE = 100_000  # regex characters after expanding counted repeats
+MAX_INTEGER_BOUND = 10**18  # |minimum| / |maximum| of a JSON integer (beyond int64 a bound means nothing)
+
+
 def guide_regex(guided: GuidedDecodingParams) -> str:
-    return ascii_digits(_regex(guided))
+    regex = ascii_digits(_regex(guided))
+    size = expanded_size(regex)
+    if size > MAX_GUIDE_SIZE:
+        raise ValueError(f"guided decoding {guided.kind} is too large: its regex expands to about {size:,} "
+                         f"characters (repeat counts, lengths, nesting), more than the {MAX_GUIDE_SIZE:,} a guide "
+                         "may compile to")
+    return regex
+
+
+def expanded_size(regex: str) -> int:
+    """The regex's length with each counted repeat written out ({n,m}: its body m times; an open one its
+    minimum + 1), read with Python's regex parser; a regex it cannot read (Rust-only syntax) counts its length."""
+    import re._parser as parser  # noqa: PLC0415  (CPython's, stable since 3.11)
+    from re._constants import MAXREPEAT
+
+    def size(items) -> int:
+        total = 0
+        for op, av in items:
+            name = str(op)
+            if name in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT"):
+                lo, hi, body = av
+                total += (hi if hi != MAXREPEAT else lo + 1) * size(body)
+            elif name in ("SUBPATTERN", "ATOMIC_GROUP"):
+                total += size(av[-1])
+            elif name == "BRANCH":
+                total += sum(size(b) for b in av[1])
+            elif name in ("ASSERT", "ASSERT_NOT"):
+                total += size(av[1])
+            else:
+                total += 1
+            if total > MAX_GUIDE_SIZE:
+                return total  # enough: no need to walk (or multiply) further
+        return total
+    try:
+        return size(parser.parse(regex))
+    except Exception:  # noqa: BLE001  (syntax Python's parser lacks, such as stacked repeats "x{9}{9}")
+        counts = [int(m.group(2) or m.group(1)) for m in re.finditer(r"\{(\d+)(?:,(\d*))?\}", regex)]
+        return len(regex) * math.prod(min(c, MAX_GUIDE_SIZE) or 1 for c in counts)  # an upper bound
 
 
 def strip_anchors(regex: str) -> str:
@@ -86,6 +131,7 @@ def _regex(guided: GuidedDecodingParams) -> str:
     from outlines_core.json_schema import build_regex_from_schema
 
     check_keywords(json.loads(guided.json))
+    check_nesting(json.loads(guided.json))
     schema, ranges = _bounded_integers(json.loads(guided.json))
     regex = build_regex_from_schema(json.dumps(schema) if ranges else guided.json, guided.whitespace)
     for placeholder, (lo, hi) in ranges.items():  # each stands for one bounded integer (see _bounded_integers)
@@ -127,6 +173,23 @@ def check_keywords(schema) -> None:
                          "could not enforce them)")
 
 
+MAX_ARRAY_NESTING = 10  # outlines-core writes an array's item schema twice: its regex doubles with each level
+
+
+def check_nesting(schema) -> None:
+    """A ValueError for arrays nested deeper than MAX_ARRAY_NESTING (40 levels would be a 2**40-sized regex)."""
+    def depth(node) -> int:
+        if isinstance(node, list):
+            return max((depth(v) for v in node), default=0)
+        if not isinstance(node, dict):
+            return 0
+        inner = max((depth(v) for k, v in node.items() if k not in _NOT_SCHEMAS), default=0)
+        return inner + (node.get("type") == "array" or "items" in node or "prefixItems" in node)
+    levels = depth(schema)
+    if levels > MAX_ARRAY_NESTING:
+        raise ValueError(f"JSON schema arrays nested {levels} deep: guided decoding takes at most {MAX_ARRAY_NESTING}")
+
+
 # ------------------------------------------------------------------ integer minimum / maximum
 
 
@@ -141,6 +204,12 @@ def _bounded_integers(schema) -> tuple[object, dict[str, tuple[int | None, int |
         if node.get("type") != "integer" or "enum" in node or "const" in node:
             return None
         lo = hi = None
+        for key in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"):
+            value = node.get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and not \
+                    (math.isfinite(value) and abs(value) <= MAX_INTEGER_BOUND):
+                raise ValueError(f"integer {key}={value} is out of range: guided decoding takes integer bounds "
+                                 f"within ±{MAX_INTEGER_BOUND:.0e}")
         for key, exclusive in (("minimum", "exclusiveMinimum"), ("exclusiveMinimum", None)):
             value = node.get(key)
             if isinstance(value, (int, float)) and not isinstance(value, bool):

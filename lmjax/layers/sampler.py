@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lmjax.config import SamplingParams
+from lmjax.validation import FLOAT32_TINY
 
 NO_TOKEN = -1  # the token id of a row that had nothing to sample (every logit -inf after bans and masks)
 
@@ -302,7 +303,8 @@ def build_sampling_metadata(rows: Sequence[SamplingRow], pad_to: int
     meta = SamplingMetadata(
         temperature_B=column(lambda r: 0.0 if r.params.is_greedy else r.params.temperature, np.float32, 0.0),
         top_k_B=column(lambda r: max(r.params.top_k, 0), np.int32, 0),
-        top_p_B=column(lambda r: r.params.top_p, np.float32, 1.0),
+        # a top_p below float32's smallest normal would round to 0, which keeps no token: keep the top one
+        top_p_B=column(lambda r: max(r.params.top_p, FLOAT32_TINY), np.float32, 1.0),
         min_p_B=column(lambda r: r.params.min_p, np.float32, 0.0),
         repetition_penalty_B=column(lambda r: r.params.repetition_penalty, np.float32, 1.0),
         presence_penalty_B=column(lambda r: r.params.presence_penalty, np.float32, 0.0),

@@ -16,6 +16,8 @@ import glob
 import json
 import os
 
+from lmjax.validation import check_text
+
 
 class TokenizerLoadError(ValueError):
     """No tokenizer could be built from the given path (the message names it)."""
@@ -93,12 +95,15 @@ def text_content(content, where: str = "content") -> str | None:
     part (an image, audio) is a ValueError: the models served read text only, and dropping the part would
     answer a question that was not asked."""
     if not isinstance(content, list):
-        return content
+        return content if content is None else check_text(content, where)
     other = [p.get("type") if isinstance(p, dict) else type(p).__name__ for p in content
              if not (isinstance(p, dict) and p.get("type") == "text")]
     if other:
         raise ValueError(f"{where}: content parts of type {other} are not supported: this model reads text only")
-    return "\n".join(p.get("text", "") for p in content)
+    for i, p in enumerate(content):
+        if not isinstance(p.get("text", ""), str):
+            raise ValueError(f"{where}[{i}].text must be a string, got {type(p['text']).__name__}")
+    return check_text("\n".join(p.get("text", "") for p in content), where)
 
 
 def check_messages(messages) -> None:
@@ -115,6 +120,9 @@ def check_messages(messages) -> None:
                              f"got {type(m['content']).__name__}")
 
 
+MAX_PROMPT_CHARS = 8_000_000  # a rendered chat prompt's length: far past any context (128k tokens ~ 0.5M chars)
+
+
 def render_chat(tokenizer, messages: list[dict], **kwargs):
     """`tokenizer.apply_chat_template(messages, **kwargs)` (kwargs may hold `tools`, OpenAI's tool list),
     with messages checked first (content parts made text, `text_content`; tool calls' JSON-string
@@ -128,11 +136,17 @@ def render_chat(tokenizer, messages: list[dict], **kwargs):
     import jinja2  # transformers' template engine
 
     try:
-        return tokenizer.apply_chat_template(messages, **kwargs)
+        out = tokenizer.apply_chat_template(messages, **kwargs)
     except jinja2.TemplateError as e:  # undefined fields, and raise_exception() calls inside templates
         hint = [i for i, m in enumerate(messages) if "content" not in m]
         where = f" (messages {hint} have no 'content')" if hint else ""
         raise ValueError(f"the chat template could not render these messages{where}: {e}") from e
+    except (ArithmeticError, TypeError, ValueError, LookupError, MemoryError) as e:  # a (request's own) template's bug
+        raise ValueError(f"the chat template failed: {type(e).__name__}: {e}") from e
+    if isinstance(out, str) and len(out) > MAX_PROMPT_CHARS:  # a template that multiplies text ('x' * 10**8)
+        raise ValueError(f"the chat template rendered {len(out):,} characters, more than the {MAX_PROMPT_CHARS:,} a "
+                         "prompt may have")
+    return out
 
 
 def _with_dict_arguments(message: dict, i: int) -> dict:

@@ -166,6 +166,10 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
     async def start(prompts: list[tuple[str | None, list[int]]], params):
         """Validate, submit every prompt and wait for the first output: (first, rest) of (prompt, GenOut)s."""
         with api_errors():
+            blocks = engine.engine.blocks.num_usable_blocks
+            if len(prompts) * params.n > blocks:  # check_n's bound, for the request's sequences all together
+                raise ValueError(f"{len(prompts)} prompts x n={params.n} is more sequences than the KV cache could "
+                                 f"ever hold ({blocks} blocks, one at least each)")
             for _, ids in prompts:
                 if params.guided_decoding is None:
                     engine.engine.validate_request(ids, params)
