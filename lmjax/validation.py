@@ -90,7 +90,7 @@ def as_list(value, name: str, item_type: type) -> list | None:
     """None stays None; a lone item becomes a one-element list; items must be `item_type`."""
     if value is None:
         return None
-    iterable = isinstance(value, (list, tuple, set, frozenset)) or hasattr(value, "__array__")
+    iterable = hasattr(value, "__iter__") and not isinstance(value, (str, bytes, dict))
     items = [value] if isinstance(value, item_type) else list(value) if iterable else [value]
     bad = [v for v in items if not isinstance(v, item_type) or isinstance(v, bool)]
     check(not bad, f"{name} must hold {item_type.__name__} values, got {value!r}")

@@ -184,7 +184,7 @@ class GuideState:
     `advance(token)` after each sampled token says whether the output ended."""
 
     def __init__(self, owner: GuidedDecoding, index, allowed_W: np.ndarray | None, ignore_eos: bool):
-        self.guide = _outlines().Guide(index)
+        self.guide, self._index = _outlines().Guide(index), index
         self._owner, self._allowed_W, self._ignore_eos = owner, allowed_W, ignore_eos
         self._buffer = np.zeros((1, owner._buffer_words), np.int32)  # outlines writes int32 words here
         self._address = self._buffer.ctypes.data  # (asking numpy for it each step costs a microsecond)
@@ -199,7 +199,7 @@ class GuideState:
             self.guide.write_mask_into(self._address, self._buffer.size, 4)
             words = self._buffer[0].view(np.uint32)
             end = self._owner.end_id
-            self.complete = bool((words[end >> 5] >> (end & 31)) & 1)  # END may follow: the output may end here
+            self.complete = bool((words[end >> 5] >> (end & 31)) & 1) and self._whole_after_end()
             words[end >> 5] &= ~np.uint32(1 << (end & 31))  # never sampled (it may share the model's last word)
             mask_W = words[:self._owner.num_words]
             if self.complete:  # every EOS id may end it, unless ignore_eos
@@ -208,6 +208,12 @@ class GuideState:
                     mask_W |= self._owner.eos_W
             self._mask_W = mask_W if self._allowed_W is None else mask_W & self._allowed_W
         return self._mask_W
+
+    def _whole_after_end(self) -> bool:
+        """Whether END here ends a whole match (the output may end): END is also allowed where the guide's own
+        regex may go on with a NUL byte (`.`, `[^"]`), which must not let EOS in mid-output."""
+        after = self._index.get_next_state(self.guide.get_state(), self._owner.end_id)
+        return after is not None and self._index.is_final_state(after)
 
     def advance(self, token: int) -> str | None:
         """Move past `token`; then "stop" when the output is complete (nothing but EOS may follow), "error"

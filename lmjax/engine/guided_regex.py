@@ -65,13 +65,13 @@ MAX_INTEGER_BOUND = 10**18  # |minimum| / |maximum| of a JSON integer (beyond in
 
 
 def guide_regex(guided: GuidedDecodingParams) -> str:
-    regex = ascii_digits(_regex(guided))
-    size = expanded_size(regex)
+    regex = _regex(guided)
+    size = len(regex) if len(regex) > MAX_GUIDE_SIZE else expanded_size(ascii_digits(regex))  # cheap test first
     if size > MAX_GUIDE_SIZE:
         raise ValueError(f"guided decoding {guided.kind} is too large: its regex expands to about {size:,} "
                          f"characters (repeat counts, lengths, nesting), more than the {MAX_GUIDE_SIZE:,} a guide "
                          "may compile to")
-    return regex
+    return ascii_digits(regex)
 
 
 def expanded_size(regex: str) -> int:
@@ -101,8 +101,10 @@ def expanded_size(regex: str) -> int:
     try:
         return size(parser.parse(regex))
     except Exception:  # noqa: BLE001  (syntax Python's parser lacks, such as stacked repeats "x{9}{9}")
+        # an upper bound only where repeats are stacked ("x{9}{9}", which Python's parser refuses), else the length
+        stacked = re.search(r"\{\d+(?:,\d*)?\}\{\d+", regex)
         counts = [int(m.group(2) or m.group(1)) for m in re.finditer(r"\{(\d+)(?:,(\d*))?\}", regex)]
-        return len(regex) * math.prod(min(c, MAX_GUIDE_SIZE) or 1 for c in counts)  # an upper bound
+        return len(regex) * math.prod(min(c, MAX_GUIDE_SIZE) or 1 for c in counts) if stacked else len(regex)
 
 
 def strip_anchors(regex: str) -> str:
@@ -173,21 +175,25 @@ def check_keywords(schema) -> None:
                          "could not enforce them)")
 
 
-MAX_ARRAY_NESTING = 10  # outlines-core writes an array's item schema twice: its regex doubles with each level
+MAX_NESTING = 10  # outlines-core writes an array's items twice, an object's optional properties in each order:
+# its regex grows 2-4x a level (40 nested arrays: a 2**40-character regex), so nesting is bounded before it is built
 
 
 def check_nesting(schema) -> None:
-    """A ValueError for arrays nested deeper than MAX_ARRAY_NESTING (40 levels would be a 2**40-sized regex)."""
+    """A ValueError for objects and arrays nested deeper than MAX_NESTING."""
     def depth(node) -> int:
         if isinstance(node, list):
             return max((depth(v) for v in node), default=0)
         if not isinstance(node, dict):
             return 0
         inner = max((depth(v) for k, v in node.items() if k not in _NOT_SCHEMAS), default=0)
-        return inner + (node.get("type") == "array" or "items" in node or "prefixItems" in node)
+        container = node.get("type") in ("array", "object") or any(k in node for k in ("items", "prefixItems",
+                                                                                       "properties"))
+        return inner + container
     levels = depth(schema)
-    if levels > MAX_ARRAY_NESTING:
-        raise ValueError(f"JSON schema arrays nested {levels} deep: guided decoding takes at most {MAX_ARRAY_NESTING}")
+    if levels > MAX_NESTING:
+        raise ValueError(f"JSON schema objects / arrays nested {levels} deep: guided decoding takes at most "
+                         f"{MAX_NESTING}")
 
 
 # ------------------------------------------------------------------ integer minimum / maximum
@@ -235,7 +241,7 @@ def _bounded_integers(schema) -> tuple[object, dict[str, tuple[int | None, int |
             return node
         types = node.get("type")
         bounded = any(k in node for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"))
-        if bounded and isinstance(types, list) and "integer" in types and len(types) > 1:  # ["integer", "null"]
+        if bounded and isinstance(types, list) and "integer" in types:  # ["integer", "null"]: per type
             rest = {k: v for k, v in node.items() if k != "type"}
             return walk({"anyOf": [{**rest, "type": t} for t in types]})
         found = bounds(node)
