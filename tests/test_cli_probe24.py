@@ -123,6 +123,7 @@ def test_ctrl_c_while_streaming_exits_130():
     try:
         assert p.stdout.read(20), "no output streamed"
         time.sleep(1)
+        err = b""
         for _ in range(3):  # as a user presses Ctrl-C again (one run of CI's loaded suite outlived the first)
             p.send_signal(signal.SIGINT)
             try:
@@ -130,6 +131,7 @@ def test_ctrl_c_while_streaming_exits_130():
                 break
             except subprocess.TimeoutExpired:
                 continue
+        assert p.poll() is not None, "three Ctrl-C left it running"
     finally:
         if p.poll() is None:
             p.kill()
