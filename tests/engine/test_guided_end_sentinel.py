@@ -9,22 +9,14 @@ import pytest
 
 from lmjax import GuidedDecodingParams, SamplingParams  # noqa: E402
 from lmjax.engine.guided import GuidedDecoding  # noqa: E402
+from char_tokenizer import CharTokenizer
 
 CHARS = list('0123456789-+.eE{}[]":, abcdefghijklmnopqrstuvwxyz@/')
 
 
-class CharTokenizer:
-    eos_token_id = 0
-    all_special_ids = [0]
-    added_tokens_decoder: dict = {}
-
-    def get_vocab(self):
-        return {"</s>": 0, **{c: i + 1 for i, c in enumerate(CHARS)}}
-
-
 @pytest.fixture(scope="module")
 def guided():
-    return GuidedDecoding(CharTokenizer(), len(CHARS) + 1, [0])
+    return GuidedDecoding(CharTokenizer(CHARS), len(CHARS) + 1, [0])
 
 
 def _eos_allowed_after(guided, gd, text) -> bool:

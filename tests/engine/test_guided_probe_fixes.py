@@ -7,25 +7,16 @@ import re
 import pytest
 
 from lmjax import GuidedDecodingParams, SamplingParams
-from lmjax.engine.guided import GuidedDecoding, GuideState
+from lmjax.engine.guided import GuidedDecoding
 from lmjax.engine.guided_regex import guide_regex, integer_range_regex, strip_anchors
+from char_tokenizer import CharTokenizer
 
 CHARS = list('0123456789-+.eE{}[]":, abcdefghijklmnopqrstuvwxyz')
 
 
-class CharTokenizer:
-    """One token per character (ids 1..), EOS 0: outlines' vocabulary without a real tokenizer."""
-    eos_token_id = 0
-    all_special_ids = [0]
-    added_tokens_decoder: dict = {}
-
-    def get_vocab(self):
-        return {"</s>": 0, **{c: i + 1 for i, c in enumerate(CHARS)}}
-
-
 @pytest.fixture(scope="module")
 def guided():
-    return GuidedDecoding(CharTokenizer(), len(CHARS) + 1, [0])
+    return GuidedDecoding(CharTokenizer(CHARS), len(CHARS) + 1, [0])
 
 
 def _walk(guided, params, text):

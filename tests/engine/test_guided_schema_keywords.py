@@ -10,23 +10,14 @@ import pytest
 
 from lmjax import GuidedDecodingParams, SamplingParams
 from lmjax.engine.guided import GuidedDecoding
+from char_tokenizer import CharTokenizer
 
 CHARS = [c for c in string.printable if c not in "\x0b\x0c\r"]
 
 
-class CharTokenizer:
-    """One token per printable ASCII character (ids 1..), EOS 0."""
-    eos_token_id = 0
-    all_special_ids = [0]
-    added_tokens_decoder: dict = {}
-
-    def get_vocab(self):
-        return {"</s>": 0, **{c: i + 1 for i, c in enumerate(CHARS)}}
-
-
 @pytest.fixture(scope="module")
 def guided():
-    return GuidedDecoding(CharTokenizer(), len(CHARS) + 1, [0])
+    return GuidedDecoding(CharTokenizer(CHARS), len(CHARS) + 1, [0])
 
 
 def _completes(guided, params, text) -> bool:

@@ -18,9 +18,9 @@ import sys
 import textwrap
 
 import pytest
-from fastapi.testclient import TestClient
 
 from conftest import write_tiny_llama  # noqa: E402
+from app_client import app_client
 
 USER = [{"role": "user", "content": "t5 t6"}]
 FAILING = ["{{ 1/0 }}", "{% for i in range(10**9) %}x{% endfor %}"]
@@ -33,15 +33,8 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def http(tiny):
-    from lmjax.api.async_engine import AsyncEngine
-    from lmjax.lmdeploy_config import TurbomindEngineConfig
-    from lmjax.serve.openai_server import create_app
-
-    engine = AsyncEngine(tiny, model_name="tiny", backend_config=TurbomindEngineConfig(session_len=256,
-                                                                                      cache_block_seq_len=16))
-    with TestClient(create_app(engine), raise_server_exceptions=False) as client:
+    with app_client(tiny, 256) as (engine, client):
         yield client
-    engine.close()
 
 
 @pytest.mark.parametrize("template", FAILING)

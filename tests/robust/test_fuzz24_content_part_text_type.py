@@ -9,9 +9,9 @@ content parts of type ['image_url'] are not supported"). Expected: an error nami
 text field (vLLM's pydantic answers "messages.0.content...text: Input should be a valid string")."""
 
 import pytest
-from fastapi.testclient import TestClient
 
 from conftest import write_tiny_llama  # noqa: E402
+from app_client import app_client
 
 PARTS = [[{"type": "text", "text": 5}], [{"type": "text", "text": None}], [{"type": "text", "text": ["t5"]}]]
 
@@ -23,15 +23,8 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def http(tiny):
-    from lmjax.api.async_engine import AsyncEngine
-    from lmjax.lmdeploy_config import TurbomindEngineConfig
-    from lmjax.serve.openai_server import create_app
-
-    engine = AsyncEngine(tiny, model_name="tiny", backend_config=TurbomindEngineConfig(session_len=256,
-                                                                                      cache_block_seq_len=16))
-    with TestClient(create_app(engine), raise_server_exceptions=False) as client:
+    with app_client(tiny, 256) as (engine, client):
         yield client, engine
-    engine.close()
 
 
 @pytest.mark.parametrize("parts", PARTS)

@@ -12,9 +12,9 @@ enable_thinking is false:
 import json
 
 import pytest
-from fastapi.testclient import TestClient
 
 from conftest import write_tiny_llama
+from app_client import app_client
 
 TEMPLATE = ("{% for m in messages %}{{ m['content'] }} {% endfor %}"
             "{% if enable_thinking is defined and enable_thinking is false %}t7 t7 t7 {% endif %}t5")
@@ -26,19 +26,12 @@ PROMPT = [5, 9, 7, 4, 6]
 def http(tmp_path_factory):
     from transformers import AutoTokenizer
 
-    from lmjax.api.async_engine import AsyncEngine
-    from lmjax.lmdeploy_config import TurbomindEngineConfig
-    from lmjax.serve.openai_server import create_app
-
     path = write_tiny_llama(tmp_path_factory.mktemp("tiny"), eos_token_id=3)
     tok = AutoTokenizer.from_pretrained(path)
     tok.chat_template = TEMPLATE
     tok.save_pretrained(path)
-    engine = AsyncEngine(path, model_name="tiny",
-                         backend_config=TurbomindEngineConfig(session_len=256, cache_block_seq_len=16))
-    with TestClient(create_app(engine), raise_server_exceptions=False) as client:
+    with app_client(path, 256) as (engine, client):
         yield client
-    engine.close()
 
 
 def _chat(http, **extra):

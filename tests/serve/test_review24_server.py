@@ -6,6 +6,7 @@ with finish_reason "error"), not with the OpenAI routes' error body."""
 import pytest
 
 from conftest import write_tiny_llama
+from app_client import app_client
 
 TEMPLATE = ("{% for m in messages %}{{ m['content'] }} {% endfor %}"
             "{% if add_generation_prompt %}t5{% endif %}")
@@ -15,22 +16,14 @@ SESSION_LEN = 64
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    from fastapi.testclient import TestClient
     from transformers import AutoTokenizer
-
-    from lmjax.api.async_engine import AsyncEngine
-    from lmjax.lmdeploy_config import TurbomindEngineConfig
-    from lmjax.serve.openai_server import create_app
 
     path = write_tiny_llama(tmp_path_factory.mktemp("tiny"), eos_token_id=3)
     tok = AutoTokenizer.from_pretrained(path)
     tok.chat_template = TEMPLATE
     tok.save_pretrained(path)
-    engine = AsyncEngine(path, model_name="tiny",
-                         backend_config=TurbomindEngineConfig(session_len=SESSION_LEN, cache_block_seq_len=16))
-    with TestClient(create_app(engine), raise_server_exceptions=False) as client:
+    with app_client(path, SESSION_LEN) as (engine, client):
         yield client, engine
-    engine.close()
 
 
 def test_chat_template_kwargs_may_carry_add_generation_prompt(served):
