@@ -92,7 +92,8 @@ def test_server_generation_config_flag(plain, tmp_path, capsys):
 
     class Engine:
         model_name, tokenizer, session_len = "m", None, 100
-        engine = type("E", (), {"sampling_defaults": model_defaults, "validate_request": validate_request})()
+        engine = type("E", (), {"sampling_defaults": model_defaults, "validate_request": validate_request,
+                                "blocks": type("B", (), {"num_usable_blocks": 64})()})()
 
     for defaults, want in ((None, 0.6), ({}, 1.0)):
         client = TestClient(create_app(Engine(), sampling_defaults=defaults))
