@@ -57,6 +57,10 @@ def _check_sampling(temperature, top_p, top_k, min_p, repetition_penalty, n, log
            f"logprobs must be None, -1 (the whole vocabulary) or an int >= 0, got {logprobs!r}")
 
 
+# SamplingParams' list fields (flat lists of ints or strings, or of shared logits processors): clone copies each.
+_LIST_FIELDS = ("stop", "stop_token_ids", "bad_words", "bad_token_ids", "allowed_token_ids", "logits_processors")
+
+
 @_strict_fields
 @dataclass
 class SamplingParams:
@@ -167,7 +171,14 @@ class SamplingParams:
     def clone(self) -> SamplingParams:
         """A deep copy (vLLM's), e.g. to set one prompt's fields without touching a shared object. The
         logits processors are shared, not copied (as vLLM: they may hold a tokenizer or a model)."""
-        return copy.deepcopy(self, memo={id(f): f for f in self.logits_processors or ()})
+        clone = copy.copy(self)
+        for name in _LIST_FIELDS:  # lists of ints / strings: a new list is a deep copy, and cheap at 100k ids
+            if getattr(self, name) is not None:
+                setattr(clone, name, list(getattr(self, name)))
+        clone.logit_bias = None if self.logit_bias is None else dict(self.logit_bias)
+        clone.guided_decoding = copy.deepcopy(self.guided_decoding)
+        clone.extra_args = copy.deepcopy(self.extra_args)
+        return clone
 
     @property
     def uses_penalties(self) -> bool:

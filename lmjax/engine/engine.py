@@ -269,10 +269,9 @@ class LLMEngine(SessionsMixin, MultiStepMixin, HostOutputsMixin, SpeculativeMixi
         drafted = self._accept_drafts(batch, out, starts, changed)
         sampled = {it.seq.seq_id: int(out.token_ids[starts[i]]) for i, it in enumerate(batch.items)
                    if it.samples and it.seq.seq_id not in failed and it.seq.seq_id not in drafted}
-        self.num_generated_tokens += sum(t != NO_TOKEN for t in sampled.values())
         self.num_prefill_tokens += sum(max(0, min(it.start_pos + it.num_new_tokens, it.seq.num_prompt_tokens)
                                            - it.start_pos) for it in batch.items)
-        self.scheduler.record(batch, sampled)
+        self.num_generated_tokens += self.scheduler.record(batch, sampled)
         for i, it in enumerate(batch.items):
             if it.samples and it.seq.seq_id in self._by_seq and it.seq.seq_id not in drafted:
                 req, comp = self._by_seq[it.seq.seq_id]

@@ -8,7 +8,6 @@ from __future__ import annotations
 from lmjax.engine.host_outputs import needs_host
 from lmjax.engine.request import Request
 from lmjax.engine.scheduler import ScheduledBatch, ScheduledItem
-from lmjax.layers.sampler import NO_TOKEN
 
 
 class MultiStepMixin:
@@ -95,8 +94,7 @@ class MultiStepMixin:
             if not alive:
                 break
             sampled = {batch.items[i].seq.seq_id: int(out.token_ids[i]) for i in alive}
-            self.num_generated_tokens += sum(t != NO_TOKEN for t in sampled.values())
-            self.scheduler.update(batch, sampled)
+            self.num_generated_tokens += self.scheduler.update(batch, sampled)
             for i in alive:
                 req, comp = self._by_seq[batch.items[i].seq.seq_id]
                 self._postprocess(req, comp, out, i)

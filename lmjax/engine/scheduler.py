@@ -201,11 +201,12 @@ class Scheduler:
         self.bm.append(seq, n)
         return n
 
-    def update(self, batch: ScheduledBatch, sampled: dict[int, int]) -> None:
+    def update(self, batch: ScheduledBatch, sampled: dict[int, int]) -> int:
         """Account for a finished device step: `sampled` maps seq_id -> token for sampling items.
-        Items whose sequence was aborted or finished in the meantime are skipped."""
+        Items whose sequence was aborted or finished in the meantime are skipped. Returns the number of
+        tokens appended."""
         self.advance(batch)
-        self.record(batch, sampled)
+        return self.record(batch, sampled)
 
     def advance(self, batch: ScheduledBatch) -> None:
         """The first half of `update`, which needs no sampled token: the batch's new tokens count as
@@ -218,10 +219,13 @@ class Scheduler:
                 seq.num_computed_tokens += item.num_new_tokens - len(seq.draft_token_ids)
                 self.bm.register_full_blocks(seq)
 
-    def record(self, batch: ScheduledBatch, sampled: dict[int, int]) -> None:
+    def record(self, batch: ScheduledBatch, sampled: dict[int, int]) -> int:
         """The second half of `update`: append each sampling item's token (NO_TOKEN, the sampler's "nothing
-        could be sampled", is no token: the engine ends that request)."""
+        could be sampled", is no token: the engine ends that request). Returns the number appended."""
+        appended = 0
         for item in batch.items:
             seq = item.seq
             if seq.status is SequenceStatus.RUNNING and item.samples and sampled.get(seq.seq_id, NO_TOKEN) != NO_TOKEN:
                 seq.output_token_ids.append(sampled[seq.seq_id])
+                appended += 1
+        return appended

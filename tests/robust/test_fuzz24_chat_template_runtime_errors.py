@@ -19,22 +19,11 @@ import textwrap
 
 import pytest
 
-from conftest import write_tiny_llama  # noqa: E402
-from app_client import app_client
+from tiny_server_fixtures import http, served, tiny  # noqa: F401 (pytest fixtures)
+
 
 USER = [{"role": "user", "content": "t5 t6"}]
 FAILING = ["{{ 1/0 }}", "{% for i in range(10**9) %}x{% endfor %}"]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return write_tiny_llama(tmp_path_factory.mktemp("tiny"), eos_token_id=3)
-
-
-@pytest.fixture(scope="module")
-def http(tiny):
-    with app_client(tiny, 256) as (engine, client):
-        yield client
 
 
 @pytest.mark.parametrize("template", FAILING)

@@ -10,27 +10,16 @@ text field (vLLM's pydantic answers "messages.0.content...text: Input should be 
 
 import pytest
 
-from conftest import write_tiny_llama  # noqa: E402
-from app_client import app_client
+from tiny_server_fixtures import http, served, tiny  # noqa: F401 (pytest fixtures)
+
 
 PARTS = [[{"type": "text", "text": 5}], [{"type": "text", "text": None}], [{"type": "text", "text": ["t5"]}]]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return write_tiny_llama(tmp_path_factory.mktemp("tiny"), eos_token_id=3)
-
-
-@pytest.fixture(scope="module")
-def http(tiny):
-    with app_client(tiny, 256) as (engine, client):
-        yield client, engine
 
 
 @pytest.mark.parametrize("parts", PARTS)
 @pytest.mark.parametrize("route", ["/v1/chat/completions", "/tokenize"])
 def test_the_server_names_a_part_whose_text_is_not_a_string(http, route, parts):
-    client, _ = http
+    client = http
     body = {"model": "tiny", "messages": [{"role": "user", "content": parts}], "max_tokens": 2}
     got = client.post(route, json=body)
     assert got.status_code == 400, got.text
@@ -39,9 +28,9 @@ def test_the_server_names_a_part_whose_text_is_not_a_string(http, route, parts):
 
 
 @pytest.mark.parametrize("parts", PARTS)
-def test_the_python_facades_name_it(http, parts):
+def test_the_python_facades_name_it(served, parts):
     from lmjax import GenerationConfig
 
-    _, engine = http
+    engine, _ = served
     with pytest.raises((ValueError, TypeError), match=r"messages\[0\]"):
         engine.batch_infer([[{"role": "user", "content": parts}]], gen_config=GenerationConfig(max_new_tokens=2))

@@ -11,22 +11,10 @@ gives a ValueError, naming the schema, by luck: math.ceil(nan) raises ValueError
 
 import pytest
 
-from conftest import write_tiny_llama  # noqa: E402
 from lmjax import GuidedDecodingParams, SamplingParams  # noqa: E402
-from app_client import app_client
+from tiny_server_fixtures import http, served, tiny  # noqa: F401 (pytest fixtures)
 
 SCHEMA_TEXT = '{"type":"integer","minimum":Infinity}'
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return write_tiny_llama(tmp_path_factory.mktemp("tiny"), eos_token_id=3)
-
-
-@pytest.fixture(scope="module")
-def http(tiny):
-    with app_client(tiny, 256) as (engine, client):
-        yield client
 
 
 @pytest.mark.parametrize("route, body", [

@@ -18,7 +18,8 @@ import textwrap
 
 import pytest
 
-from conftest import write_tiny_llama  # noqa: E402
+from tiny_server_fixtures import tiny  # noqa: F401 (pytest fixtures)
+
 
 CHILD = textwrap.dedent("""
     import json, os, resource, sys
@@ -42,11 +43,6 @@ def nested_arrays(depth):
     for _ in range(depth):
         schema = {"type": "array", "items": schema}
     return schema
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return write_tiny_llama(tmp_path_factory.mktemp("tiny"), eos_token_id=3)
 
 
 @pytest.mark.parametrize("kind, spec, named", [

@@ -10,15 +10,10 @@ import asyncio
 
 import pytest
 
-from conftest import write_tiny_llama  # noqa: E402
 from lmjax import GenerationConfig, LLM, SamplingParams  # noqa: E402
+from tiny_server_fixtures import tiny  # noqa: F401 (pytest fixtures)
 
 BAD = "t5 \ud800 t6"
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return write_tiny_llama(tmp_path_factory.mktemp("tiny"), eos_token_id=3)
 
 
 @pytest.fixture(scope="module")

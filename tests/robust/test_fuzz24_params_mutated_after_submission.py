@@ -16,13 +16,8 @@ caller's loop (under AsyncEngine, EngineThread._step would fail every live reque
 
 import pytest
 
-from conftest import write_tiny_llama  # noqa: E402
 from lmjax import EngineArgs, LLMEngine, SamplingParams  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return write_tiny_llama(tmp_path_factory.mktemp("tiny"), eos_token_id=3)
+from tiny_server_fixtures import tiny  # noqa: F401 (pytest fixtures)
 
 
 def _greedy(**kw):

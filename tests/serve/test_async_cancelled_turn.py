@@ -5,6 +5,7 @@ text. The next turn did not wait for the abandoned turn's abort, read the sessio
 owned it, took the reply for a closed one and dropped the marker: the model was fed a malformed history.
 (The slow step makes the race deterministic; with the tiny model's ~1 ms steps it failed too.)"""
 import asyncio
+import contextlib
 import time
 
 import pytest
@@ -34,21 +35,35 @@ def engine(tmp_path_factory):
     e.close()
 
 
-def _next_turn_prompt(engine, stop_turn) -> str:
-    prompts = []
-    encode = engine.encode
-    engine.encode = lambda *a, **k: prompts.append(encode(*a, **k)[0]) or encode(*a, **k)
+@contextlib.contextmanager
+def _recorded_prompts(engine):
+    """The text of each prompt the engine encodes while inside (a session turn's rendered prompt)."""
+    prompts, encode = [], engine.encode
 
-    async def main():
-        await stop_turn(engine.generate("t5", 1, LONG, sequence_end=False))
-        async for _ in engine.generate("t4", 1, GenerationConfig(max_new_tokens=2), sequence_start=False,
-                                       sequence_end=False):
-            pass
-        await engine.end_session(1)
+    def recording(*args, **kwargs):
+        encoded = encode(*args, **kwargs)
+        prompts.append(encoded[0])
+        return encoded
+    engine.encode = recording
     try:
-        asyncio.run(asyncio.wait_for(main(), 60))
+        yield prompts
     finally:
         del engine.encode
+
+
+async def _next_turn(engine):
+    async for _ in engine.generate("t4", 1, GenerationConfig(max_new_tokens=2), sequence_start=False,
+                                   sequence_end=False):
+        pass
+    await engine.end_session(1)
+
+
+def _next_turn_prompt(engine, stop_turn) -> str:
+    async def main():
+        await stop_turn(engine.generate("t5", 1, LONG, sequence_end=False))
+        await _next_turn(engine)
+    with _recorded_prompts(engine) as prompts:
+        asyncio.run(asyncio.wait_for(main(), 60))
     return prompts[-1]
 
 
@@ -90,21 +105,9 @@ def test_cancelled_turn_keeps_the_owed_end_marker(engine, stop_turn):
 
 
 def test_break_then_next_turn_in_a_new_asyncio_run_keeps_the_owed_end_marker(engine):
-    prompts = []
-    encode = engine.encode
-    engine.encode = lambda *a, **k: prompts.append(encode(*a, **k)[0]) or encode(*a, **k)
-
     async def turn1():
         await _by_break(engine.generate("t5", 1, LONG, sequence_end=False))
-
-    async def turn2():
-        async for _ in engine.generate("t4", 1, GenerationConfig(max_new_tokens=2), sequence_start=False,
-                                       sequence_end=False):
-            pass
-        await engine.end_session(1)
-    try:
+    with _recorded_prompts(engine) as prompts:
         asyncio.run(asyncio.wait_for(turn1(), 60))
-        asyncio.run(asyncio.wait_for(turn2(), 60))
-    finally:
-        del engine.encode
+        asyncio.run(asyncio.wait_for(_next_turn(engine), 60))
     assert prompts[-1].startswith(" t6"), f"next turn lost the owed eoa marker: {prompts[-1]!r}"
