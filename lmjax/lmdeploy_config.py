@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass, fields
 from typing import ClassVar
 
-from lmjax.config import DTYPES, EngineConfig, _check, _strict_fields, warn_no_effect
+from lmjax.config import EngineConfig, dtype_name, _check, _strict_fields, warn_no_effect
 
 
 def _lower(cfg, renames: dict[str, str], frontend: tuple[str, ...]) -> EngineConfig:
@@ -81,7 +81,7 @@ class TurbomindEngineConfig:
     }
 
     def __post_init__(self):
-        _check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        self.dtype = dtype_name(self.dtype)
         _check(self.num_tokens_per_iter >= 0,  # LMDeploy's own check
                f"num_tokens_per_iter must be >= 0, got {self.num_tokens_per_iter!r}")
         formats = (None, "hf", "llama", "awq", "gptq")
@@ -141,7 +141,7 @@ class PytorchEngineConfig:
     }
 
     def __post_init__(self):
-        _check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        self.dtype = dtype_name(self.dtype)
         _check(self.eviction_type in ("recompute", "copy"),
                f"eviction_type must be 'recompute' or 'copy', got {self.eviction_type!r}")
         _check(self.num_cpu_blocks >= 0, f"num_cpu_blocks must be >= 0, got {self.num_cpu_blocks!r}")

@@ -50,9 +50,11 @@ def kv_operands(cache) -> list:
 
 
 def kernel_reads(cache, head_dim: int) -> bool:
-    """Whether the Triton kernel serves this cache: int4 dots run on half heads, and a Triton dot needs
-    a contraction of >= 16, so int4 needs head_dim >= 32."""
-    return kv_bits(cache) != 4 or head_dim >= 32
+    """Whether the Triton kernel serves this cache and head size: its tiles need a power-of-two head_dim in
+    [16, 256] (head_dim 80 / 96 / 100 models, e.g. h2o-danube2 and open_llama_3b, take the tiled version);
+    int4 dots run on half heads, and a Triton dot needs a contraction of >= 16, so int4 needs head_dim >= 32."""
+    power_of_two = head_dim & (head_dim - 1) == 0 and 16 <= head_dim <= 256
+    return power_of_two and (kv_bits(cache) != 4 or head_dim >= 32)
 
 
 def num_kv_refs(bits: int | None) -> int:

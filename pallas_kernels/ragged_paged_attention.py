@@ -143,7 +143,7 @@ def ragged_paged_attention(
     every row on the Triton kernel. Returns out_TNH in q's dtype, with rows past cu_q_lens[-1] zero.
 
     The caches may be quantized (`QuantKV`, quant_policy 8 / 4): the Triton kernel reads the codes
-    (pallas_kernels/kv_tiles.py; int4 needs head_dim >= 32, else "auto" takes the tiled version), the
+    (pallas_kernels/kv_tiles.py; a power-of-two head_dim, >= 32 for int4, else "auto" takes the tiled version), the
     reference and the tiled version dequantize the blocks they read. lmjax stores int4 K (and V) mapped: q
     must come mapped the same way, and the output back (lmjax.layers.kv_quant.paged_attention_quant).
     """

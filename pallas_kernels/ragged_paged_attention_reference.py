@@ -80,7 +80,7 @@ def validate_ragged_paged_attention(
     )
     require_impl(impl, IMPLS)
     if for_kernel:
-        # Triton tiles need power-of-two extents.
+        # Triton tiles need power-of-two extents ("auto" takes the tiled version for other head sizes).
         require(
             is_power_of_two(head_dim) and 16 <= head_dim <= 256,
             f"head_dim={head_dim} must be a power of two in [16, 256] for the kernel",

@@ -1,7 +1,9 @@
 """Config dataclasses: defaults from the API docs, validation messages, lowering onto EngineConfig."""
 import dataclasses
 
+import jax.numpy as jnp
 import pytest
+import torch
 
 from lmjax.config import ENGINE_UNSUPPORTED, ChatTemplateConfig, EngineConfig, GenerationConfig, SamplingParams
 from lmjax.lmdeploy_config import PytorchEngineConfig, TurbomindEngineConfig
@@ -144,6 +146,16 @@ def test_engine_config_validation():
         EngineConfig(max_logprobs=-2)
     with pytest.raises(ValueError, match="dtype must be one of .* got 'fp8'"):
         EngineConfig(dtype="fp8")
+    with pytest.raises(ValueError, match="dtype must be one of .* got torch.int8"):
+        EngineConfig(dtype=torch.int8)
+
+
+@pytest.mark.parametrize("dtype, name", [("half", "float16"), ("float", "float32"), ("bfloat16", "bfloat16"),
+                                         (torch.float16, "float16"), (jnp.bfloat16, "bfloat16")])
+def test_engine_config_takes_vllm_dtype_spellings(dtype, name):
+    """vLLM's --dtype takes half / float and LLM(dtype=) a torch dtype: LLM(model, dtype="half") was refused."""
+    assert EngineConfig(dtype=dtype).dtype == name
+    assert TurbomindEngineConfig(dtype=dtype).dtype == name
     with pytest.raises(ValueError, match="block_size must be an int >= 1, got 0"):
         EngineConfig(block_size=0)
     with pytest.raises(ValueError, match="cache_max_entry_count .* got 1.5"):

@@ -20,8 +20,9 @@ from flax import nnx
 from lmjax.loader.phases import PhaseTimes
 from lmjax.loader.safetensors_loader import CheckpointError
 
-# Buffers some checkpoints carry that are recomputed, never loaded.
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Buffers some checkpoints carry that are recomputed, never loaded (ColossalAI also saves the cos / sin
+# caches; vLLM and transformers skip them too).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 Placer = Callable[[tuple, np.ndarray], jax.Array]
 # Threads placing tensors, and tensors in flight at once (each read, converted or being copied).
 _PLACE_WORKERS = 2
