@@ -327,8 +327,9 @@ class LLMEngine(SessionsMixin, MultiStepMixin, HostOutputsMixin, SpeculativeMixi
             return _GREEDY_ROW
         req, comp = self._by_seq[item.seq.seq_id]
         outputs = item.seq.output_token_ids
-        banned = row_banned_ids(req.params, outputs, [] if req.params.ignore_eos else self.eos_token_ids,
-                                req.bad_words_ids)
+        # EOS is banned until min_tokens are out even with ignore_eos (vLLM adds it to all_stop_token_ids,
+        # which min_tokens bans, whatever ignore_eos says)
+        banned = row_banned_ids(req.params, outputs, self.eos_token_ids, req.bad_words_ids)
         allowed_W = comp.guide.mask_W() if comp.guide is not None else req.allowed_W  # None: any token
         return SamplingRow(req.params, comp.seed, req.prompt_token_ids, outputs, banned, len(outputs) + ahead,
                            allowed_W)
