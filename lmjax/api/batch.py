@@ -90,8 +90,16 @@ def submit_all(engine: LLMEngine, prompts: Sequence[tuple[str | None, list[int]]
     overflowed = engine.validate_batch([(ids, p) for (_, ids), p in zip(prompts, params)])
     if overflowed and not overflow_as_length:
         raise next(iter(overflowed.values()))
-    return [engine.overflowed_request(ids, p, overflowed[i], text) if i in overflowed
-            else engine.add_request(ids, p, prompt=text) for i, ((text, ids), p) in enumerate(zip(prompts, params))]
+    requests: list[Request] = []
+    try:
+        for i, ((text, ids), p) in enumerate(zip(prompts, params)):
+            requests.append(engine.overflowed_request(ids, p, overflowed[i], text) if i in overflowed
+                            else engine.add_request(ids, p, prompt=text))
+    except BaseException:  # one failing past validation (or Ctrl-C): the batch's queued ones go too (vLLM's)
+        for r in requests:
+            engine.abort(r.request_id)
+        raise
+    return requests
 
 
 class Stopped(Exception):

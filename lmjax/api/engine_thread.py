@@ -159,11 +159,18 @@ class EngineThread:
         Returns their request ids."""
         overflowed = self.engine.validate_batch([(ids, params) for _, ids, params, _, _ in batch])
         rids = [f"{session_id}-{next(_ids)}" for session_id, *_ in batch]
-        for i, (rid, (session_id, ids, params, text, sink)) in enumerate(zip(rids, batch)):
-            if i in overflowed:
-                self._overflowed(session_id, ids, params, overflowed[i], sink, True, True)
-            else:
-                self._add(rid, session_id, ids, params, text, True, True, sink)
+        added = []
+        try:
+            for i, (rid, (session_id, ids, params, text, sink)) in enumerate(zip(rids, batch)):
+                if i in overflowed:
+                    self._overflowed(session_id, ids, params, overflowed[i], sink, True, True)
+                else:
+                    self._add(rid, session_id, ids, params, text, True, True, sink)
+                    added.append(rid)
+        except BaseException:  # one failing past validation: the caller gets the error, nothing keeps running
+            for rid in added:
+                self._abort(rid)
+            raise
         return rids
 
     def _overflowed(self, session_id, ids, params, error: ContextOverflowError, sink: Sink, sequence_start: bool,
