@@ -57,14 +57,15 @@ def _check_defaults_only(obj, defaults: dict) -> None:
 SAMPLING_NUMBERS = ("temperature", "top_p", "min_p", "repetition_penalty")
 
 
-def _check_sampling(temperature, top_p, top_k, min_p, repetition_penalty, n, logprobs) -> None:
-    """Checks shared by GenerationConfig and SamplingParams."""
+def _check_sampling(temperature, top_p, top_k, min_p, repetition_penalty, n, logprobs, top_p_zero=False) -> None:
+    """Checks shared by GenerationConfig and SamplingParams (`top_p_zero`: LMDeploy's [0, 1] range)."""
     _check(temperature >= 0, f"temperature must be >= 0, got {temperature}")
     # The sampler divides logits by it in float32: past float32's range it becomes inf, and -inf / inf (a
     # banned token's logit) is NaN
     _check(temperature <= FLOAT32_MAX, f"temperature must be at most {FLOAT32_MAX:.6g} (float32's largest), "
                                        f"got {temperature}")
-    _check(0 < top_p <= 1, f"top_p must be in (0, 1], got {top_p}")
+    _check(0 < top_p <= 1 or (top_p_zero and top_p == 0), f"top_p must be in {'[' if top_p_zero else '('}0, 1], "
+                                                           f"got {top_p}")
     _check(isinstance(top_k, int) and top_k >= -1, f"top_k must be an int >= -1, got {top_k!r}")
     _check(0 <= min_p <= 1, f"min_p must be in [0, 1], got {min_p}")
     _check(repetition_penalty > 0, f"repetition_penalty must be > 0, got {repetition_penalty}")
@@ -257,7 +258,7 @@ class GenerationConfig:
         check_output_kinds(self)
         from_response_format(self.response_format)  # a bad one fails here, naming it
         _check_sampling(self.temperature, self.top_p, self.top_k, self.min_p,
-                        self.repetition_penalty, self.n, self.logprobs)
+                        self.repetition_penalty, self.n, self.logprobs, top_p_zero=True)
         _check(self.max_new_tokens is None or (isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1),
                f"max_new_tokens must be None or an int >= 1, got {self.max_new_tokens!r}")
         _check(self.do_sample in (None, True, False), f"do_sample must be None, True or False, got {self.do_sample!r}")
@@ -271,11 +272,12 @@ class GenerationConfig:
             setattr(self, name, _as_list(getattr(self, name), name, kind))
 
     def to_sampling_params(self) -> SamplingParams:
-        greedy = self.do_sample is False or self.top_k == 1 or self.temperature == 0
+        # top_p 0 keeps only the most likely token in LMDeploy's engines (TurboMind: top_k 1)
+        greedy = self.do_sample is False or self.top_k == 1 or self.temperature == 0 or self.top_p == 0
         return SamplingParams(
             n=self.n, max_tokens=self.max_new_tokens, min_tokens=self.min_new_tokens or 0,
             temperature=0.0 if greedy else self.temperature, top_k=0 if greedy else self.top_k,
-            top_p=self.top_p, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+            top_p=self.top_p or 1.0, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
             ignore_eos=self.ignore_eos, seed=self.random_seed, stop=self.stop_words,
             stop_token_ids=self.stop_token_ids, bad_words=self.bad_words,
             bad_token_ids=self.bad_token_ids, logprobs=self.logprobs,
