@@ -26,6 +26,7 @@ from lmjax.api.beam_search import BeamSearchOutput, BeamSearchParams, beam_searc
 from lmjax.api.embed import EmbeddingRequestOutput, PoolingParams, embed_token_ids
 from lmjax.api.outputs import RequestOutput, request_output
 from lmjax.config import EngineConfig, SamplingParams, check_defaults_only, warn_no_effect
+from lmjax.engine.apply_model import apply_model
 from lmjax.engine.engine import LLMEngine
 from lmjax.guided_params import GuidedDecodingParams
 from lmjax.loader.awq import require_awq
@@ -258,6 +259,12 @@ class LLM:
             return None, token_ids_of(prompt, "prompt")
         raise TypeError(f"a prompt must be a str, a list of token ids or a dict with 'prompt' or "
                         f"'prompt_token_ids', got {type(prompt).__name__}")
+
+    def apply_model(self, func) -> list:
+        """vLLM's: [func(model)] (one result a worker; lmjax's one model spans its devices). The parameter
+        values func sets become the weights of every later call, and the prefix cache is dropped; the model
+        is the engine's layout (merged q/k/v and gate/up; see lmjax.engine.apply_model)."""
+        return [apply_model(self.llm_engine, func)]
 
     def reset_prefix_cache(self, device=None) -> bool:
         """Drop the prefix cache (vLLM's): False, as there, while a request still holds KV blocks (an idle

@@ -14,12 +14,12 @@ import threading
 from collections.abc import Iterator
 
 import numpy as np
-from flax import nnx
 
 from lmjax.api.batch import encode_chat, encode_text, per_prompt, run_to_completion, submit_all, token_id_lists
 from lmjax.api.lmdeploy_params import GEN_CONFIG_KINDS, check_keywords, lmdeploy_sampling_params
 from lmjax.api.outputs import Response, batch_index, response
 from lmjax.config import ChatTemplateConfig, EngineConfig, SamplingParams
+from lmjax.engine.apply_model import apply_model, engine_model
 from lmjax.engine.engine import LLMEngine
 from lmjax.engine.request import check_prompt
 from lmjax.lmdeploy_config import PytorchEngineConfig, TurbomindEngineConfig
@@ -186,8 +186,13 @@ class Pipeline:
         if runner.leading:  # its forward is not a step the followers are sent: they would never join it
             raise NotImplementedError("get_logits is not supported by a multi-process engine led by one process; "
                                       "run the same program in every process (each calls get_logits) instead")
-        return prompt_logits(nnx.merge(runner.graphdef, runner.state), [list(ids) for ids in batch],
+        return prompt_logits(engine_model(runner), [list(ids) for ids in batch],
                              quant_policy=self.engine.config.quant_policy, kv_maps=self.engine.kv_maps)
+
+    def apply_model(self, func) -> list:
+        """vLLM's LLM.apply_model (an lmjax extension here): [func(model)] on the engine's model, whose
+        parameter values it sets become the weights every later call uses (lmjax.engine.apply_model)."""
+        return self._exclusive(lambda stop: [apply_model(self.engine, func)])
 
     # ------------------------------------------------------------------ LMDeploy's pipeline is an AsyncEngine
     @property

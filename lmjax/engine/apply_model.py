@@ -1,0 +1,54 @@
+"""vLLM's `LLM.apply_model(func)`: run a function on the engine's model and make whatever parameter values
+it set the weights every later step reads (researchers' ablations and patched weights).
+
+The runner's jitted steps read a flat list of arrays (`ModelRunner.params`), not the module: a module
+edited outside this function (e.g. one built by `nnx.merge(runner.graphdef, runner.state)`) leaves the
+engine's steps on the old weights. The model `func` gets is the engine's own layout: q/k/v and gate/up
+merged into one projection each, and on one GPU out-major (transposed) weights for small models.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable, TypeVar
+
+import jax
+from flax import nnx
+
+_R = TypeVar("_R")
+logger = logging.getLogger(__name__)
+
+
+def engine_model(runner) -> nnx.Module:
+    """A module over the arrays the engine's steps read now (fresh Variables: editing it changes nothing
+    in the engine; `apply_model` does)."""
+    return nnx.merge(runner.graphdef, jax.tree_util.tree_unflatten(runner._params_def, runner.params))
+
+
+def apply_model(engine, func: Callable[[nnx.Module], _R]) -> _R:
+    """func(model) on a copy of the engine's model; then its parameter values become the engine's (each
+    placed as the one it replaces) and the prefix cache is dropped (its KV came from the old weights).
+    Changing the model's structure, or a parameter's shape or dtype, is refused and leaves the engine
+    as it was."""
+    runner = engine.runner
+    if runner.leading:
+        raise NotImplementedError("apply_model is not supported by a multi-process engine led by one process")
+    model = engine_model(runner)
+    result = func(model)
+    graphdef, state = nnx.split(model)
+    params, params_def = jax.tree_util.tree_flatten(state)
+    if graphdef != runner.graphdef or params_def != runner._params_def:
+        raise ValueError("apply_model's function may change parameter values, not the model's structure")
+    for path, old, new in zip(_paths(runner.state), runner.params, params):
+        if (old.shape, old.dtype) != (new.shape, new.dtype):
+            raise ValueError(f"apply_model's function changed {path} from {old.dtype}{list(old.shape)} to "
+                             f"{new.dtype}{list(new.shape)}: keep each parameter's shape and dtype")
+    runner.params = [new if new is old else jax.device_put(new, old.sharding) for old, new in zip(runner.params, params)]
+    runner.state = jax.tree_util.tree_unflatten(params_def, runner.params)
+    if not engine.blocks.reset_prefix_cache():
+        logger.warning("apply_model: the prefix cache was kept (requests or sessions hold KV blocks); their "
+                       "cached keys and values come from the weights before")
+    return result
+
+
+def _paths(state) -> list[str]:
+    return [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(state)[0]]

@@ -1,0 +1,70 @@
+"""vLLM's LLM.apply_model (and the pipeline's): a researcher's edit of the engine's weights reaches every later
+call (probe 25: an edit of `nnx.merge(runner.graphdef, runner.state)` reached get_logits only, while generate
+and get_ppl kept the old weights: the steps read the runner's flat parameter list)."""
+import numpy as np
+import pytest
+from flax import nnx
+
+from lmjax import LLM, GenerationConfig, PytorchEngineConfig, SamplingParams, pipeline
+from lmjax.api.batch import encode_text
+from tiny_llama import write_tiny_llama
+
+PROMPT = [5, 9, 14, 3, 7, 21, 8]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny"))
+
+
+def _negate_final_norm(model):
+    model.norm.weight[...] = -model.norm.weight[...]
+    return "done"
+
+
+def _greedy(llm, ids=PROMPT):
+    return llm.generate([ids], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_llm_apply_model_changes_what_generate_runs(tiny):
+    llm, ref = LLM(tiny, max_model_len=128, block_size=16, enable_prefix_caching=True), LLM(tiny, max_model_len=128)
+    before = _greedy(llm)
+    assert llm.apply_model(_negate_final_norm) == ["done"]
+    ref.apply_model(_negate_final_norm)
+    after = _greedy(llm)
+    assert after != before  # the argmax of negated logits is another token
+    assert after == _greedy(ref)  # and the prefix cache (PROMPT's blocks, old weights) was dropped
+
+
+def test_pipeline_scores_and_generates_with_the_edited_weights(tiny):
+    pipe = pipeline(tiny, backend_config=PytorchEngineConfig(session_len=128))
+    try:
+        assert pipe.apply_model(_negate_final_norm) == ["done"]
+        logits = pipe.get_logits([PROMPT])[0]
+        targets = np.asarray(PROMPT[1:])
+        logp = logits[:-1] - np.log(np.exp(logits[:-1] - logits[:-1].max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+            - logits[:-1].max(-1, keepdims=True)
+        nll = -logp[np.arange(len(targets)), targets].mean()
+        assert pipe.get_ppl([PROMPT])[0] == pytest.approx(nll, rel=1e-4)
+        text = " ".join(f"t{i}" for i in PROMPT)
+        ids = encode_text(pipe.engine.tokenizer, text)
+        out = pipe([text], gen_config=GenerationConfig(max_new_tokens=1, top_k=1), do_preprocess=False)[0]
+        assert out.token_ids[0] == int(pipe.get_logits([ids])[0][-1].argmax())
+    finally:
+        pipe.close()
+
+
+def test_a_structural_change_is_refused_and_leaves_the_weights(tiny):
+    llm = LLM(tiny, max_model_len=128)
+    before = _greedy(llm)
+
+    def reshape(model):
+        model.norm.weight.set_value(model.norm.weight[...][:-1])
+    with pytest.raises(ValueError, match=r"changed .*norm.* keep each parameter's shape and dtype"):
+        llm.apply_model(reshape)
+
+    def replace_module(model):
+        model.norm = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="not the model's structure"):
+        llm.apply_model(replace_module)
+    assert _greedy(llm) == before
