@@ -9,13 +9,13 @@ both decodes, and the difference is exactly the new text.
 
 A byte-level BPE can split one character (CJK, emoji) across tokens; decoding half of it yields
 U+FFFD. While the window's text ends in U+FFFD we emit nothing and wait for more tokens, so the
-stream never carries broken characters. `flush()` at the end emits whatever is still held back, less
-a character left unfinished at the very end (generation stopped inside it): its bytes never became text,
-and vLLM and LMDeploy drop it too.
+stream never carries broken characters. `flush()` at the end emits whatever is still held back, unless
+it ends in a character left unfinished (generation stopped inside it): then none of it, as vLLM and
+LMDeploy never emit such a window.
 
 Without prompt context (the default), at the end `text` (the concatenation of everything returned) equals
-`tokenizer.decode(output_ids, skip_special_tokens=..., clean_up_tokenization_spaces=False)` without that
-trailing U+FFFD.
+`tokenizer.decode(output_ids, skip_special_tokens=..., clean_up_tokenization_spaces=False)`, less the text
+of a last window that ends in U+FFFD.
 With `continue_prompt=True` (the engine's mode, as vLLM and LMDeploy) the first window starts inside
 the prompt: the prompt's last tokens are context whose text counts as emitted, so `text` = decode(prompt
 tail + output) minus decode(prompt tail) and reads as a continuation of the prompt. A SentencePiece
@@ -80,10 +80,12 @@ class IncrementalDetokenizer:
         return self._emit(new_text)
 
     def flush(self) -> str:
-        """At the end of generation: emit what is held back, less an unfinished character at its end."""
+        """At the end of generation: emit what is held back, unless it ends in an unfinished character:
+        then none of it (vLLM's detokenizers never emit a window ending in U+FFFD, so a last token holding a
+        space and half an emoji adds nothing, not the space; LMDeploy's the same)."""
         prefix_text, window_text = self._window_texts()
         held = window_text[len(prefix_text):] if len(window_text) > len(prefix_text) else ""
-        return self._emit(held.rstrip(REPLACEMENT_CHAR))
+        return self._emit("" if held.endswith(REPLACEMENT_CHAR) else held)
 
     def _window_texts(self) -> tuple[str, str]:
         window = self._ids[self._prefix_offset:]

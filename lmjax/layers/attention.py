@@ -34,6 +34,7 @@ from lmjax.layers.kv_quant import QuantKV, paged_attention_quant, quant_kv_spec,
 from lmjax.layers.rope import apply_rope
 from pallas_kernels.ragged_paged_attention import IMPLS as ATTENTION_IMPLS
 from pallas_kernels.ragged_paged_attention import PREFILL_IMPLS, ragged_paged_attention
+from pallas_kernels.ragged_paged_attention_reference import ragged_paged_attention_reference
 from pallas_kernels.rope import RopeSpec, inv_freq_TF
 from pallas_kernels.rope_kv_write import rope_kv_write, rope_kv_write_qkv, scatter_kv_reference, split_qkv
 
@@ -168,7 +169,7 @@ def paged_attention(q_TNH, k_cache_PSKH, v_cache_PSKH, meta: AttentionMetadata, 
                     sliding_window: int | None = None, impl: str | None = None):
     """Causal attention of this step's queries over each sequence's cached context.
 
-    impl: "auto" (Pallas kernel on GPU, jnp reference elsewhere), "kernel" or "reference"; by default
+    impl: "auto" (Pallas kernel on GPU, the XLA tiled op elsewhere), "kernel" or "reference"; by default
     the LMJAX_ATTENTION_IMPL environment variable, read at trace time, so kernel-vs-reference runs of
     the same engine need no code change.
     """
@@ -179,9 +180,14 @@ def paged_attention(q_TNH, k_cache_PSKH, v_cache_PSKH, meta: AttentionMetadata, 
         if quantized:  # int4 queries rotated like the stored K, then the same op (see lmjax.layers.kv_quant)
             return paged_attention_quant(q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, block_tables_BM,
                                          cu_q_lens_B1, sm_scale=sm_scale, sliding_window=sliding_window, impl=impl)
-        return ragged_paged_attention(q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, block_tables_BM,
-                                      cu_q_lens_B1, sm_scale=sm_scale, sliding_window=sliding_window, impl=impl,
-                                      prefill_impl=prefill_impl())
+        fast = functools.partial(ragged_paged_attention, sm_scale=sm_scale, sliding_window=sliding_window,
+                                 impl=impl, prefill_impl=prefill_impl())
+        if impl == "reference":
+            return fast(q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, block_tables_BM, cu_q_lens_B1)
+        reference = functools.partial(ragged_paged_attention_reference, sm_scale=sm_scale,
+                                      sliding_window=sliding_window)
+        return _with_reference_vjp(fast, reference)(q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B,
+                                                    block_tables_BM, cu_q_lens_B1)
 
     args = (q_TNH, k_cache_PSKH, v_cache_PSKH, meta.kv_lens_B, meta.block_tables_BM, meta.cu_q_lens_B1)
     mesh, tp = _mesh_tp()
@@ -198,6 +204,25 @@ def paged_attention(q_TNH, k_cache_PSKH, v_cache_PSKH, meta: AttentionMetadata, 
     sharded = parallel.shard_map(attend, mesh, in_specs=(q_spec, cache_spec, cache_spec) + (PartitionSpec(),) * 3,
                                  out_specs=q_spec)
     return sharded(*args)
+
+
+def _with_reference_vjp(fast, reference):
+    """`fast` (the Pallas kernel, or the XLA tiled op's loop with dynamic bounds: neither has a reverse-mode
+    rule) with the gradient of `reference` (a scan): jax.grad through the model works with the default
+    attention (researchers' gradients; the forward pass is unchanged)."""
+    @jax.custom_vjp
+    def op(q, k, v, kv_lens, tables, cu):
+        return fast(q, k, v, kv_lens, tables, cu)
+
+    def op_fwd(q, k, v, kv_lens, tables, cu):
+        return fast(q, k, v, kv_lens, tables, cu), (q, k, v, kv_lens, tables, cu)
+
+    def op_bwd(res, g):
+        q, k, v, kv_lens, tables, cu = res
+        _, vjp = jax.vjp(lambda q, k, v: reference(q, k, v, kv_lens, tables, cu), q, k, v)
+        return (*vjp(g), None, None, None)  # the lengths and tables are integers: no cotangent
+    op.defvjp(op_fwd, op_bwd)
+    return op
 
 
 def cost_follows_context(impl: str | None = None) -> bool:

@@ -86,6 +86,16 @@ def test_flush_drops_an_unfinished_last_character(tokenizer):
     assert detok.text.startswith("ok")
 
 
+def test_flush_drops_the_whole_last_token_when_it_ends_mid_character(tokenizer):
+    """A last token holding a space and half an emoji (SmolLM2's " \\xf0\\x9f"): vLLM never emits a window
+    ending in U+FFFD, so not its space either (probe 25: flush gave "Hello ")."""
+    ids = tokenizer.encode("Hello 😀", add_special_tokens=False)[:-1]
+    assert reference(tokenizer, ids[-1:], True) == " \ufffd"  # the case: a space, then broken bytes
+    detok = IncrementalDetokenizer(tokenizer)
+    emitted = "".join(detok.step([i]) for i in ids)
+    assert emitted + detok.flush() == "Hello" == detok.text
+
+
 class MetaspaceLike:
     """SentencePiece-style decode: '▁' is a space, and a leading space of the sequence is dropped."""
     vocab = ["▁The", "▁capital", "▁is", "▁Paris", "."]
