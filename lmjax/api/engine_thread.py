@@ -50,6 +50,7 @@ class GenOut:
     logits: Any = None  # output_logits' rows, on a completion's last output (lmjax.engine.host_outputs)
     last_hidden_state: Any = None
     error: str | None = None  # why, when finish_reason is "error" (lmjax's: LMDeploy's GenOut has no such field)
+    stop_reason: int | str | None = None  # vLLM's: the stop string or token id that ended it (None: EOS, length)
 
 
 @dataclasses.dataclass(eq=False)
@@ -272,7 +273,8 @@ class EngineThread:
             if not self._emit(live, GenOut(text, live.history, len(req.prompt_token_ids) - live.history, end,
                                            c.finish_reason, ids, logprobs, c.index, req.num_cached_tokens,
                                            req.prompt_logprobs, **host_arrays(c),
-                                           error=req.error if c.finish_reason == "error" else None)):
+                                           error=req.error if c.finish_reason == "error" else None,
+                                           stop_reason=c.stop_reason if c.finished else None)):
                 return
             if c.finished:
                 live.done.add(c.index)
@@ -331,4 +333,5 @@ def merge_outputs(acc: GenOut | None, item: GenOut) -> GenOut:
         acc.logprobs += item.logprobs
     acc.generate_token_len, acc.finish_reason = item.generate_token_len, item.finish_reason
     acc.logits, acc.last_hidden_state, acc.error = item.logits, item.last_hidden_state, item.error
+    acc.stop_reason = item.stop_reason
     return acc

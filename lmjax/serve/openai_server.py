@@ -234,7 +234,7 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
                 if new:
                     delta = {"role": "assistant", "content": "", **delta}
                 if delta or finish or logprobs:  # a piece held back whole (a call may be starting) sends nothing
-                    yield R.sse(R.chat_chunk(head, i, delta, finish, logprobs))
+                    yield R.sse(R.chat_chunk(head, i, delta, finish, logprobs, out.stop_reason))
             if req.include_usage:
                 yield R.sse(R.usage_chunk(head, "chat.completion.chunk", choices))
             yield R.sse("[DONE]")

@@ -137,7 +137,7 @@ def chat_body(head: Head, choices: Choices, k: int, decode, to_bytes=None, tools
     for i, o in sorted(choices.outs.items()):
         message, finish_reason = chat_message(o.response, o.finish_reason, tools)
         items.append({"index": i, "message": message, "logprobs": chat_logprobs(o, k, decode, to_bytes),
-                      "finish_reason": finish_reason})
+                      "finish_reason": finish_reason, "stop_reason": o.stop_reason})
     return {**head.fields("chat.completion"), "choices": items, "usage": choices.usage()}
 
 
@@ -171,13 +171,14 @@ def completion_body(head: Head, choices: Choices, k: int, decode, echo: list[Ech
         e = echo[i // choices.n] if echo else None
         prefix = e.text if e else ""
         items.append({"index": i, "text": prefix + o.response, "finish_reason": o.finish_reason,
-                      "logprobs": completion_logprobs(o, k, decode, len(prefix), e)})
+                      "stop_reason": o.stop_reason, "logprobs": completion_logprobs(o, k, decode, len(prefix), e)})
     return {**head.fields("text_completion"), "choices": items, "usage": choices.usage()}
 
 
-def chat_chunk(head: Head, index: int, delta: dict, finish_reason=None, logprobs=None) -> dict:
+def chat_chunk(head: Head, index: int, delta: dict, finish_reason=None, logprobs=None, stop_reason=None) -> dict:
     return {**head.fields("chat.completion.chunk"),
-            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
+                         "stop_reason": stop_reason}]}
 
 
 def completion_chunk(head: Head, index: int, out: GenOut, k: int, decode, echo: Echo | None, offset: int) -> dict:
@@ -185,6 +186,7 @@ def completion_chunk(head: Head, index: int, out: GenOut, k: int, decode, echo: 
     text = (echo.text if echo else "") + out.response
     return {**head.fields("text_completion"),
             "choices": [{"index": index, "text": text, "finish_reason": out.finish_reason,
+                         "stop_reason": out.stop_reason,
                          "logprobs": completion_logprobs(out, k, decode, offset, echo)}]}
 
 
