@@ -16,6 +16,7 @@ its new tokens. `step` (LMDeploy's KV offset): 0 continues after the whole histo
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import collections
 import concurrent.futures
 import functools
@@ -27,7 +28,7 @@ from collections.abc import AsyncIterator, Iterator
 
 from lmjax.api.batch import encode_chat, encode_text, per_prompt, token_ids_of
 from lmjax.api.engine_thread import EngineThread, GenOut, merge_outputs
-from lmjax.api.outputs import Response, batch_index
+from lmjax.api.outputs import Response, batch_index, lmdeploy_tokens
 from lmjax.api.lmdeploy_params import GEN_CONFIG_KINDS, lmdeploy_sampling_params, special_token_ids
 from lmjax.api.pipeline import _engine_config, check_adapter
 from lmjax.config import ChatTemplateConfig, SamplingParams
@@ -137,10 +138,12 @@ class AsyncEngine:
                        stream_response: bool = True, sequence_start: bool = True, sequence_end: bool = True,
                        step: int = 0, do_preprocess: bool = True, input_ids: list[int] | None = None,
                        stop: bool | str | list[str] | None = None, adapter_name: str | None = None,
-                       **legacy) -> AsyncIterator[GenOut]:
+                       vllm_outputs: bool = False, **legacy) -> AsyncIterator[GenOut]:
         """Yield GenOuts: with `stream_response`, one per step carrying the new text (`response`) and
         `token_ids`; otherwise one per completion at the end, with the whole text. Raises ValueError
-        (before any work) for a bad prompt or setting, e.g. one over session_len."""
+        (before any work) for a bad prompt or setting, e.g. one over session_len. The token that stopped a
+        reply is left out of its token_ids, logprobs and generate_token_len, as LMDeploy does;
+        `vllm_outputs` (lmjax's, for the OpenAI server) keeps it, as vLLM does."""
         check_adapter(adapter_name)
         if isinstance(stop, bool):  # LMDeploy's old `stop=True`: stop the session's running turn
             if stop:
@@ -159,7 +162,7 @@ class AsyncEngine:
         run = self._run(session_id, ids, params, text, sequence_start, sequence_end, stream_response, step)
         try:
             async for out in run:
-                yield out
+                yield out if vllm_outputs else _lmdeploy_out(out, params.include_stop_str_in_output)
         finally:
             await run.aclose()  # now, with this generator's own close: not one more loop round later
 
@@ -234,7 +237,7 @@ class AsyncEngine:
         single, encoded, params = self._batch(prompts, gen_config, do_preprocess, legacy, chat_template_config)
         sinks = [queue.SimpleQueue() for _ in encoded]
         self._add_many(encoded, params, [s.put for s in sinks])
-        out = [r for p, (s, sp) in enumerate(zip(sinks, params)) for r in _drain(s, p, sp.n)]
+        out = [r for p, (s, sp) in enumerate(zip(sinks, params)) for r in _drain(s, p, sp)]
         return out[0] if single and len(out) == 1 else out
 
     __call__ = batch_infer
@@ -257,7 +260,8 @@ class AsyncEngine:
                 elif isinstance(item, BaseException):
                     raise item
                 else:
-                    yield _response(item, index=batch_index(p, params[p].n, item.index))
+                    yield _response(_lmdeploy_out(item, params[p].include_stop_str_in_output),
+                                    index=batch_index(p, params[p].n, item.index))
             done = True
         finally:
             if not done:
@@ -356,13 +360,23 @@ def _tagged(put, position: int, item) -> None:
     put((position, item))
 
 
-def _drain(sink: queue.SimpleQueue, position: int, n: int) -> list[Response]:
+def _drain(sink: queue.SimpleQueue, position: int, params: SamplingParams) -> list[Response]:
     whole: dict[int, GenOut] = {}
     while (item := sink.get()) is not None:
         if isinstance(item, BaseException):
             raise item
         whole[item.index] = merge_outputs(whole.get(item.index), item)
-    return [_response(whole[i], index=batch_index(position, n, i)) for i in sorted(whole)]
+    return [_response(_lmdeploy_out(whole[i], params.include_stop_str_in_output),
+                      index=batch_index(position, params.n, i)) for i in sorted(whole)]
+
+
+def _lmdeploy_out(out: GenOut, include_stop: bool) -> GenOut:
+    """A GenOut as LMDeploy's AsyncEngine gives it: without the token that stopped the reply (outputs.py)."""
+    if out.stop_token_id is None:
+        return out
+    ids, logprobs, count = lmdeploy_tokens(list(out.token_ids), out.logprobs, out.generate_token_len,
+                                           out.stop_token_id, include_stop)
+    return dataclasses.replace(out, token_ids=ids, logprobs=logprobs, generate_token_len=count)
 
 
 def _default_name(path: str) -> str:

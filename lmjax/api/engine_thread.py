@@ -51,6 +51,7 @@ class GenOut:
     last_hidden_state: Any = None
     error: str | None = None  # why, when finish_reason is "error" (lmjax's: LMDeploy's GenOut has no such field)
     stop_reason: int | str | None = None  # vLLM's: the stop string or token id that ended it (None: EOS, length)
+    stop_token_id: int | None = None  # the token that ended it (EOS or a stop id), on its last output
 
 
 @dataclasses.dataclass(eq=False)
@@ -274,7 +275,8 @@ class EngineThread:
                                            c.finish_reason, ids, logprobs, c.index, req.num_cached_tokens,
                                            req.prompt_logprobs, **host_arrays(c),
                                            error=req.error if c.finish_reason == "error" else None,
-                                           stop_reason=c.stop_reason if c.finished else None)):
+                                           stop_reason=c.stop_reason if c.finished else None,
+                                           stop_token_id=c.stop_token_id if c.finished else None)):
                 return
             if c.finished:
                 live.done.add(c.index)
@@ -333,5 +335,5 @@ def merge_outputs(acc: GenOut | None, item: GenOut) -> GenOut:
         acc.logprobs += item.logprobs
     acc.generate_token_len, acc.finish_reason = item.generate_token_len, item.finish_reason
     acc.logits, acc.last_hidden_state, acc.error = item.logits, item.last_hidden_state, item.error
-    acc.stop_reason = item.stop_reason
+    acc.stop_reason, acc.stop_token_id = item.stop_reason, item.stop_token_id
     return acc

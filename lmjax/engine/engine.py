@@ -367,6 +367,7 @@ class LLMEngine(SessionsMixin, MultiStepMixin, HostOutputsMixin, SpeculativeMixi
         if stop_token:
             # vLLM's: None for the tokenizer's EOS; the id for stop_token_ids and other EOS ids (stop ids to vLLM)
             comp.stop_reason = None if token == self.tokenizer_eos and not p.ignore_eos else token
+            comp.stop_token_id = token
             return self._finish(req, comp, "stop")
         if comp.guide is not None and (reason := advance_guide(req, comp, token)):
             return self._finish(req, comp, reason)  # the guided output is complete ("stop") or stuck

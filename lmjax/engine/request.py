@@ -33,6 +33,7 @@ class Completion:
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop string or token id that ended it
+    stop_token_id: int | None = None  # the token (EOS or a stop id) that ended it, whatever stop_reason says
     _emitted_text: int = 0
     _emitted_tokens: int = 0
     _text: str = ""

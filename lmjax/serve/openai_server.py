@@ -176,7 +176,8 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
                 else:  # it compiles the guide (up to ~0.3 s, then cached): off the event loop
                     await asyncio.to_thread(engine.engine.validate_request, ids, params)
                 check_room(ids, params.max_tokens)
-            gens = [engine.generate(None, new_session_id(), params, input_ids=ids) for _, ids in prompts]
+            gens = [engine.generate(None, new_session_id(), params, input_ids=ids, vllm_outputs=True)
+                    for _, ids in prompts]
             return await first_and_rest(merge(gens))
 
     async def collect(raw: Request, first, rest, choices: R.Choices, openai: bool = True) -> bool:

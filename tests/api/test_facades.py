@@ -45,7 +45,9 @@ def test_pipeline_and_llm_agree_on_greedy_chat(pipe):
     ours = pipe([messages], gen_config=GenerationConfig(max_new_tokens=20))[0]
     llm = LLM(MODEL, max_model_len=1024)
     theirs = llm.chat(messages, SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)[0].outputs[0]
-    assert ours.token_ids == theirs.token_ids and ours.text == theirs.text
+    # LMDeploy leaves the stop token out of token_ids, vLLM keeps it
+    assert ours.token_ids == theirs.token_ids[:len(theirs.token_ids) - (theirs.finish_reason == "stop")]
+    assert ours.text == theirs.text
 
 
 def test_single_prompt_gives_single_response_and_chat_session(pipe):
