@@ -128,6 +128,8 @@ class SamplingParams:
     output_logits: str | None = None
     output_last_hidden_state: str | None = None
     detokenize: bool = True  # False: token ids only, text "" (vLLM's)
+    # lmjax's: LMDeploy's filter order, min_p after top-k and top-p (GenerationConfig sets it); vLLM's first
+    min_p_after_top_p: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # vLLM's: what lmjax.LLMEngine.step returns
     # vLLM fields lmjax does not implement: accepted at their defaults only
     best_of: int | None = None
@@ -286,7 +288,8 @@ class GenerationConfig:
             include_stop_str_in_output=self.include_stop_str_in_output,
             guided_decoding=from_response_format(self.response_format),
             logits_processors=[AllIds(f) for f in self.logits_processors or ()] or None,
-            output_logits=self.output_logits, output_last_hidden_state=self.output_last_hidden_state)
+            output_logits=self.output_logits, output_last_hidden_state=self.output_last_hidden_state,
+            min_p_after_top_p=True)
 
 
 # Engine features that have a field but no implementation yet: a non-default value raises.

@@ -46,6 +46,7 @@ class SamplingMetadata:
     top_k_B: jax.Array                # int32, 0 = off
     top_p_B: jax.Array                # float32, 1 = off
     min_p_B: jax.Array                # float32, 0 = off
+    min_p_last_B: jax.Array           # bool: LMDeploy's order (top-k, top-p, then min-p), else vLLM's
     repetition_penalty_B: jax.Array   # float32, over prompt + output tokens
     presence_penalty_B: jax.Array     # float32, over output tokens
     frequency_penalty_B: jax.Array    # float32, over output tokens
@@ -189,11 +190,15 @@ def _logprob_outputs(raw_BV: jax.Array, token_ids_B: jax.Array, num_logprobs: in
 
 def warp(logits_BV: jax.Array, meta: SamplingMetadata, use_top_k_top_p: bool, max_top_k: int = 0) -> jax.Array:
     """Temperature, then vLLM's (V1) order: min_p on the temperature-scaled distribution, then top-k and
-    top-p on what it left (V0 applied min_p last)."""
-    logits_BV = apply_temperature(logits_BV, meta.temperature_B)
-    logits_BV = apply_min_p(logits_BV, meta.min_p_B)
+    top-p on what it left (V0 applied min_p last); rows with `min_p_last` take LMDeploy's: top-k and top-p
+    on the whole distribution, then min_p. (min_p's test, p >= min_p * max p, keeps the same tokens before
+    or after the others renormalise, so LMDeploy's order is min_p's mask over top-k/top-p of the whole.)"""
+    scaled_BV = apply_temperature(logits_BV, meta.temperature_B)
+    logits_BV = apply_min_p(scaled_BV, meta.min_p_B)
     if use_top_k_top_p:
-        logits_BV = apply_top_k_top_p(logits_BV, meta.top_k_B, meta.top_p_B, max_top_k)
+        last_B1 = meta.min_p_last_B[:, None]
+        kept_BV = apply_top_k_top_p(jnp.where(last_B1, scaled_BV, logits_BV), meta.top_k_B, meta.top_p_B, max_top_k)
+        logits_BV = jnp.where(last_B1 & (logits_BV == -jnp.inf), -jnp.inf, kept_BV)
     return logits_BV
 
 
@@ -306,6 +311,7 @@ def build_sampling_metadata(rows: Sequence[SamplingRow], pad_to: int
         # a top_p below float32's smallest normal would round to 0, which keeps no token: keep the top one
         top_p_B=column(lambda r: max(r.params.top_p, FLOAT32_TINY), np.float32, 1.0),
         min_p_B=column(lambda r: r.params.min_p, np.float32, 0.0),
+        min_p_last_B=column(lambda r: r.params.min_p_after_top_p, np.bool_, False),
         repetition_penalty_B=column(lambda r: r.params.repetition_penalty, np.float32, 1.0),
         presence_penalty_B=column(lambda r: r.params.presence_penalty, np.float32, 0.0),
         frequency_penalty_B=column(lambda r: r.params.frequency_penalty, np.float32, 0.0),

@@ -162,6 +162,40 @@ def test_warpers_match_hf(kwargs):
         np.testing.assert_allclose(ours[~np.isinf(ours)], theirs[~np.isinf(theirs)], rtol=1e-6)
 
 
+def hf_warp_lmdeploy(scores, p: SamplingParams):
+    """LMDeploy's order (both engines, probe 25): temperature, top-k, top-p, then min-p."""
+    if p.temperature != 1.0:
+        scores = TemperatureLogitsWarper(p.temperature)(None, scores)
+    if p.top_k > 0:
+        scores = TopKLogitsWarper(p.top_k)(None, scores)
+    if p.top_p < 1.0:
+        scores = TopPLogitsWarper(p.top_p)(None, scores)
+    if p.min_p > 0:
+        scores = MinPLogitsWarper(p.min_p)(None, scores)
+    return scores
+
+
+@pytest.mark.parametrize("kwargs", [dict(top_p=0.5, min_p=0.2), dict(temperature=1.3, top_k=40, top_p=0.7, min_p=0.3),
+                                    dict(top_p=0.95, min_p=0.05)])
+def test_lmdeploy_rows_filter_min_p_last_beside_vllm_rows(kwargs):
+    """GenerationConfig's params take LMDeploy's order, SamplingParams' vLLM's, in one batch."""
+    from lmjax.config import GenerationConfig
+
+    lmdeploy = GenerationConfig(**{"top_k": 0, "temperature": 1.0, **kwargs}, do_sample=True).to_sampling_params()
+    vllm = SamplingParams(**kwargs)
+    assert lmdeploy.min_p_after_top_p and not vllm.min_p_after_top_p
+    logits = rand_logits(6, 200, seed=11)
+    meta, _ = build_sampling_metadata([SamplingRow(lmdeploy, seed=0), SamplingRow(vllm, seed=0)] * 3, 6)
+    ours = np.asarray(lmjax_warp(jnp.asarray(logits), meta, 0))
+    for b in range(6):
+        warper, params = (hf_warp_lmdeploy, lmdeploy) if b % 2 == 0 else (hf_warp, vllm)
+        theirs = warper(torch.tensor(logits[b:b + 1]), params).numpy()[0]
+        np.testing.assert_array_equal(np.isinf(ours[b]), np.isinf(theirs))
+        np.testing.assert_allclose(ours[b][~np.isinf(ours[b])], theirs[~np.isinf(theirs)], rtol=1e-6)
+    if kwargs == dict(top_p=0.5, min_p=0.2):  # where the orders part: vLLM's renormalised top-p cuts harder
+        assert np.isfinite(ours[0::2]).sum() > np.isfinite(ours[1::2]).sum()
+
+
 def test_max_top_k_flag():
     rows = lambda *ks: [SamplingRow(SamplingParams(top_k=k), seed=0) for k in ks]  # noqa: E731
     assert build_sampling_metadata(rows(40, 3), 2)[1].max_top_k == 64
