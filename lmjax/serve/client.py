@@ -77,7 +77,7 @@ class APIClient:
                             max_tokens: int | None = None, stop: str | list[str] | None = None,
                             stream: bool = False, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                             user: str | None = None, repetition_penalty: float = 1.0, ignore_eos: bool = False,
-                            skip_special_tokens: bool = True, top_k: int = 0, seed: int | None = None,
+                            skip_special_tokens: bool = True, top_k: int = 40, seed: int | None = None,
                             **kwargs) -> Iterator[dict]:
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
@@ -157,7 +157,7 @@ class APIClient:
             if resp.status_code >= 400:
                 resp.read()
                 self._check(resp)
-            for line in resp.iter_lines():
+            for line in _lines(resp):
                 if sse:
                     if not line.startswith("data:"):
                         continue
@@ -167,7 +167,9 @@ class APIClient:
                 if line.strip():
                     item = json.loads(line)
                     if "error" in item and "choices" not in item and "text" not in item:
-                        raise APIClientError(500, item["error"].get("message", str(item)))
+                        code = item["error"].get("code")  # the status the same request would get unstreamed
+                        raise APIClientError(code if isinstance(code, int) and code >= 400 else 500,
+                                             item["error"].get("message", str(item)))
                     yield item
 
     @contextlib.contextmanager
@@ -188,12 +190,38 @@ class APIClient:
         return resp
 
 
+# None sent as null: "no limit but the context" (the server's, as vLLM's); dropped it would be the default (16)
+_NULL_MEANS_NO_LIMIT = ("max_tokens", "request_output_len")
+
+
 def _payload(args: dict, extra: dict) -> dict:
-    body = {k: v for k, v in args.items() if k not in ("self", "kwargs") and v is not None}
+    body = {k: v for k, v in args.items()
+            if k not in ("self", "kwargs") and (v is not None or k in _NULL_MEANS_NO_LIMIT)}
     body.update(extra)
     return body
 
 
-def get_model_list(api_url: str, api_key: str | None = None) -> list[str]:
-    """LMDeploy's helper: the model ids served at `api_url`."""
-    return APIClient(api_url, api_key).available_models
+def _lines(resp: httpx.Response) -> Iterator[str]:
+    """The body's lines, split at LF only (SSE's and JSON lines' separator): httpx's iter_lines also splits at
+    U+2028, U+2029 and U+0085, which the server's JSON carries raw inside strings."""
+    rest = ""
+    for text in resp.iter_text():
+        *lines, rest = (rest + text).split("\n")
+        yield from (line.removesuffix("\r") for line in lines)
+    if rest:
+        yield rest
+
+
+def get_model_list(api_url: str, headers: dict | None = None) -> list[str] | None:
+    """LMDeploy's helper: the model ids at `api_url`, the server's /v1/models URL (a bare server URL gets
+    /v1/models added); None, logged, when the server answers with an error."""
+    url = api_url.rstrip("/")
+    url = url if url.endswith("/models") else f"{url}/v1/models"
+    try:
+        response = httpx.get(url, headers=headers)
+    except _UNREACHABLE as e:
+        raise APIConnectionError(f"cannot reach the server at {api_url}: {e}") from e
+    if response.status_code >= 400:
+        logger.error("failed to get the model list: %s returns %d", url, response.status_code)
+        return None
+    return [item["id"] for item in response.json().get("data", [])]
