@@ -202,6 +202,8 @@ def _add_serve(subparsers) -> None:
                      help="defaults of the sampling fields a request leaves out: 'auto' the model's "
                           "generation_config.json, 'vllm' none (OpenAI's), or that of DIR (vLLM's flag; default: auto)")
     api.set_defaults(func=_serve)
+    from lmjax.serve.api_client_cli import add_parser  # (imports no httpx: the serve extra's)
+    add_parser(servers)
 
 
 def _async_engine(args, log_level: str = "ERROR"):

@@ -50,3 +50,35 @@ def test_get_model_list_takes_lmdeploys_url_and_headers(http, monkeypatch):
     assert get_model_list(f"{base}/v1/models", headers={"content-type": "application/json"}) == ["tiny"]
     assert get_model_list(base) == ["tiny"]
     assert get_model_list(f"{base}/v1/nothing/models") is None  # a 404: LMDeploy logs it and answers None
+
+
+def test_lmdeploys_module_functions_run_an_interactive_turn(http, monkeypatch, capsys):
+    """get_streaming_response / input_prompt / main of lmdeploy.serve.openai.api_client (`lmdeploy serve
+    api_client URL`) were missing."""
+    from lmjax.serve.openai import api_client
+
+    monkeypatch.setattr(api_client.APIClient, "__init__", _in_process(http))
+    monkeypatch.setattr(api_client.APIClient, "close", lambda self: None)  # (the module's http client is shared)
+    pieces = list(api_client.get_streaming_response("t5 t6", f"{http.base_url}/v1/chat/interactive", session_id=11,
+                                                    request_output_len=3))
+    assert pieces and all(len(p) == 3 for p in pieces) and pieces[-1][2] in ("stop", "length")
+    lines = iter(["t5 t6", "", "exit", ""])
+    monkeypatch.setattr("builtins.input", lambda: next(lines))
+    api_client.main(str(http.base_url), session_id=12)
+    assert "double enter to end input" in capsys.readouterr().out
+
+
+def _in_process(http):
+    init = APIClient.__init__
+
+    def __init__(self, url, api_key=None, **kwargs):
+        init(self, url, api_key, **kwargs)
+        self._http = http
+    return __init__
+
+
+def test_serve_api_client_is_a_command():
+    from lmjax import cli
+
+    args = cli.build_parser().parse_args(["serve", "api_client", "http://127.0.0.1:1", "--session-id", "3"])
+    assert (args.api_server_url, args.session_id, args.api_key) == ("http://127.0.0.1:1", 3, None)
