@@ -374,9 +374,10 @@ def _lmdeploy_out(out: GenOut, include_stop: bool) -> GenOut:
     """A GenOut as LMDeploy's AsyncEngine gives it: without the token that stopped the reply (outputs.py)."""
     if out.stop_token_id is None:
         return out
-    ids, logprobs, count = lmdeploy_tokens(list(out.token_ids), out.logprobs, out.generate_token_len,
-                                           out.stop_token_id, include_stop)
-    return dataclasses.replace(out, token_ids=ids, logprobs=logprobs, generate_token_len=count)
+    rows = {"logits": out.logits, "last_hidden_state": out.last_hidden_state}
+    ids, logprobs, count, rows = lmdeploy_tokens(list(out.token_ids), out.logprobs, out.generate_token_len, rows,
+                                                 out.stop_token_id, include_stop)
+    return dataclasses.replace(out, token_ids=ids, logprobs=logprobs, generate_token_len=count, **rows)
 
 
 def _default_name(path: str) -> str:

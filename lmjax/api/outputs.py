@@ -137,22 +137,24 @@ def batch_index(position: int, n: int, completion: int) -> int:
 
 def response(r: Request, c: Completion, session_id: int | None = None, index: int | None = None) -> Response:
     """index: the Response's `index` (LMDeploy: the prompt's position in the batch); default the completion's."""
-    ids, logprobs, count = lmdeploy_tokens(list(c.token_ids), c.logprobs, len(c.token_ids), c.stop_token_id,
-                                           r.params.include_stop_str_in_output)
+    ids, logprobs, count, rows = lmdeploy_tokens(list(c.token_ids), c.logprobs, len(c.token_ids), host_arrays(c),
+                                                 c.stop_token_id, r.params.include_stop_str_in_output)
     return Response(c.text, count, len(r.prompt_token_ids), c.finish_reason, ids, logprobs,
-                    index=c.index if index is None else index, session_id=session_id, **host_arrays(c))
+                    index=c.index if index is None else index, session_id=session_id, **rows)
 
 
-def lmdeploy_tokens(ids: list[int], logprobs: list | None, count: int, stop_token_id: int | None,
-                    include_stop: bool) -> tuple[list[int], list | None, int]:
-    """(token_ids, logprobs, generate_token_len) as LMDeploy reports a reply's last output: the token that
-    stopped it (EOS or a stop id) is not counted, and not in token_ids or logprobs unless
-    include_stop_str_in_output (vLLM keeps it in all three)."""
+def lmdeploy_tokens(ids: list[int], logprobs: list | None, count: int, rows: dict, stop_token_id: int | None,
+                    include_stop: bool) -> tuple[list[int], list | None, int, dict]:
+    """(token_ids, logprobs, generate_token_len, {logits, last_hidden_state}) as LMDeploy reports a reply's
+    last output: the token that stopped it (EOS or a stop id) is not counted, and neither in token_ids and
+    logprobs nor as the last row of the logits and hidden states, unless include_stop_str_in_output (vLLM
+    keeps it everywhere)."""
     if stop_token_id is None:
-        return ids, logprobs, count
+        return ids, logprobs, count, rows
     if include_stop or not ids or ids[-1] != stop_token_id:
-        return ids, logprobs, count - 1
-    return ids[:-1], None if logprobs is None else logprobs[:-1], count - 1
+        return ids, logprobs, count - 1, rows
+    rows = {name: None if a is None else a[:-1] for name, a in rows.items()}
+    return ids[:-1], None if logprobs is None else logprobs[:-1], count - 1, rows
 
 
 def host_arrays(c: Completion) -> dict:

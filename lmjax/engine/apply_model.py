@@ -8,14 +8,12 @@ merged into one projection each, and on one GPU out-major (transposed) weights f
 """
 from __future__ import annotations
 
-import logging
 from typing import Callable, TypeVar
 
 import jax
 from flax import nnx
 
 _R = TypeVar("_R")
-logger = logging.getLogger(__name__)
 
 
 def engine_model(runner) -> nnx.Module:
@@ -26,9 +24,10 @@ def engine_model(runner) -> nnx.Module:
 
 def apply_model(engine, func: Callable[[nnx.Module], _R]) -> _R:
     """func(model) on a copy of the engine's model; then its parameter values become the engine's (each
-    placed as the one it replaces) and the prefix cache is dropped (its KV came from the old weights).
-    Changing the model's structure, or a parameter's shape or dtype, is refused and leaves the engine
-    as it was."""
+    placed as the one it replaces) and no request reuses KV cached from the old weights. Changing the
+    model's structure, or a parameter's shape or dtype, is refused and leaves the engine as it was.
+    Requests running meanwhile keep the KV they have; quant_policy 4's KV calibration (from engine start)
+    stays."""
     runner = engine.runner
     if runner.leading:
         raise NotImplementedError("apply_model is not supported by a multi-process engine led by one process")
@@ -44,9 +43,10 @@ def apply_model(engine, func: Callable[[nnx.Module], _R]) -> _R:
                              f"{new.dtype}{list(new.shape)}: keep each parameter's shape and dtype")
     runner.params = [new if new is old else jax.device_put(new, old.sharding) for old, new in zip(runner.params, params)]
     runner.state = jax.tree_util.tree_unflatten(params_def, runner.params)
-    if not engine.blocks.reset_prefix_cache():
-        logger.warning("apply_model: the prefix cache was kept (requests or sessions hold KV blocks); their "
-                       "cached keys and values come from the weights before")
+    # Blocks cached from the old weights are never shared again (a new salt), and are forgotten now when
+    # no request or session holds one (a kept session's next turn recomputes: its salt differs too).
+    engine.weights_version += 1
+    engine.blocks.reset_prefix_cache()
     return result
 
 

@@ -76,6 +76,7 @@ class LLMEngine(SessionsMixin, MultiStepMixin, HostOutputsMixin, SpeculativeMixi
         self.requests: dict[str, Request] = {}
         self.sessions: dict = {}  # session id -> its finished Sequence (tokens, kept KV blocks)
         self._session_of: dict[int, object] = {}  # seq_id -> session id, for turns that keep their KV
+        self.weights_version = 0  # bumped by apply_model: part of the prefix cache's salt
         self.num_prefill_tokens = self.num_generated_tokens = 0  # prompt tokens computed, tokens sampled
         self.num_decode_loops = 0  # multi-step decode calls (num_scheduler_steps tokens per sequence each)
         self._pending = None  # (batch, PendingDecode): a multi-step call dispatched, its tokens unread
@@ -192,9 +193,11 @@ class LLMEngine(SessionsMixin, MultiStepMixin, HostOutputsMixin, SpeculativeMixi
 
     def _cache_salt(self, num_prompt_tokens: int):
         """Dynamic NTK rotates a prompt's keys with a base set by the prompt's length once it passes the
-        trained context, so only prompts alike in that share cached blocks (below it: all alike)."""
+        trained context, so only prompts alike in that share cached blocks (below it: all alike). After
+        apply_model, blocks cached from the weights before (`weights_version`) are never shared either."""
         rope = self.model_config.rope
-        return max(num_prompt_tokens, rope.max_position_embeddings) if rope.is_dynamic else None
+        salt = max(num_prompt_tokens, rope.max_position_embeddings) if rope.is_dynamic else None
+        return (self.weights_version, salt) if self.weights_version else salt
 
     def abort(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)

@@ -186,7 +186,7 @@ def paged_attention(q_TNH, k_cache_PSKH, v_cache_PSKH, meta: AttentionMetadata, 
             return fast(q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, block_tables_BM, cu_q_lens_B1)
         reference = functools.partial(ragged_paged_attention_reference, sm_scale=sm_scale,
                                       sliding_window=sliding_window)
-        return _with_reference_vjp(fast, reference)(q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B,
+        return _with_reference_derivatives(fast, reference)(q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B,
                                                     block_tables_BM, cu_q_lens_B1)
 
     args = (q_TNH, k_cache_PSKH, v_cache_PSKH, meta.kv_lens_B, meta.block_tables_BM, meta.cu_q_lens_B1)
@@ -206,22 +206,20 @@ def paged_attention(q_TNH, k_cache_PSKH, v_cache_PSKH, meta: AttentionMetadata, 
     return sharded(*args)
 
 
-def _with_reference_vjp(fast, reference):
-    """`fast` (the Pallas kernel, or the XLA tiled op's loop with dynamic bounds: neither has a reverse-mode
-    rule) with the gradient of `reference` (a scan): jax.grad through the model works with the default
-    attention (researchers' gradients; the forward pass is unchanged)."""
-    @jax.custom_vjp
+def _with_reference_derivatives(fast, reference):
+    """`fast` (the Pallas kernel, or the XLA tiled op's loop with dynamic bounds: neither has a derivative
+    rule) with the derivatives of `reference` (a scan): jax.jvp and, by JAX's transposition of the linear
+    part, jax.grad through the model work with the default attention (researchers' gradients); the forward
+    pass is unchanged. The lengths and block tables are integers: no tangents."""
+    @jax.custom_jvp
     def op(q, k, v, kv_lens, tables, cu):
         return fast(q, k, v, kv_lens, tables, cu)
 
-    def op_fwd(q, k, v, kv_lens, tables, cu):
-        return fast(q, k, v, kv_lens, tables, cu), (q, k, v, kv_lens, tables, cu)
-
-    def op_bwd(res, g):
-        q, k, v, kv_lens, tables, cu = res
-        _, vjp = jax.vjp(lambda q, k, v: reference(q, k, v, kv_lens, tables, cu), q, k, v)
-        return (*vjp(g), None, None, None)  # the lengths and tables are integers: no cotangent
-    op.defvjp(op_fwd, op_bwd)
+    @op.defjvp
+    def op_jvp(primals, tangents):
+        q, k, v, kv_lens, tables, cu = primals
+        _, out_dot = jax.jvp(lambda q, k, v: reference(q, k, v, kv_lens, tables, cu), (q, k, v), tangents[:3])
+        return fast(*primals), out_dot
     return op
 
 

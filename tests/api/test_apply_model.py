@@ -27,13 +27,36 @@ def _greedy(llm, ids=PROMPT):
 
 
 def test_llm_apply_model_changes_what_generate_runs(tiny):
-    llm, ref = LLM(tiny, max_model_len=128, block_size=16, enable_prefix_caching=True), LLM(tiny, max_model_len=128)
+    llm = LLM(tiny, max_model_len=128, block_size=16)
     before = _greedy(llm)
     assert llm.apply_model(_negate_final_norm) == ["done"]
-    ref.apply_model(_negate_final_norm)
-    after = _greedy(llm)
-    assert after != before  # the argmax of negated logits is another token
-    assert after == _greedy(ref)  # and the prefix cache (PROMPT's blocks, old weights) was dropped
+    assert _greedy(llm) != before  # the argmax of negated logits is another token
+
+
+LONG = [(7 * i + 5) % 200 + 4 for i in range(40)]  # two full blocks of 16: cached by a first request
+
+
+def _scale_layer0_v(model):  # changes the keys and values the prompt's blocks hold (review 25)
+    attn = model.layers[0].self_attn
+    w = (attn.qkv_proj if attn.qkv_proj is not None else attn.v_proj).kernel
+    w[...] = w[...] * 3.0
+
+
+@pytest.mark.parametrize("idle_session", [False, True])
+def test_no_request_reads_kv_cached_from_the_old_weights(tiny, idle_session):
+    """Also while an idle interactive session holds a block (the prefix cache cannot be reset then)."""
+    llm, ref = LLM(tiny, max_model_len=128, block_size=16, enable_prefix_caching=True), LLM(tiny, max_model_len=128)
+    engine = llm.llm_engine
+    _greedy(llm, LONG)
+    if idle_session:
+        engine.add_session_request(1, [10, 11, 12], SamplingParams(max_tokens=2, temperature=0),
+                                   sequence_start=True, sequence_end=False)
+        while engine.has_unfinished():
+            engine.step()
+        assert engine.blocks.num_free_blocks != engine.blocks.num_usable_blocks  # the session holds a block
+    llm.apply_model(_scale_layer0_v)
+    ref.apply_model(_scale_layer0_v)
+    assert _greedy(llm, LONG) == _greedy(ref, LONG)
 
 
 def test_pipeline_scores_and_generates_with_the_edited_weights(tiny):

@@ -61,6 +61,17 @@ def test_stream_infer_and_async_generate_leave_it_out(pipe):
     assert (out.generate_token_len, out.finish_reason) == (2, "stop")
 
 
+@pytest.mark.parametrize("kind", ["output_logits", "output_last_hidden_state"])
+def test_the_stop_tokens_logits_and_hidden_row_go_too(pipe, kind):
+    """(review 25: the rows stayed, [3, V] logits for 2 token ids)"""
+    for pieces in (False, True):
+        cfg = _config([5, 6, EOS], **{kind: "generation"})
+        r = list(pipe.stream_infer(["t9 t8"], gen_config=cfg, do_preprocess=False))[-1] if pieces else \
+            pipe(["t9 t8"], gen_config=cfg, do_preprocess=False)[0]
+        rows = r.logits if kind == "output_logits" else r.last_hidden_state
+        assert rows.shape[0] == 2, (pieces, rows.shape)
+
+
 def test_a_length_cut_reply_keeps_every_token(pipe):
     r = pipe(["t9 t8"], gen_config=GenerationConfig(max_new_tokens=3, logits_processors=[_forcing([5])]),
              do_preprocess=False)[0]

@@ -2,8 +2,10 @@
 settings (probe 25): the default attention on CPU (`auto` -> the XLA tiled op, a fori_loop with dynamic bounds)
 and on GPU (`auto` -> Pallas kernels) has no reverse-mode rule, so JAX raised "Reverse-mode differentiation
 does not work for lax.while_loop..."; paged_attention now differentiates through the jnp reference
-(lmjax.layers.attention._with_reference_vjp) and the gradient matches PyTorch's."""
+(lmjax.layers.attention._with_reference_derivatives) and the gradient matches PyTorch's; forward mode (jax.jvp)
+works too and agrees with it (a custom_vjp, the first fix, had broken jvp: review 25)."""
 import jax
+import jax.numpy as jnp
 import numpy as np
 import torch
 import transformers
@@ -33,3 +35,20 @@ def test_grad_of_a_token_logprob_matches_torch(tmp_path, monkeypatch):
     out.backward()
     want = hf.model.layers[0].self_attn.q_proj.weight.grad.numpy().T
     np.testing.assert_allclose(got, want, atol=1e-6)
+
+
+def test_jvp_agrees_with_grad(tmp_path, monkeypatch):
+    monkeypatch.delenv("LMJAX_ATTENTION_IMPL", raising=False)
+    model = load_model(write_tiny_llama(tmp_path), dtype="float32").model
+    ids_T, pos_T, caches, meta, _ = prefill_inputs(model, [[5, 9, 14, 3, 7, 21, 8]])
+    graphdef, state = nnx.split(model)
+
+    def last_logit(state):
+        m = nnx.merge(graphdef, state)
+        hidden_TD, _ = m(ids_T, pos_T, caches, meta)
+        return m.compute_logits(hidden_TD)[-1, 0]
+    tangent = jax.tree_util.tree_map(jnp.ones_like, state)
+    _, jvp_out = jax.jvp(last_logit, (state,), (tangent,))
+    grads = jax.grad(last_logit)(state)
+    dot = sum(float(jnp.vdot(a, b)) for a, b in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(tangent)))
+    np.testing.assert_allclose(float(jvp_out), dot, rtol=1e-4)
