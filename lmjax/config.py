@@ -35,8 +35,8 @@ DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's --dtype spelli
 def dtype_name(dtype) -> str:
     """One of DTYPES for a dtype as vLLM takes it: a name, "half" / "float", or a torch / numpy / JAX dtype;
     a ValueError naming anything else."""
-    if isinstance(dtype, str):
-        name = DTYPE_ALIASES.get(dtype, dtype)
+    if isinstance(dtype, str):  # (vLLM lower-cases the name)
+        name = DTYPE_ALIASES.get(dtype.lower(), dtype.lower())
     elif str(dtype).startswith("torch."):
         name = str(dtype).removeprefix("torch.")
     else:

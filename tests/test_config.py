@@ -148,14 +148,6 @@ def test_engine_config_validation():
         EngineConfig(dtype="fp8")
     with pytest.raises(ValueError, match="dtype must be one of .* got torch.int8"):
         EngineConfig(dtype=torch.int8)
-
-
-@pytest.mark.parametrize("dtype, name", [("half", "float16"), ("float", "float32"), ("bfloat16", "bfloat16"),
-                                         (torch.float16, "float16"), (jnp.bfloat16, "bfloat16")])
-def test_engine_config_takes_vllm_dtype_spellings(dtype, name):
-    """vLLM's --dtype takes half / float and LLM(dtype=) a torch dtype: LLM(model, dtype="half") was refused."""
-    assert EngineConfig(dtype=dtype).dtype == name
-    assert TurbomindEngineConfig(dtype=dtype).dtype == name
     with pytest.raises(ValueError, match="block_size must be an int >= 1, got 0"):
         EngineConfig(block_size=0)
     with pytest.raises(ValueError, match="cache_max_entry_count .* got 1.5"):
@@ -163,6 +155,15 @@ def test_engine_config_takes_vllm_dtype_spellings(dtype, name):
     assert EngineConfig(quant_policy=8).quant_policy == 8  # KV int8 (int4: 4), see tests/convert/test_kv_quant.py
     with pytest.raises(ValueError, match="quant_policy must be the int 0, 4 or 8, got 3"):
         EngineConfig(quant_policy=3)
+
+
+@pytest.mark.parametrize("dtype, name", [("half", "float16"), ("float", "float32"), ("bfloat16", "bfloat16"),
+                                         (torch.float16, "float16"), (jnp.bfloat16, "bfloat16"),
+                                         ("HALF", "float16"), ("BFloat16", "bfloat16")])
+def test_engine_config_takes_vllm_dtype_spellings(dtype, name):
+    """vLLM's --dtype takes half / float and LLM(dtype=) a torch dtype: LLM(model, dtype="half") was refused."""
+    assert EngineConfig(dtype=dtype).dtype == name
+    assert TurbomindEngineConfig(dtype=dtype).dtype == name
 
 
 def test_engine_config_num_blocks():

@@ -160,8 +160,8 @@ def _with_calls(delta: dict, calls: list[dict]) -> dict:
 
 def prompt_only(out: GenOut) -> GenOut:
     """A completion's output without what it generated (echo with max_tokens 0): the prompt's part stays."""
-    return dataclasses.replace(out, response="", token_ids=[], generate_token_len=0,
-                               finish_reason=out.finish_reason and "length",
+    return dataclasses.replace(out, response="", token_ids=[], generate_token_len=0, stop_reason=None,
+                               stop_token_id=None, finish_reason=out.finish_reason and "length",
                                logprobs=None if out.logprobs is None else [])
 
 

@@ -34,3 +34,12 @@ def test_the_streamed_final_chunk_carries_stop_reason(http, route, extra):
         chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     finals = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
     assert [f["stop_reason"] for f in finals] == ["t5 t5"], chunks
+
+
+def test_an_echo_only_completion_has_no_stop_reason(http):
+    """echo with max_tokens 0 answers the prompt alone: "length" and no stop_reason, whatever the engine's one
+    token was stopped by (review 25)."""
+    body = {"model": "tiny", "prompt": "t9", "echo": True, "max_tokens": 0, "temperature": 0,
+            "logit_bias": {"7": 100}, "stop_token_ids": [7]}
+    choice = http.post("/v1/completions", json=body).json()["choices"][0]
+    assert (choice["finish_reason"], choice["stop_reason"]) == ("length", None), choice
