@@ -130,6 +130,9 @@ class SamplingParams:
     detokenize: bool = True  # False: token ids only, text "" (vLLM's)
     # lmjax's: LMDeploy's filter order, min_p after top-k and top-p (GenerationConfig sets it); vLLM's first
     min_p_after_top_p: bool = False
+    # vLLM's cache_salt (a prompt dict's / a server request's field, carried here): prompts with other salts
+    # never share prefix-cache blocks (one tenant cannot probe another's prompts by timing or cached_tokens)
+    cache_salt: str | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # vLLM's: what lmjax.LLMEngine.step returns
     # vLLM fields lmjax does not implement: accepted at their defaults only
     best_of: int | None = None
@@ -164,6 +167,8 @@ class SamplingParams:
                f"prompt_logprobs must be None, -1 (the whole vocabulary) or an int >= 0, got {self.prompt_logprobs!r}")
         _check(self.seed is None or isinstance(self.seed, int), f"seed must be an int, got {self.seed!r}")
         self.seed = None if self.seed == -1 else self.seed  # vLLM's: -1 is "no seed", as None
+        _check(self.cache_salt is None or (isinstance(self.cache_salt, str) and self.cache_salt != ""),
+               f"cache_salt must be a non-empty string, got {self.cache_salt!r}")
         for name, kind in (("stop", str), ("bad_words", str), ("stop_token_ids", int), ("bad_token_ids", int),
                            ("allowed_token_ids", int)):
             setattr(self, name, _as_list(getattr(self, name), name, kind))

@@ -44,7 +44,8 @@ logger = logging.getLogger("lmjax.api")
 # cpu_offload_gb > 0: a model that needs it would not fit (lmjax has no weight offload); pipeline_parallel_size:
 # no pipeline parallelism; load_format: lmjax reads the format from the path ("dummy" weights it has not);
 # hf_overrides: another model config.
-_PROMPT_KEYS = {"prompt", "prompt_token_ids"}  # a prompt dict's fields lmjax reads (vLLM's TextPrompt / TokensPrompt)
+# a prompt dict's fields lmjax reads (vLLM's TextPrompt / TokensPrompt)
+_PROMPT_KEYS = {"prompt", "prompt_token_ids", "cache_salt"}
 _VLLM_ONLY_DEFAULTS = {"tokenizer_mode": "auto", "skip_tokenizer_init": False, "trust_remote_code": False,
                        "revision": None, "tokenizer_revision": None, "cpu_offload_gb": 0, "pipeline_parallel_size": 1,
                        "load_format": "auto", "hf_overrides": None}
@@ -138,6 +139,20 @@ def _with_guide(params: list[SamplingParams], guide: GuidedDecodingParams | None
     for c in clones:
         c.guided_decoding = guide
     return clones
+
+
+def _with_salts(params: list[SamplingParams], prompts: list) -> list[SamplingParams]:
+    """Each prompt dict's cache_salt (vLLM's) on a copy of its params."""
+    out = []
+    for p, prompt in zip(params, prompts):
+        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        if salt is not None:
+            if not isinstance(salt, str) or not salt:
+                raise ValueError(f"cache_salt must be a non-empty string, got {salt!r}")
+            p = p.clone()
+            p.cache_salt = salt
+        out.append(p)
+    return out
 
 
 def batch_defaults(device=None) -> tuple[int, int]:
@@ -313,7 +328,7 @@ class LLM:
         encoded = [self._encode(p) for p in _as_list(prompts)]
         params = per_prompt(sampling_params or self.get_default_sampling_params(), len(encoded), "sampling_params",
                             SamplingParams)
-        params = _with_guide(params, guide)
+        params = _with_salts(_with_guide(params, guide), _as_list(prompts))
         for p in params:
             refuse_host_rows(p)
         requests = submit_all(self.llm_engine, encoded, params)

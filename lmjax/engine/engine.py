@@ -166,7 +166,7 @@ class LLMEngine(SessionsMixin, MultiStepMixin, HostOutputsMixin, SpeculativeMixi
     def _add_completion(self, req: Request, index: int, seed: int) -> None:
         p = req.params
         seq = Sequence(next(self._seq_ids), list(req.prompt_token_ids), params=p,
-                       cache_salt=self._cache_salt(len(req.prompt_token_ids)))
+                       cache_salt=self._cache_salt(len(req.prompt_token_ids), p.cache_salt))
         # The text continues the prompt (vLLM, LMDeploy): SentencePiece keeps the first word's space
         detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, p.skip_special_tokens,
                                        p.spaces_between_special_tokens, continue_prompt=True)
@@ -191,13 +191,14 @@ class LLMEngine(SessionsMixin, MultiStepMixin, HostOutputsMixin, SpeculativeMixi
             req.completions.append(empty)
         return req
 
-    def _cache_salt(self, num_prompt_tokens: int):
-        """Dynamic NTK rotates a prompt's keys with a base set by the prompt's length once it passes the
-        trained context, so only prompts alike in that share cached blocks (below it: all alike). After
-        apply_model, blocks cached from the weights before (`weights_version`) are never shared either."""
+    def _cache_salt(self, num_prompt_tokens: int, request_salt: str | None = None):
+        """What a prompt's block hashes start from: only prompts alike in it share cached blocks. The
+        request's own salt (vLLM's cache_salt); dynamic NTK's base, set by the prompt's length once it passes
+        the trained context (below it: all alike); after apply_model, the weights' version."""
         rope = self.model_config.rope
-        salt = max(num_prompt_tokens, rope.max_position_embeddings) if rope.is_dynamic else None
-        return (self.weights_version, salt) if self.weights_version else salt
+        ntk = max(num_prompt_tokens, rope.max_position_embeddings) if rope.is_dynamic else None
+        parts = (request_salt, ntk, self.weights_version)
+        return None if parts == (None, None, 0) else parts
 
     def abort(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)

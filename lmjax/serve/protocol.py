@@ -144,6 +144,7 @@ class _Sampling(_Nullable):
     stream_options: StreamOptions | None = None
     user: str | None = None
     allowed_token_ids: list[int] | None = None  # vLLM's
+    cache_salt: str | None = None  # vLLM's: other salts never share prefix-cache blocks
     logit_bias: dict | None = None  # OpenAI's {"token id": bias in [-100, 100]} (`_logit_bias`)
     return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:{id}" (no text to decode)
     # Structured outputs (lmjax.engine.guided): OpenAI's / LMDeploy's response_format, vLLM's guided_* fields
@@ -189,7 +190,7 @@ class _Sampling(_Nullable):
                               prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
                               include_stop_str_in_output=self.include_stop_str_in_output, bad_words=self.bad_words,
                               allowed_token_ids=self.allowed_token_ids, logit_bias=self._logit_bias(),
-                              guided_decoding=self._guide())
+                              guided_decoding=self._guide(), cache_salt=self.cache_salt)
 
     def _logit_bias(self) -> dict[int, float] | None:
         """OpenAI's {"token id": bias} as SamplingParams' {id: bias} (empty: None). A key that is not an integer,
