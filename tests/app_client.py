@@ -4,7 +4,7 @@ import contextlib
 
 
 @contextlib.contextmanager
-def app_client(path: str, session_len: int = 256, **app_kwargs):
+def app_client(path: str, session_len: int = 256, enable_prefix_caching: bool = False, **app_kwargs):
     """Yields (engine, client) over the model at `path` (served as "tiny"); closes the engine after."""
     from fastapi.testclient import TestClient
 
@@ -13,7 +13,8 @@ def app_client(path: str, session_len: int = 256, **app_kwargs):
     from lmjax.serve.openai_server import create_app
 
     engine = AsyncEngine(path, model_name="tiny",
-                         backend_config=TurbomindEngineConfig(session_len=session_len, cache_block_seq_len=16))
+                         backend_config=TurbomindEngineConfig(session_len=session_len, cache_block_seq_len=16,
+                                                              enable_prefix_caching=enable_prefix_caching))
     try:
         with TestClient(create_app(engine, **app_kwargs), raise_server_exceptions=False) as client:
             yield engine, client

@@ -3,12 +3,9 @@ LLM.generate: prompts with other salts never share prefix-cache blocks ("to prev
 prompts in multi-user environments"). The server dropped the field silently (a salted request hit another
 tenant's blocks and said so in cached_tokens) and LLM.generate refused it (probe 25)."""
 import pytest
-from fastapi.testclient import TestClient
 
+from app_client import app_client
 from lmjax import LLM, SamplingParams
-from lmjax.api.async_engine import AsyncEngine
-from lmjax.lmdeploy_config import TurbomindEngineConfig
-from lmjax.serve.openai_server import create_app
 from tiny_llama import write_tiny_llama
 
 PROMPT = list(range(10, 50))  # 40 token ids: two full 16-token blocks
@@ -21,13 +18,8 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def http(tiny):
-    engine = AsyncEngine(tiny, model_name="tiny", backend_config=TurbomindEngineConfig(
-        session_len=256, cache_block_seq_len=16, enable_prefix_caching=True))
-    try:
-        with TestClient(create_app(engine)) as client:
-            yield client
-    finally:
-        engine.close()
+    with app_client(tiny, 256, enable_prefix_caching=True) as (_, client):
+        yield client
 
 
 def _cached(http, path, **extra) -> int:
