@@ -16,6 +16,7 @@ import os
 import sys
 
 from lmjax.config import DTYPE_ALIASES, DTYPES
+from lmjax.serve.cors import add_cors_args, cors_from_args
 
 
 def _bounded(kind, name: str, low=None, high=None, low_open=False):
@@ -201,6 +202,7 @@ def _add_serve(subparsers) -> None:
     api.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
                      help="defaults of the sampling fields a request leaves out: 'auto' the model's "
                           "generation_config.json, 'vllm' none (OpenAI's), or that of DIR (vLLM's flag; default: auto)")
+    add_cors_args(api)
     api.set_defaults(func=_serve)
     from lmjax.serve.api_client_cli import add_parser  # (imports no httpx: the serve extra's)
     add_parser(servers)
@@ -270,6 +272,7 @@ def _serve(args) -> int:
     from lmjax.loader.generation_config import check_generation_config_choice, chosen_sampling_defaults
 
     check_generation_config_choice(args.generation_config, "--generation-config")
+    cors = cors_from_args(args)  # (a bad origin fails before the model loads)
     from lmjax.serve.openai_server import run_server
 
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -282,7 +285,7 @@ def _serve(args) -> int:
     # "auto": None, the engine's own (the model's generation_config.json), read by the server per request
     defaults = None if args.generation_config == "auto" else chosen_sampling_defaults(args.generation_config, {})
     run_server(engine, args.server_name, args.server_port, args.api_keys, args.model_name, args.log_level,
-               args.tool_call_parser, defaults, aliases)
+               args.tool_call_parser, defaults, aliases, cors)
     return 0
 
 

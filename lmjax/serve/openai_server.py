@@ -4,7 +4,7 @@ Routes: `GET /v1/models`, `POST /v1/chat/completions`, `POST /v1/completions` (s
 `POST /v1/embeddings` (OpenAI's and vLLM's: lmjax.serve.embeddings),
 `POST /v1/chat/interactive` (LMDeploy's session endpoint: newline-delimited JSON when streaming),
 `POST /v1/encode` (LMDeploy's tokenizer endpoint), `POST /tokenize` and `POST /detokenize` (vLLM's),
-`GET /health`, `GET /metrics` (Prometheus text). `/v1/*`, `/tokenize` and `/detokenize` need
+`GET /health`, `GET /metrics` (Prometheus text), `GET /version`; CORS and X-Request-Id: lmjax.serve.http_extras. `/v1/*`, `/tokenize` and `/detokenize` need
 `Authorization: Bearer KEY` when the server has API keys (vLLM leaves its tokenizer routes open; they read
 nothing private, but cost work). Errors are OpenAI-style bodies `{"error": {"message", "type", "param",
 "code"}}`: 400 for a malformed or out-of-range request (FastAPI's 422 becomes 400), 401 for a bad key, 404
@@ -15,12 +15,12 @@ template and its reply parsed for calls; without one, `tools` with tool_choice "
 
 A request is validated and its first output awaited before the response starts, so a prompt over
 session_len is a 400 even when streaming. A client that disconnects cancels its generator, which aborts
-the engine request and frees its KV blocks (non-streaming requests poll for a disconnect).
+the engine request and frees its KV blocks (a request waiting for its first output, or a non-streaming one,
+polls for a disconnect).
 """
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import json
 import logging
@@ -38,6 +38,9 @@ from lmjax.api.engine_thread import GenOut
 from lmjax.engine.request import check_token_ids
 from lmjax.loader.tokenizer import token_bytes, token_text
 from lmjax.serve import responses as R
+from lmjax.serve.errors import APIError, api_errors, validation_message
+from lmjax.serve.cors import CorsConfig
+from lmjax.serve.http_extras import client_request_id, install
 from lmjax.serve.embeddings import EmbeddingRequest, embed, embedding_body, prompt_ids
 from lmjax.serve.metrics import render_metrics
 from lmjax.serve.lmdeploy_protocol import EncodeRequest, InteractiveRequest
@@ -48,43 +51,6 @@ from lmjax.serve.tool_parsers import get_tool_parser
 from lmjax.serve.tool_stream import ToolStream
 
 logger = logging.getLogger("lmjax.serve")
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", code=None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.code = status, message, type_, code
-
-
-@contextlib.contextmanager
-def api_errors(judging: bool = True):
-    """The one mapping of what a route's work raises to OpenAI's error body: the request's fault (a value or
-    type the checks refuse, a feature lmjax lacks) is a 400; the engine failing or being closed is a 500
-    "server_error", not a bare 500. Routes wrap only the work that judges the request, so a bug in building
-    the response still surfaces as a 500 of its own; `judging=False` (collecting outputs, the request already
-    accepted) maps the engine's failures only."""
-    try:
-        yield
-    except (ValueError, TypeError, RuntimeError) as e:
-        if judging and isinstance(e, (ValueError, TypeError, NotImplementedError)):  # (a RuntimeError too)
-            raise APIError(400, str(e)) from None
-        if isinstance(e, RuntimeError):
-            raise APIError(500, str(e), "server_error") from None
-        raise
-
-
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    """(message naming every bad field, the first bad field for the error's `param`)."""
-    parts, fields = [], []
-    for e in exc.errors():
-        if e.get("type") == "json_invalid":  # its loc holds a character offset, not a field
-            parts.append(f"the request body is not valid JSON: {e.get('msg')} (at character {e['loc'][-1]})")
-            fields.append(None)
-            continue
-        where = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
-        parts.append(f"{where}: {e.get('msg')}" if where else str(e.get("msg")))
-        fields.append(where)
-    return "; ".join(parts) or "invalid request", next((f for f in fields if f), None)
 
 
 def accepted_names(name: str, aliases: tuple[str, ...] = ()) -> set[str]:
@@ -109,10 +75,12 @@ def chat_prompt(engine: AsyncEngine, req: ChatCompletionRequest) -> tuple[str, l
 
 def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_name: str | None = None,
                model_aliases: tuple[str, ...] = (), tool_call_parser: str | None = None,
-               sampling_defaults: dict | None = None) -> FastAPI:
+               sampling_defaults: dict | None = None, cors: CorsConfig | None = CorsConfig()) -> FastAPI:
     """sampling_defaults: the values of sampling fields a request leaves out (None: the model's
-    generation_config.json's, vLLM's `--generation-config auto`)."""
+    generation_config.json's, vLLM's `--generation-config auto`). cors: the CORS answers (None: no CORS
+    headers; lmjax.serve.http_extras), which also adds GET /version and X-Request-Id ids."""
     app = FastAPI(title="lmjax", docs_url=None, redoc_url=None)
+    install(app, cors)
 
     def defaults() -> dict:
         return engine.engine.sampling_defaults if sampling_defaults is None else sampling_defaults
@@ -139,7 +107,7 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_, exc: RequestValidationError):
-        message, param = _validation_message(exc)
+        message, param = validation_message(exc)
         return JSONResponse(R.error_body(message, param=param), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
@@ -163,8 +131,10 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
             raise ValueError(f"max_tokens={max_tokens} is too large: this model's maximum context length is "
                              f"{engine.session_len} tokens and the request has {len(ids)} input tokens")
 
-    async def start(prompts: list[tuple[str | None, list[int]]], params):
-        """Validate, submit every prompt and wait for the first output: (first, rest) of (prompt, GenOut)s."""
+    async def start(raw: Request, prompts: list[tuple[str | None, list[int]]], params):
+        """Validate, submit every prompt and wait for the first output: (first, rest) of (prompt, GenOut)s,
+        or None when the client went away first (a request still queued is aborted then, as vLLM's
+        with_cancellation does, not when it would have produced its first token)."""
         with api_errors():
             blocks = engine.engine.blocks.num_usable_blocks
             if len(prompts) * params.n > blocks:  # check_n's bound, for the request's sequences all together
@@ -178,7 +148,8 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
                 check_room(ids, params.max_tokens)
             gens = [engine.generate(None, new_session_id(), params, input_ids=ids, vllm_outputs=True)
                     for _, ids in prompts]
-            return await first_and_rest(merge(gens))
+            opening = asyncio.ensure_future(first_and_rest(merge(gens)))
+            return opening.result() if await until_disconnect(raw, opening) else None
 
     async def collect(raw: Request, first, rest, choices: R.Choices, openai: bool = True) -> bool:
         """A non-streaming response's outputs, all of them (False: the client went away first). An engine
@@ -216,9 +187,11 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
                 req = req.model_copy(update={"skip_special_tokens": False})
             params = req.sampling_params(defaults())
             prompt = chat_prompt(engine, req)
-        head, k, choices = R.Head("chatcmpl", name), req.top_logprobs or 0, R.Choices(req.n)
+        head, k, choices = R.Head("chatcmpl", name, request_id=client_request_id(raw)), req.top_logprobs or 0, R.Choices(req.n)
         decode = named_by(req)
-        first, rest = await start([prompt], params)
+        if (started := await start(raw, [prompt], params)) is None:
+            return Response(status_code=499)  # the client is gone: nobody reads this
+        first, rest = started
         if not req.stream:
             if not await collect(raw, first, rest, choices):
                 return Response(status_code=499)  # the client is gone: nobody reads this
@@ -250,9 +223,11 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
                        for p in req.prompts()]
         echo = [R.Echo(t if t is not None else engine.tokenizer.decode(ids), ids) for t, ids in prompts] \
             if req.echo else None
-        head, k, choices = R.Head("cmpl", name), req.logprobs or 0, R.Choices(req.n)
+        head, k, choices = R.Head("cmpl", name, request_id=client_request_id(raw)), req.logprobs or 0, R.Choices(req.n)
         decode = named_by(req)
-        first, rest = await start(prompts, params)
+        if (started := await start(raw, prompts, params)) is None:
+            return Response(status_code=499)  # the client is gone: nobody reads this
+        first, rest = started
         if not req.stream:
             if not await collect(raw, first, rest, choices):
                 return Response(status_code=499)  # the client is gone: nobody reads this
@@ -287,7 +262,7 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
             if not await until_disconnect(raw, work):
                 return Response(status_code=499)  # the client is gone: nobody reads this
             vectors = work.result()
-        return embedding_body(R.Head("embd", name), vectors, req.encoding_format, sum(map(len, prompts)))
+        return embedding_body(R.Head("embd", name, request_id=client_request_id(raw)), vectors, req.encoding_format, sum(map(len, prompts)))
     # ---- end /v1/embeddings ----
 
     @app.post("/v1/encode", dependencies=[Depends(authorize)])
@@ -393,9 +368,9 @@ async def _guarded(events):
 def run_server(engine: AsyncEngine, server_name: str = "127.0.0.1", server_port: int = 23333,
                api_keys: list[str] | None = None, model_name: str | None = None, log_level: str = "info",
                tool_call_parser: str | None = None, sampling_defaults: dict | None = None,
-               model_aliases: tuple[str, ...] = ()) -> None:
+               model_aliases: tuple[str, ...] = (), cors: CorsConfig | None = CorsConfig()) -> None:
     import uvicorn
 
-    app = create_app(engine, api_keys, model_name, model_aliases, tool_call_parser, sampling_defaults)
+    app = create_app(engine, api_keys, model_name, model_aliases, tool_call_parser, sampling_defaults, cors)
     uvicorn.run(app, host=server_name, port=server_port, log_level=log_level.lower(), timeout_keep_alive=30)
     engine.close()

@@ -24,9 +24,10 @@ class Head:
     model: str
     id: str = ""
     created: int = 0
+    request_id: dataclasses.InitVar[str | None] = None  # the client's X-Request-Id (vLLM's id: prefix-<it>)
 
-    def __post_init__(self, prefix: str):
-        object.__setattr__(self, "id", f"{prefix}-{uuid.uuid4().hex[:24]}")
+    def __post_init__(self, prefix: str, request_id: str | None):
+        object.__setattr__(self, "id", f"{prefix}-{request_id or uuid.uuid4().hex[:24]}")
         object.__setattr__(self, "created", int(time.time()))
 
     def fields(self, obj: str) -> dict:

@@ -77,4 +77,5 @@ async def until_disconnect(request: Request, work: Awaitable, poll_s: float = 0.
                 return False
     finally:
         if not task.done():
-            task.cancel()
+            task.cancel()  # and wait for it: its cleanup (the engine aborts) is issued before the response
+            await asyncio.gather(task, return_exceptions=True)
