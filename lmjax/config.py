@@ -311,7 +311,10 @@ class EngineConfig:
     integer > 1 meaning a block count. num_gpu_blocks > 0 overrides both.
     session_len None: the model's context (max_position_embeddings, times the factor of linear or dynamic RoPE
     scaling). device_type 'auto': JAX's default.
-    seed: engine-wide seed; requests without one get seeds derived from it.
+    seed: engine-wide seed; requests without one get seeds derived from it (vLLM's default 0: an unseeded
+    run repeats itself). None: a fresh random one, so unseeded sampling differs from run to run, as LMDeploy's
+    (its AsyncEngine draws a random seed for each request without random_seed); `pipeline` and AsyncEngine
+    with LMDeploy's configs use None.
     max_logprobs: the most top log-probabilities a request may ask for, per sampled token
     (`logprobs`) or prompt token (`prompt_logprobs`); vLLM's engine argument and default. Each
     power-of-two count compiles its own step, so the cap bounds compilations too; -1: the vocabulary.
@@ -329,7 +332,7 @@ class EngineConfig:
     rope_scaling_factor: float = 0.0
     use_dynamic_ntk: bool = False
     use_logn_attn: bool = False
-    seed: int = 0
+    seed: int | None = 0
     device_type: str = "auto"
     num_scheduler_steps: int = 8  # decode steps per host round trip when no request needs the host
     warmup: bool = False  # compile every decode batch bucket at start-up (LLM(enforce_eager=False))
@@ -344,6 +347,7 @@ class EngineConfig:
             _check(isinstance(value, int) and value >= 1, f"{name} must be an int >= 1, got {value!r}")
         _check(self.session_len is None or _is_int(self.session_len) and self.session_len >= 1,
                f"session_len must be None or an int >= 1, got {self.session_len!r}")
+        _check(self.seed is None or _is_int(self.seed), f"seed must be None or an int, got {self.seed!r}")
         c = self.cache_max_entry_count
         _check(0 < c <= 1 or float(c).is_integer(),
                f"cache_max_entry_count must be a fraction in (0, 1] or a block count, got {c}")

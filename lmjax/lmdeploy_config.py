@@ -35,7 +35,8 @@ def _lower(cfg, renames: dict[str, str], frontend: tuple[str, ...]) -> EngineCon
             raise NotImplementedError(
                 f"{type(cfg).__name__}.{f.name}={value!r} is not supported by lmjax yet "
                 f"(leave it at {f.default!r})")
-    return EngineConfig(**kwargs)
+    # LMDeploy draws a random seed for each unseeded request: unseeded sampling differs from run to run
+    return EngineConfig(**kwargs, seed=None)
 
 
 @_strict_fields

@@ -65,8 +65,13 @@ def _logprob_dicts(entries, tokenizer, chosen_ids, chosen_ranks):
     return out
 
 
+def _cumulative(c: Completion) -> float | None:
+    """vLLM's: the sum of the sampled tokens' logprobs, None when the request asked for no logprobs."""
+    return None if c.logprobs is None else c.cumulative_logprob
+
+
 def completion_output(c: Completion, tokenizer=None) -> CompletionOutput:
-    return CompletionOutput(c.index, c.text, list(c.token_ids), c.cumulative_logprob,
+    return CompletionOutput(c.index, c.text, list(c.token_ids), _cumulative(c),
                             _logprob_dicts(c.logprobs, tokenizer, c.token_ids, c.ranks), c.finish_reason,
                             c.stop_reason)
 
@@ -87,7 +92,7 @@ def delta_output(r: Request, tokenizer=None, first: bool = False, finished: set 
         end = len(c.token_ids)
         logprobs = None if c.logprobs is None else _logprob_dicts(
             c.logprobs[end - len(ids):end], tokenizer, ids, c.ranks[end - len(ids):end])
-        outputs.append(CompletionOutput(c.index, text, ids, c.cumulative_logprob, logprobs, c.finish_reason,
+        outputs.append(CompletionOutput(c.index, text, ids, _cumulative(c), logprobs, c.finish_reason,
                                         c.stop_reason))
     prompt_logprobs = _logprob_dicts(r.prompt_logprobs, tokenizer, r.prompt_token_ids, r.prompt_ranks) \
         if first else None

@@ -35,7 +35,7 @@ def check_adapter(adapter_name) -> None:
 
 def _engine_config(backend_config, tp: int | None) -> EngineConfig:
     if backend_config is None:
-        config = EngineConfig()
+        config = EngineConfig(seed=None)  # (LMDeploy's unseeded requests: a random seed each)
     elif isinstance(backend_config, EngineConfig):
         config = backend_config
     elif isinstance(backend_config, (TurbomindEngineConfig, PytorchEngineConfig)):

@@ -174,7 +174,7 @@ def test_ignore_eos_runs_every_beam_to_max_tokens(llm, next_logprobs):
 
 
 def test_width_one_is_greedy(llm):
-    greedy = llm.generate({"prompt_token_ids": OTHER_IDS}, SamplingParams(temperature=0, max_tokens=5),
+    greedy = llm.generate({"prompt_token_ids": OTHER_IDS}, SamplingParams(temperature=0, max_tokens=5, logprobs=0),
                           use_tqdm=False)[0].outputs[0]
     assert greedy.finish_reason == "length"  # no EOS on the way: beam search ranks an EOS finish differently
     beam = llm.beam_search({"prompt_token_ids": OTHER_IDS}, BeamSearchParams(beam_width=1, max_tokens=5))[0]
