@@ -6,21 +6,10 @@ import json
 import pytest
 
 from app_client import app_client
-from tiny_llama import write_tiny_llama
+from tiny_server_fixtures import http, served, tiny  # noqa: F401  (fixtures)
 
 PREFLIGHT = {"Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST",
              "Access-Control-Request-Headers": "authorization,content-type"}
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return write_tiny_llama(tmp_path_factory.mktemp("tiny"), eos_token_id=3)
-
-
-@pytest.fixture(scope="module")
-def http(tiny):
-    with app_client(tiny, 256) as (_, client):
-        yield client
 
 
 def test_version_route(http):
