@@ -62,7 +62,7 @@ _SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "sp
 
 
 def convert_checkpoint(src: str, out: str, dtype: str = "bfloat16", tp: int = 1, quant: str | None = None,
-                       group_size: int | None = None, overwrite: bool = False, w4_method: str | None = None,
+                       group_size: int | None = None, *, overwrite: bool = False, w4_method: str | None = None,
                        calib_text: str | None = None, quant_lm_head: str | None = None) -> str:
     """Convert `src` (HF directory, .gguf file or model id) into the directory `out`; returns its path.
 

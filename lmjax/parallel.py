@@ -375,7 +375,8 @@ def receive_step(templates: Mapping[int, object]):
 
 
 def add_distributed_arguments(parser: argparse.ArgumentParser) -> None:
-    """--coordinator-address, --num-processes, --process-id (for `lmjax` subcommands; --tp is theirs)."""
+    """--coordinator-address, --num-processes, --process-id on a script's own parser (`initialize_from_args`
+    joins with them). The `lmjax` subcommands read the LMJAX_* environment variables instead."""
     parser.add_argument("--coordinator-address", default=None,
                         help="host:port of process 0, to join several processes (LMJAX_COORDINATOR_ADDRESS)")
     parser.add_argument("--num-processes", type=int, default=None, help="processes in all (LMJAX_NUM_PROCESSES)")

@@ -84,6 +84,7 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
 
     def defaults() -> dict:
         return engine.engine.sampling_defaults if sampling_defaults is None else sampling_defaults
+    limit = sampling_defaults is not None  # vLLM: --generation-config DIR's max_new_tokens caps every request
 
     tool_parser = get_tool_parser(tool_call_parser) if tool_call_parser else None  # stateless: one for all
     name = model_name or engine.model_name
@@ -185,7 +186,7 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
             tools = req.tool_call_parser(tool_parser)
             if tools:  # call markers are special tokens in some vocabularies (InternLM2's): keep them, as vLLM
                 req = req.model_copy(update={"skip_special_tokens": False})
-            params = req.sampling_params(defaults())
+            params = req.sampling_params(defaults(), limit)
             prompt = chat_prompt(engine, req)
         head, k, choices = R.Head("chatcmpl", name, request_id=client_request_id(raw)), req.top_logprobs or 0, R.Choices(req.n)
         decode = named_by(req)
@@ -218,7 +219,7 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
     async def completions(req: CompletionRequest, raw: Request):
         check_model(req.model)
         with api_errors():
-            params = req.sampling_params(defaults())
+            params = req.sampling_params(defaults(), limit)
             prompts = [engine.encode(p, do_preprocess=False) if isinstance(p, str) else (None, list(p))
                        for p in req.prompts()]
         echo = [R.Echo(t if t is not None else engine.tokenizer.decode(ids), ids) for t, ids in prompts] \

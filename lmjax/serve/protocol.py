@@ -59,6 +59,14 @@ INT64 = dict(ge=-2**63, le=2**63 - 1)  # seeds: what vLLM accepts (a wider int w
 NULL_IS_NONE = frozenset({"max_tokens"})
 
 
+def _max_tokens(requested: int | None, model: int | None, limit: bool) -> int | None:
+    """vLLM's get_max_tokens: the model's max_new_tokens when the request gives none; with `limit` also the
+    most it may ask for. (None: up to the context.)"""
+    if requested is None or model is None:
+        return model if requested is None else requested
+    return min(requested, model) if limit else requested
+
+
 class _Nullable(_Strict):
     """OpenAI's optional fields are nullable: an explicit `null` means the default (openai-python sends
     `"temperature": null` for an option passed as None). `_NULL_IS_NONE` keeps null as None where None
@@ -170,9 +178,11 @@ class _Sampling(_Nullable):
         return bad
 
     def _params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None,
-                defaults: dict | None = None) -> SamplingParams:
+                defaults: dict | None = None, limit_max_tokens: bool = False) -> SamplingParams:
         """SamplingParams of this request; raises ValueError (-> HTTP 400) for out-of-range values. As in
-        vLLM, a sampling field the request leaves out takes `defaults` (the model's generation_config)."""
+        vLLM, a sampling field the request leaves out takes `defaults` (the model's generation_config), its
+        max_new_tokens too when the request gives no max_tokens; with `limit_max_tokens` (vLLM's
+        `--generation-config DIR`) that max_new_tokens also caps a request's own max_tokens."""
         bad = self._unsupported()
         if bad:
             raise ValueError(f"not supported by lmjax: {', '.join(f'{k}={v!r}' for k, v in bad.items())}")
@@ -181,6 +191,7 @@ class _Sampling(_Nullable):
         if self.stream_options is not None and not self.stream:  # as vLLM: a likely client mistake
             raise ValueError("stream_options can only be given with stream=true")
         defaults = defaults or {}
+        max_tokens = _max_tokens(max_tokens, defaults.get("max_tokens"), limit_max_tokens)
         chosen = {name: getattr(self, name) if name in self.model_fields_set
                   else defaults.get(name, getattr(self, name)) for name in MODEL_DEFAULTABLE}
         return SamplingParams(n=self.n, **chosen, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
@@ -256,7 +267,7 @@ class ChatCompletionRequest(_Sampling):
             bad["echo"] = True
         return bad
 
-    def sampling_params(self, defaults: dict | None = None) -> SamplingParams:
+    def sampling_params(self, defaults: dict | None = None, limit_max_tokens: bool = False) -> SamplingParams:
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
             raise ValueError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}")
         if self.top_logprobs and not self.logprobs:  # as OpenAI and vLLM
@@ -268,7 +279,8 @@ class ChatCompletionRequest(_Sampling):
         if self.max_completion_tokens is not None and self.max_completion_tokens < 1:  # named as the client sent it
             raise ValueError(f"max_completion_tokens must be at least 1, got {self.max_completion_tokens}")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self._params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None, defaults=defaults)
+        return self._params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None, defaults=defaults,
+                            limit_max_tokens=limit_max_tokens)
 
     def message_dicts(self) -> list[dict]:
         return [m.to_dict() for m in self.messages]
@@ -349,13 +361,14 @@ class CompletionRequest(_Sampling):
             bad["suffix"] = self.suffix
         return bad
 
-    def sampling_params(self, defaults: dict | None = None) -> SamplingParams:
+    def sampling_params(self, defaults: dict | None = None, limit_max_tokens: bool = False) -> SamplingParams:
         """With echo and logprobs the prompt's tokens get log-probabilities too (OpenAI's legacy
         completions; lm-evaluation-harness scores continuations this way)."""
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
         prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
-        return self._params(1 if self.echo_only else self.max_tokens, self.logprobs, prompt_logprobs, defaults)
+        return self._params(1 if self.echo_only else self.max_tokens, self.logprobs, prompt_logprobs, defaults,
+                            limit_max_tokens)
 
     @property
     def echo_only(self) -> bool:
