@@ -176,6 +176,14 @@ def test_a_batch_with_a_common_prefix_shares_it_in_the_first_step(tiny):
     assert (stats["prefix_cache_hits"], stats["prefix_cache_queries"]) == (96, sum(map(len, FEW_SHOT)))
 
 
+@pytest.mark.parametrize("impl", ["reference", "tiled"])
+def test_each_attention_path_off_gpu(tiny, monkeypatch, impl):
+    # the jnp reference and the tiled XLA op (the CPU default); on a GPU, "auto" runs the Pallas kernels
+    monkeypatch.setenv("LMJAX_ATTENTION_IMPL", impl)
+    _, _, first_hits = _compare(tiny, FEW_SHOT, _greedy())
+    assert first_hits == 3 * 32
+
+
 def test_chunked_prefill_shares_the_chunk_of_the_step(tiny):
     # 16 tokens a step: the writer's last chunk (tokens 32..39) runs with the first sibling's admission
     got, engine, _ = _compare(tiny, SHARED, _greedy(n=4), max_num_batched_tokens=16)
@@ -228,3 +236,18 @@ def test_a_step_that_raises_leaves_no_hash_of_its_blocks(tiny):
     while not req.finished:  # a caller that steps on gets the run a working step would have given
         engine.step()
     _same_outputs([request_output(req)], want)
+
+
+def test_a_long_bf16_prompt_shared_in_its_step(tmp_path):
+    # On a GPU: the writer's 600 rows take the Mosaic GPU prefill kernel (>= 512 rows, head_dim and block size
+    # multiples of 64, bf16), the sharer's 24 the Triton kernel, reading the 9 blocks written in that step.
+    path = write_tiny_llama(tmp_path, hidden_size=256, intermediate_size=256, max_position_embeddings=1024,
+                            initializer_range=0.2, eos_token_id=3)
+    prompt = [(i * 7) % 240 + 5 for i in range(600)]
+    kw = dict(dtype="bfloat16", max_model_len=1024, block_size=64, max_num_batched_tokens=2048)
+    want, _, _ = _generate(path, [prompt], _greedy(n=2, max_tokens=4), **kw)
+    got, engine, first_hits = _generate(path, [prompt], _greedy(n=2, max_tokens=4), enable_prefix_caching=True, **kw)
+    assert first_hits == 576 and engine.num_prefill_tokens == 600 + 24
+    for g, w in zip(got[0].outputs, want[0].outputs, strict=True):  # bf16, two kernels: a looser tolerance
+        assert g.token_ids == w.token_ids
+        assert g.cumulative_logprob == pytest.approx(w.cumulative_logprob, abs=0.1)
