@@ -207,7 +207,6 @@ class BlockManager:
             # carries the hash so the walk-back above stops at it.
             self.hash_to_block.setdefault(h, block)
 
-
     def forget_hashes(self, blocks) -> set[int]:
         """Unregister `blocks` (those a failed step was to write: their KV may never have been written), so
         no later lookup matches them; returns the ones that had a hash. Their holders must recompute them
