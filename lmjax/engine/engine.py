@@ -5,7 +5,8 @@ prefill chunks), `runner.dispatch_step()` / `read_step()` run the jitted step (f
 device, and `_postprocess()` turns sampled ids into text, stop decisions and finished requests on the
 host. Between dispatch and read, a batch that can go on decoding without the host gets its first K-step
 call (lmjax.engine.multistep), whose tokens later steps read.
-Requests come in through `add_request` (validated before any work), leave through `step()`'s return.
+Requests come in through `add_request` (validated before any work), leave through `step()`'s return. A step
+that raises is undone first (lmjax.engine.step_failures): the prefix cache already named the blocks it was to fill.
 """
 from __future__ import annotations
 
