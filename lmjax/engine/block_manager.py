@@ -13,6 +13,14 @@ writes at positions >= its `num_computed_tokens`, which lie past its shared bloc
 write into one block. A freed block keeps its hash and stays matchable until the allocator needs it:
 allocation takes never-hashed free blocks first, then evicts the least recently freed hashed ones.
 
+When blocks are hashed (`register_full_blocks`): as the scheduler allocates them for a step that will fill
+them with tokens the host knows (prompt tokens, outputs already read back; never a speculative draft), as
+vLLM V1 does, so a sequence admitted later in the same step shares them. That is sound because the device
+step writes every token's KV into the paged cache before any sequence's attention reads the cache (each
+layer: the KV write, then attention over block tables only; lmjax.layers.attention). Blocks that decoding
+fills are hashed after the step that computed them (`Scheduler.advance`). A step that fails before its KV
+is written must take its hashes back (`forget_hashes`, from `Scheduler.discard`).
+
 Plain Python only (no jax, no numpy).
 """
 from __future__ import annotations
@@ -177,11 +185,17 @@ class BlockManager:
         self.block_hash = [None] * self.num_blocks
         return True
 
-    def register_full_blocks(self, seq: Sequence) -> None:
-        """Record the hash of every block of `seq` that became full (by `num_computed_tokens`)."""
+    def register_full_blocks(self, seq: Sequence, num_tokens: int | None = None) -> None:
+        """Record the hash of every full block of `seq`'s first `num_tokens` tokens (default: those computed).
+        The scheduler passes the tokens a step it is scheduling will have computed: their KV is in the cache
+        before any attention of that step reads it. Only tokens known on the host (<= `seq.num_tokens`)."""
         if not self.enable_prefix_caching:
             return
-        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        num_tokens = seq.num_computed_tokens if num_tokens is None else num_tokens
+        if num_tokens > seq.num_tokens:
+            raise ValueError(f"seq {seq.seq_id}: {num_tokens=} includes tokens the host does not know "
+                             f"({seq.num_tokens} known): a draft or an unread sample is never hashed")
+        num_full = min(num_tokens // self.block_size, len(seq.block_table))
         self._extend_hashes(seq, num_full)
         first = num_full  # walk back over the not-yet-registered blocks: O(newly full blocks)
         while first > 0 and self.block_hash[seq.block_table[first - 1]] is None:
@@ -192,6 +206,24 @@ class BlockManager:
             # A twin computed concurrently keeps the first registration; this block still
             # carries the hash so the walk-back above stops at it.
             self.hash_to_block.setdefault(h, block)
+
+    def forget_hashes(self, blocks) -> set[int]:
+        """Unregister `blocks` (those a failed step was to write: their KV may never have been written), so
+        no later lookup matches them; returns the ones that had a hash. Their holders must recompute them
+        (`Scheduler.discard`); a free one goes back to the never-hashed free blocks."""
+        forgotten = set()
+        for block in blocks:
+            h = self.block_hash[block]
+            if h is None:
+                continue
+            forgotten.add(block)
+            if self.hash_to_block.get(h) == block:
+                del self.hash_to_block[h]
+            self.block_hash[block] = None
+            if block in self._free_cached:
+                del self._free_cached[block]
+                self._free_plain.append(block)
+        return forgotten
 
 
 def _computes_whole_prompt(seq: Sequence) -> bool:

@@ -5,7 +5,8 @@ prefill chunks), `runner.dispatch_step()` / `read_step()` run the jitted step (f
 device, and `_postprocess()` turns sampled ids into text, stop decisions and finished requests on the
 host. Between dispatch and read, a batch that can go on decoding without the host gets its first K-step
 call (lmjax.engine.multistep), whose tokens later steps read.
-Requests come in through `add_request` (validated before any work), leave through `step()`'s return.
+Requests come in through `add_request` (validated before any work), leave through `step()`'s return. A step
+that raises is undone first (lmjax.engine.step_failures): the prefix cache already named the blocks it was to fill.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from lmjax.engine.compile_cache import compile_stats, enable_compilation_cache
 from lmjax.engine.detokenizer import IncrementalDetokenizer
 from lmjax.engine.guided import advance_guide
 from lmjax.engine.host_outputs import NO_EXTRAS, HostOutputsMixin, HostRows, needs_host
-from lmjax.engine.model_runner import ModelRunner, StepInputError, StepOutput, bucket, rows_pack
+from lmjax.engine.model_runner import ModelRunner, StepInputError, StepOutput, bucket
 from lmjax.engine.request import (Completion, ContextOverflowError, Request, check_logprobs, check_n, check_prompt,
                                   check_sampling_ids, in_vocab_terms, new_request_id, truncated_prompt)
 from lmjax.engine.multistep import MultiStepMixin
@@ -30,6 +31,7 @@ from lmjax.engine.scheduler import ScheduledBatch, Scheduler
 from lmjax.engine.sequence import Sequence
 from lmjax.engine.sessions import SessionsMixin
 from lmjax.engine.speculative import SpeculativeMixin, row_starts
+from lmjax.engine.step_failures import StepFailuresMixin
 from lmjax.engine.stop import StopStringMatcher
 from lmjax.engine.vllm_names import VLLMNamesMixin
 from lmjax.layers.sampler import NO_TOKEN, SamplingRow, row_banned_ids, seed32, tokenize_bad_words
@@ -43,7 +45,8 @@ logger = logging.getLogger("lmjax.engine")
 _GREEDY_ROW = SamplingRow(SamplingParams(temperature=0.0), seed=0)
 
 
-class LLMEngine(SessionsMixin, MultiStepMixin, HostOutputsMixin, SpeculativeMixin, PromptLogprobsMixin, VLLMNamesMixin):
+class LLMEngine(SessionsMixin, MultiStepMixin, HostOutputsMixin, SpeculativeMixin, PromptLogprobsMixin, VLLMNamesMixin,
+                StepFailuresMixin):
     def __init__(self, model: str | None = None, config: EngineConfig | None = None, tokenizer: str | None = None):
         self.config = config = config or EngineConfig()
         self.compilation_cache_dir = enable_compilation_cache()  # a second start compiles nothing
@@ -241,6 +244,14 @@ class LLMEngine(SessionsMixin, MultiStepMixin, HostOutputsMixin, SpeculativeMixi
             changed[req.request_id] = req
         if not batch.items:
             return list(changed.values())
+        try:
+            return self._run_batch(batch, changed)
+        except BaseException:
+            self._step_failed(batch)  # nothing may read the blocks it did not write (their hashes are out)
+            raise
+
+    def _run_batch(self, batch: ScheduledBatch, changed: dict[str, Request]) -> list[Request]:
+        """Run a scheduled batch's step and apply its results (`step` undoes it when this raises)."""
         now = time.time()
         for it in batch.items:
             if it.seq.seq_id in self._by_seq:
@@ -285,22 +296,6 @@ class LLMEngine(SessionsMixin, MultiStepMixin, HostOutputsMixin, SpeculativeMixi
                 else:
                     self._postprocess(req, comp, out, starts[i])
                 changed[req.request_id] = req
-        return list(changed.values())
-
-    def _inputs_failed(self, batch: ScheduledBatch, rows: list[SamplingRow], starts: list[int], error: Exception,
-                       changed: dict[str, Request]) -> list[Request]:
-        """A step whose host-side inputs could not be built: nothing reached the device, so the requests whose
-        own sampling rows fail alone end with "error" and the rest of the batch runs next step (`schedule`
-        picks it again: its blocks are kept and nothing advanced). When no row is to blame, the batch ends."""
-        logger.error("step inputs could not be built: %s", error)
-        live = [(it, rows[starts[i]:starts[i] + it.num_rows]) for i, it in enumerate(batch.items)
-                if it.seq.seq_id in self._by_seq]
-        blamed = [it for it, own in live if not rows_pack(own)] or [it for it, _ in live]
-        for it in blamed:
-            req, comp = self._by_seq[it.seq.seq_id]
-            req.error = f"the step's sampling inputs could not be built: {error}"
-            self._finish(req, comp, "error")
-            changed[req.request_id] = req
         return list(changed.values())
 
     def warmup(self, sampling_params: list[SamplingParams] | None = None, max_batch_size: int | None = None) -> dict:

@@ -9,12 +9,20 @@ of each sequence's last token. Data flow per engine iteration:
     scheduler.update(batch, sampled)      # advance num_computed_tokens, append tokens, hash blocks
                                           # (or advance(batch) at dispatch, record(batch, sampled) at read)
     scheduler.finish(seq, reason)         # engine decides EOS / stop / length
+    scheduler.discard(batch)              # only when the step failed: nothing may read what it did not write
 
 Policy: running sequences first, oldest first, each with all its uncomputed tokens, within the token
 budget `max_prefill_token_num` (a long prefill is cut into chunks across steps). When the cache runs
 out, the newest running sequence is preempted by recompute: its blocks are freed and it goes back to
 the front of the waiting queue to be re-prefilled over prompt + output later. Waiting sequences are
 admitted in order whenever batch slots, budget and blocks allow (not in a step that had to preempt).
+
+Prefix caching: the blocks a step fills with known tokens are hashed as they are allocated (see
+lmjax.engine.block_manager), so a waiting sequence admitted later in the same step shares a prompt that a
+running or just-admitted one computes in that step (n > 1 siblings, a batch with a common few-shot prefix)
+and schedules only its remainder. Such a block is written in the step that hashed it or not at all: a
+preemption only takes sequences not yet scheduled in the step (and stops admission), so no writer leaves
+after its blocks were shared; a step that fails is undone by `discard`.
 
 Plain Python only (no jax, no numpy).
 """
@@ -42,6 +50,7 @@ class ScheduledItem:
     num_new_tokens: int
     start_pos: int
     samples: bool
+    admitted: bool = False  # taken from the waiting queue in this step (`Scheduler.discard` puts it back)
 
     @property
     def num_rows(self) -> int:
@@ -55,6 +64,7 @@ class ScheduledBatch:
     preempted: list[Sequence] = field(default_factory=list)  # for logging; they are waiting again
     failed: list[Sequence] = field(default_factory=list)  # finished with reason "error": never fit
     num_tokens: int = 0
+    advanced: bool = False  # Scheduler.advance ran: its items count their new tokens as computed
 
     def add(self, seq: Sequence, num_new_tokens: int) -> None:
         start = seq.num_computed_tokens
@@ -154,6 +164,7 @@ class Scheduler:
                 if victim is seq:
                     return budget  # everything after it is gone too
             self.bm.append(seq, n)
+            self._register_ahead(seq, n)
             batch.add(seq, n)
             budget -= n
             i += 1
@@ -186,6 +197,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=_arrival)
             batch.add(seq, n)
+            batch.items[-1].admitted = True
             budget -= n
 
     def _try_place(self, seq: Sequence, budget: int) -> int:
@@ -199,7 +211,14 @@ class Scheduler:
             self.bm.cancel_admission(seq)
             return 0
         self.bm.append(seq, n)
+        self._register_ahead(seq, n)
         return n
+
+    def _register_ahead(self, seq: Sequence, n: int) -> None:
+        """Hash the blocks this step's `n` tokens of `seq` fill, now, so a sequence admitted after it in
+        this step shares them (the step writes all KV before attention reads any). Not the draft's: the
+        model may reject it, and its blocks' KV would then be for other tokens."""
+        self.bm.register_full_blocks(seq, min(seq.num_computed_tokens + n, seq.num_tokens))
 
     def update(self, batch: ScheduledBatch, sampled: dict[int, int]) -> int:
         """Account for a finished device step: `sampled` maps seq_id -> token for sampling items.
@@ -212,6 +231,7 @@ class Scheduler:
         """The first half of `update`, which needs no sampled token: the batch's new tokens count as
         computed and blocks they fill are hashed for the prefix cache. The engine calls it as soon as
         the step is dispatched, so a decode call can follow before the step's tokens are read."""
+        batch.advanced = True
         for item in batch.items:
             seq = item.seq
             if seq.status is SequenceStatus.RUNNING:
@@ -229,3 +249,30 @@ class Scheduler:
                 seq.output_token_ids.append(sampled[seq.seq_id])
                 appended += 1
         return appended
+
+    def discard(self, batch: ScheduledBatch) -> None:
+        """Make a step that failed (raised, or never reached the device) harmless: its blocks may hold no KV.
+        Their hashes are forgotten, so no later request matches them; a sequence that reads one of them as
+        computed (a same-step sharer, or any item once `advance` ran) recomputes: one admitted in this step
+        goes back to the front of the queue as if never admitted (its lookup uncounted), one already running
+        is preempted. The others keep their blocks and take the same tokens next step."""
+        bs = self.bm.block_size
+        written = {b for it in batch.items
+                   for b in it.seq.block_table[it.start_pos // bs:-(-(it.start_pos + it.num_new_tokens) // bs)]}
+        forgotten = self.bm.forget_hashes(written)
+        for item in reversed(batch.items):  # the newest first: appendleft restores the queue's order
+            seq = item.seq
+            if seq.status is not SequenceStatus.RUNNING or not (batch.advanced or self._reads(seq, forgotten)):
+                continue
+            if item.admitted:
+                self.running.remove(seq)
+                self.bm.cancel_admission(seq)
+                seq.status = SequenceStatus.WAITING
+                self.waiting.appendleft(seq)
+            else:
+                self._preempt(seq, batch)
+
+    def _reads(self, seq: Sequence, blocks: set[int]) -> bool:
+        """Whether `seq` counts one of `blocks` as wholly computed (its attention would read it)."""
+        bs = self.bm.block_size
+        return any(b in blocks for b in seq.block_table[:seq.num_computed_tokens // bs])

@@ -32,16 +32,33 @@ class FakeModel:
     def __init__(self, bm):
         self.bm = bm
         self.cache = [None] * (bm.num_blocks * bm.block_size)
+        self.frozen, self.fresh = set(), set()
+        allocate = bm._allocate
+
+        def allocate_and_note():
+            self.fresh.add(block := allocate())
+            return block
+        bm._allocate = allocate_and_note
+
+    def before_schedule(self):
+        """Blocks held and hashed now are immutable in the coming step unless freed and handed out again (a
+        block hashed while scheduling it is written in that step: prefix caching hashes blocks as they are
+        allocated for known tokens)."""
+        bm = self.bm
+        self.frozen = {b for b in range(bm.num_blocks) if bm.block_hash[b] is not None and bm.ref_counts[b] > 0}
+        self.fresh = set()
 
     def step(self, batch):
-        bm, sampled = self.bm, {}
+        bm, sampled, writer = self.bm, {}, {}
         for item in batch.items:
             seq = item.seq
             assert 0 not in seq.block_table
             for pos in range(item.start_pos, item.start_pos + item.num_new_tokens):
                 block = seq.block_table[pos // bm.block_size]
-                assert bm.ref_counts[block] == 1, "write into a shared block"
-                assert bm.block_hash[block] is None, "write into a registered (immutable) block"
+                # shared only once hashed (for a block hashed as allocated: from the step that writes it)
+                assert bm.ref_counts[block] == 1 or bm.block_hash[block] is not None, "write into a shared block"
+                assert writer.setdefault(block, seq) is seq, "two sequences write into one block"
+                assert block not in self.frozen - self.fresh, "write into a registered (immutable) block"
                 self.cache[bm.slot(seq, pos)] = (pos, seq.token_slice(pos, pos + 1)[0])
         for item in batch.items:  # attention reads after all writes, like one fused step
             if item.samples:
@@ -76,6 +93,7 @@ def drive(reqs, num_blocks=24, block_size=4, max_batch_size=6, budget=16, prefix
             stats["joined_mid_run"] += sched.num_running > 0
             sched.add(seqs[i])
         was_running = set(map(id, sched.running))
+        model.before_schedule()
         batch = sched.schedule()
         if batch.preempted:  # no admission in a step that had to preempt
             assert all(id(it.seq) in was_running for it in batch.items)
