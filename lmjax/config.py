@@ -344,7 +344,7 @@ class EngineConfig:
         self.dtype = dtype_name(self.dtype)
         for name in ("tp", "max_batch_size", "block_size", "max_prefill_token_num", "num_scheduler_steps"):
             value = getattr(self, name)
-            _check(isinstance(value, int) and value >= 1, f"{name} must be an int >= 1, got {value!r}")
+            _check(_is_int(value) and value >= 1, f"{name} must be an int >= 1, got {value!r}")
         _check(self.session_len is None or _is_int(self.session_len) and self.session_len >= 1,
                f"session_len must be None or an int >= 1, got {self.session_len!r}")
         _check(self.seed is None or _is_int(self.seed), f"seed must be None or an int, got {self.seed!r}")

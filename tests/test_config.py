@@ -174,7 +174,7 @@ def test_engine_config_num_blocks():
 
 def test_turbomind_defaults_lower():
     e = TurbomindEngineConfig().to_engine_config()
-    assert e == EngineConfig(block_size=128)
+    assert e == EngineConfig(block_size=128, seed=None)  # (LMDeploy: unseeded requests vary)
 
 
 def test_turbomind_maps_fields():
@@ -209,7 +209,7 @@ def test_pytorch_maps_fields():
                             enable_prefix_caching=True, dtype="float16").to_engine_config()
     assert (e.tp, e.session_len, e.max_batch_size, e.block_size) == (2, 2024, 4, 16)
     assert (e.num_gpu_blocks, e.enable_prefix_caching, e.dtype) == (100, True, "float16")
-    assert PytorchEngineConfig().to_engine_config() == EngineConfig(max_prefill_token_num=4096)
+    assert PytorchEngineConfig().to_engine_config() == EngineConfig(max_prefill_token_num=4096, seed=None)
 
 
 @pytest.mark.parametrize("cls", [TurbomindEngineConfig, PytorchEngineConfig])
@@ -312,3 +312,12 @@ def test_engine_config_integer_fields_refuse_other_types_naming_them(field, valu
     no field; "8" was refused as "got 8", which read as if 8 itself were wrong."""
     with pytest.raises(ValueError, match=f"{field} must be .*got {value!r}"):
         EngineConfig(**{field: value})
+
+
+def test_engine_sizes_refuse_bools():
+    """True is an int to Python; LLM(tensor_parallel_size=True) ran silently at tp=1 (probe 26)."""
+    from lmjax.config import EngineConfig
+
+    for name in ("tp", "max_batch_size", "block_size", "max_prefill_token_num", "num_scheduler_steps"):
+        with pytest.raises(ValueError, match=f"{name} must be an int >= 1, got True"):
+            EngineConfig(**{name: True})

@@ -68,6 +68,7 @@ class LLMEngine(SessionsMixin, MultiStepMixin, HostOutputsMixin, SpeculativeMixi
         num_blocks = kv_cache_blocks(config, loaded.config, loaded.dtype, self.session_len)
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_batch_size, config.max_prefill_token_num)
+        self.scheduler.reclaim = self._evict_idle_session
         self.kv_maps = self._kv_maps(loaded.model) if config.quant_policy == 4 else None
         self.runner = ModelRunner(loaded.model, num_blocks, config.block_size, config.max_prefill_token_num,
                                   config.max_batch_size, -(-self.session_len // config.block_size), loaded.dtype,
@@ -233,9 +234,7 @@ class LLMEngine(SessionsMixin, MultiStepMixin, HostOutputsMixin, SpeculativeMixi
         if self._pending is not None:
             return self._finish_pending({})
         self._propose_drafts()
-        batch = self.scheduler.schedule()
-        while not batch.items and self.scheduler.num_waiting and self._evict_idle_session():
-            batch = self.scheduler.schedule()  # idle sessions' KV gave way to a request that could not fit
+        batch = self.scheduler.schedule()  # (idle sessions' KV gives way first: scheduler.reclaim)
         changed: dict[str, Request] = {}
         for seq in batch.failed:
             req, comp = self._by_seq[seq.seq_id]

@@ -13,7 +13,8 @@ of each sequence's last token. Data flow per engine iteration:
 
 Policy: running sequences first, oldest first, each with all its uncomputed tokens, within the token
 budget `max_prefill_token_num` (a long prefill is cut into chunks across steps). When the cache runs
-out, the newest running sequence is preempted by recompute: its blocks are freed and it goes back to
+out, blocks nobody runs on give way first (`reclaim`: idle sessions), then the newest running sequence is
+preempted by recompute: its blocks are freed and it goes back to
 the front of the waiting queue to be re-prefilled over prompt + output later. Waiting sequences are
 admitted in order whenever batch slots, budget and blocks allow (not in a step that had to preempt).
 
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from lmjax.engine.block_manager import BlockManager
@@ -90,6 +92,10 @@ class Scheduler:
         self.running: list[Sequence] = []  # kept sorted by arrival
         self.seqs: dict[int, Sequence] = {}  # unfinished sequences by id
         self.num_preemptions = 0
+        # Frees KV blocks nobody runs on (the engine's idle interactive sessions); True if it freed any. Called
+        # before a running sequence is preempted and before a waiting one is refused for lack of blocks, as
+        # LMDeploy's scheduler evicts its hanging sequences first.
+        self.reclaim: Callable[[], bool] = lambda: False
 
     # ---- queue management -------------------------------------------------------------------
 
@@ -158,7 +164,7 @@ class Scheduler:
             if n == 0:  # the engine gave it no sampled token; nothing to compute
                 i += 1
                 continue
-            while not self.bm.can_append(seq, n):
+            while not self._fits(seq, n):
                 victim = self.running[-1]  # index >= i: not scheduled in this step yet
                 self._preempt(victim, batch)
                 if victim is seq:
@@ -207,12 +213,19 @@ class Scheduler:
         self.bm.match_prefix(seq)
         n = min(seq.num_uncomputed, budget)
         reserve = self.watermark_blocks if self.running else 0
-        if not self.bm.can_append(seq, n, reserve):
+        if not self._fits(seq, n, reserve):
             self.bm.cancel_admission(seq)
             return 0
         self.bm.append(seq, n)
         self._register_ahead(seq, n)
         return n
+
+    def _fits(self, seq: Sequence, num_new_tokens: int, reserve: int = 0) -> bool:
+        """`can_append`, once idle blocks have given way if need be (`reclaim`)."""
+        while not self.bm.can_append(seq, num_new_tokens, reserve):
+            if not self.reclaim():
+                return False
+        return True
 
     def _register_ahead(self, seq: Sequence, n: int) -> None:
         """Hash the blocks this step's `n` tokens of `seq` fill, now, so a sequence admitted after it in
