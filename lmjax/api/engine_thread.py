@@ -52,6 +52,7 @@ class GenOut:
     error: str | None = None  # why, when finish_reason is "error" (lmjax's: LMDeploy's GenOut has no such field)
     stop_reason: int | str | None = None  # vLLM's: the stop string or token id that ended it (None: EOS, length)
     stop_token_id: int | None = None  # the token that ended it (EOS or a stop id), on its last output
+    prompt_ranks: list[int] | None = None  # with prompt_logprobs: each prompt token's rank in the vocabulary
 
 
 @dataclasses.dataclass(eq=False)
@@ -276,7 +277,8 @@ class EngineThread:
                                            req.prompt_logprobs, **host_arrays(c),
                                            error=req.error if c.finish_reason == "error" else None,
                                            stop_reason=c.stop_reason if c.finished else None,
-                                           stop_token_id=c.stop_token_id if c.finished else None)):
+                                           stop_token_id=c.stop_token_id if c.finished else None,
+                                           prompt_ranks=req.prompt_ranks)):
                 return
             if c.finished:
                 live.done.add(c.index)

@@ -47,7 +47,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
 
 
-def _logprob_dicts(entries, tokenizer, chosen_ids, chosen_ranks):
+def logprob_dicts(entries, tokenizer, chosen_ids, chosen_ranks):
     """vLLM's {token id: Logprob} per position: the top-k ranked by place (they are the k most likely);
     the chosen token (sampled, or the prompt's own) ranked in the whole vocabulary, as the step counted."""
     if entries is None:
@@ -72,7 +72,7 @@ def _cumulative(c: Completion) -> float | None:
 
 def completion_output(c: Completion, tokenizer=None) -> CompletionOutput:
     return CompletionOutput(c.index, c.text, list(c.token_ids), _cumulative(c),
-                            _logprob_dicts(c.logprobs, tokenizer, c.token_ids, c.ranks), c.finish_reason,
+                            logprob_dicts(c.logprobs, tokenizer, c.token_ids, c.ranks), c.finish_reason,
                             c.stop_reason)
 
 
@@ -90,11 +90,11 @@ def delta_output(r: Request, tokenizer=None, first: bool = False, finished: set 
         if c.finished:
             finished.add(c.index)
         end = len(c.token_ids)
-        logprobs = None if c.logprobs is None else _logprob_dicts(
+        logprobs = None if c.logprobs is None else logprob_dicts(
             c.logprobs[end - len(ids):end], tokenizer, ids, c.ranks[end - len(ids):end])
         outputs.append(CompletionOutput(c.index, text, ids, _cumulative(c), logprobs, c.finish_reason,
                                         c.stop_reason))
-    prompt_logprobs = _logprob_dicts(r.prompt_logprobs, tokenizer, r.prompt_token_ids, r.prompt_ranks) \
+    prompt_logprobs = logprob_dicts(r.prompt_logprobs, tokenizer, r.prompt_token_ids, r.prompt_ranks) \
         if first else None
     return RequestOutput(r.request_id, r.prompt, r.prompt_token_ids, prompt_logprobs, outputs, r.finished,
                          metrics=dataclasses.replace(r.metrics), num_cached_tokens=r.num_cached_tokens)
@@ -102,7 +102,7 @@ def delta_output(r: Request, tokenizer=None, first: bool = False, finished: set 
 
 def request_output(r: Request, tokenizer=None) -> RequestOutput:
     tokenizer = tokenizer if r.params.detokenize else None  # vLLM: no decoded_token without detokenize
-    prompt_logprobs = _logprob_dicts(r.prompt_logprobs, tokenizer, r.prompt_token_ids, r.prompt_ranks)
+    prompt_logprobs = logprob_dicts(r.prompt_logprobs, tokenizer, r.prompt_token_ids, r.prompt_ranks)
     return RequestOutput(r.request_id, r.prompt, r.prompt_token_ids, prompt_logprobs,
                          [completion_output(c, tokenizer) for c in r.completions], r.finished,
                          metrics=dataclasses.replace(r.metrics), num_cached_tokens=r.num_cached_tokens)

@@ -196,7 +196,8 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
         if not req.stream:
             if not await collect(raw, first, rest, choices):
                 return Response(status_code=499)  # the client is gone: nobody reads this
-            return R.chat_body(head, choices, k, decode, to_bytes, tools)
+            body = R.chat_body(head, choices, k, decode, to_bytes, tools)
+            return {**body, "prompt_logprobs": R.prompt_logprobs(choices.outs[0], prompt[1], decode)}
 
         async def events():
             streams: dict[int, ToolStream] = {}  # choice index -> its held-back text, when parsing tool calls
@@ -234,7 +235,7 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
                 return Response(status_code=499)  # the client is gone: nobody reads this
             if req.echo_only:
                 choices.outs = {i: R.prompt_only(o) for i, o in choices.outs.items()}
-            return R.completion_body(head, choices, k, decode, echo)
+            return R.completion_body(head, choices, k, decode, echo, [ids for _, ids in prompts])
 
         async def events():
             async for p, out in _chain(first, rest):

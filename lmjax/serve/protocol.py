@@ -4,8 +4,8 @@ extensions `top_k`, `repetition_penalty`, `ignore_eos`, `min_tokens`, `skip_spec
 `include_stop_str_in_output`, `bad_words`, `add_generation_prompt`, `continue_final_message`); LMDeploy's
 own bodies are in lmjax.serve.lmdeploy_protocol. `logit_bias` is OpenAI's map of token ids (as strings) to
 biases in [-100, 100]. Unknown fields are ignored, as OpenAI does; OpenAI fields lmjax does not honour
-(best_of > n, suffix, non-text content parts, the deprecated functions, and vLLM's prompt_logprobs and chat
-echo) are a 400 that names them unless left at their no-op values. `tools` are rendered into the prompt
+(best_of > n, suffix, non-text content parts, the deprecated functions, and vLLM's chat echo) are a 400 that
+names them unless left at their no-op values. vLLM's prompt_logprobs are given (not with streaming, as vLLM). `tools` are rendered into the prompt
 and, on a server started with --tool-call-parser, the reply is parsed for calls (lmjax.serve.tool_parsers);
 tool_choice "required" or a named function guides the reply to the call's JSON instead. Structured outputs:
 response_format (OpenAI's json_object / json_schema, LMDeploy's regex_schema), vLLM's guided_json /
@@ -166,16 +166,22 @@ class _Sampling(_Nullable):
     guided_whitespace_pattern: str | None = None
     guided_decoding_backend: str | None = None
     structured_outputs: dict | None = None
-    # OpenAI fields lmjax does not honour: accepted at their no-op values only (`_unsupported`), since
-    # ignoring them would hand back, say, free text where a tool call was asked for.
-    prompt_logprobs: int | None = None  # vLLM's extension (completions' echo + logprobs gives them instead)
+    # vLLM's: each prompt token's logprob and this many top ones ({id: {logprob, rank, decoded_token}}); -1: all
+    prompt_logprobs: int | None = None
 
     def _unsupported(self) -> dict:
-        """{field: value} of the fields set to something lmjax does not do."""
-        bad = {}
-        if self.prompt_logprobs is not None:
-            bad["prompt_logprobs"] = self.prompt_logprobs
-        return bad
+        """{field: value} of the fields set to something lmjax does not do (accepted at their no-op values only,
+        since ignoring them would hand back, say, free text where a tool call was asked for)."""
+        return {}
+
+    def _checked_prompt_logprobs(self) -> int | None:
+        """vLLM's rules: -1 or >= 0, and not with streaming (the response's field comes whole)."""
+        k = self.prompt_logprobs
+        if k is not None and k < -1:
+            raise ValueError(f"prompt_logprobs must be -1 (the whole vocabulary) or >= 0, got {k}")
+        if k is not None and self.stream:
+            raise ValueError(f"prompt_logprobs={k} is not available with stream=true")
+        return k
 
     def _params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None,
                 defaults: dict | None = None, limit_max_tokens: bool = False) -> SamplingParams:
@@ -279,8 +285,8 @@ class ChatCompletionRequest(_Sampling):
         if self.max_completion_tokens is not None and self.max_completion_tokens < 1:  # named as the client sent it
             raise ValueError(f"max_completion_tokens must be at least 1, got {self.max_completion_tokens}")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self._params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None, defaults=defaults,
-                            limit_max_tokens=limit_max_tokens)
+        return self._params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None,
+                            self._checked_prompt_logprobs(), defaults, limit_max_tokens)
 
     def message_dicts(self) -> list[dict]:
         return [m.to_dict() for m in self.messages]
@@ -366,7 +372,9 @@ class CompletionRequest(_Sampling):
         completions; lm-evaluation-harness scores continuations this way)."""
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
-        prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
+        prompt_logprobs = self._checked_prompt_logprobs()
+        if prompt_logprobs is None and self.echo:  # (as vLLM: echo scores the prompt at logprobs' width)
+            prompt_logprobs = self.logprobs
         return self._params(1 if self.echo_only else self.max_tokens, self.logprobs, prompt_logprobs, defaults,
                             limit_max_tokens)
 

@@ -12,6 +12,7 @@ import time
 import uuid
 
 from lmjax.api.engine_thread import GenOut, merge_outputs
+from lmjax.api.outputs import logprob_dicts
 from lmjax.serve.tool_parsers import ToolParser
 from lmjax.serve.tool_stream import ToolStream
 
@@ -133,6 +134,16 @@ def chat_message(text: str, finish_reason: str | None, tools: ToolParser | None 
     return {"role": "assistant", "content": text}, finish_reason
 
 
+def prompt_logprobs(out: GenOut, prompt_ids: list[int], decode) -> list[dict | None] | None:
+    """vLLM's `prompt_logprobs` of a response: per prompt token None (the first: nothing before it) or
+    {"id": {"logprob", "rank", "decoded_token"}} for the token and the top ones; None when not asked for."""
+    if out.prompt_logprobs is None:
+        return None
+    dicts = logprob_dicts(out.prompt_logprobs, None, prompt_ids, out.prompt_ranks)
+    return [None if d is None else {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": decode(t)}
+                                    for t, lp in d.items()} for d in dicts]
+
+
 def chat_body(head: Head, choices: Choices, k: int, decode, to_bytes=None, tools: ToolParser | None = None) -> dict:
     items = []
     for i, o in sorted(choices.outs.items()):
@@ -166,13 +177,15 @@ def prompt_only(out: GenOut) -> GenOut:
                                logprobs=None if out.logprobs is None else [])
 
 
-def completion_body(head: Head, choices: Choices, k: int, decode, echo: list[Echo] | None) -> dict:
+def completion_body(head: Head, choices: Choices, k: int, decode, echo: list[Echo] | None,
+                    prompt_ids: list[list[int]]) -> dict:
     items = []
     for i, o in sorted(choices.outs.items()):
         e = echo[i // choices.n] if echo else None
         prefix = e.text if e else ""
         items.append({"index": i, "text": prefix + o.response, "finish_reason": o.finish_reason,
-                      "stop_reason": o.stop_reason, "logprobs": completion_logprobs(o, k, decode, len(prefix), e)})
+                      "stop_reason": o.stop_reason, "logprobs": completion_logprobs(o, k, decode, len(prefix), e),
+                      "prompt_logprobs": prompt_logprobs(o, prompt_ids[i // choices.n], decode)})
     return {**head.fields("text_completion"), "choices": items, "usage": choices.usage()}
 
 

@@ -195,7 +195,7 @@ TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"
      "image_url"),
     ("/v1/completions", {"best_of": 3}, "best_of"),
     ("/v1/completions", {"suffix": " and that is all."}, "suffix"),
-    ("/v1/completions", {"prompt_logprobs": 1}, "prompt_logprobs"),
+    ("/v1/completions", {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),  # (as vLLM)
     ("/v1/chat/completions", {"echo": True}, "echo"),
 ])
 def test_openai_fields_lmjax_does_not_honour_are_named_not_ignored(server, model_id, path, extra, named):
