@@ -202,6 +202,8 @@ def _add_serve(subparsers) -> None:
     api.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
                      help="defaults of the sampling fields a request leaves out: 'auto' the model's "
                           "generation_config.json, 'vllm' none (OpenAI's), or that of DIR (vLLM's flag; default: auto)")
+    api.add_argument("--seed", type=int, default=None, help="engine seed of requests without one (default: a random "
+                     "one each start, as LMDeploy's server draws one per request; vLLM's --seed N repeats runs)")
     add_cors_args(api)
     api.set_defaults(func=_serve)
     from lmjax.serve.api_client_cli import add_parser  # (imports no httpx: the serve extra's)
@@ -222,7 +224,8 @@ def _async_engine(args, log_level: str = "ERROR"):
                           max_batch_size=args.max_batch_size, cache_max_entry_count=args.cache_max_entry_count,
                           enable_prefix_caching=args.enable_prefix_caching, quant_policy=args.quant_policy,
                           max_prefill_token_num=args.max_prefill_token_num, block_size=args.cache_block_seq_len,
-                          rope_scaling_factor=args.rope_scaling_factor, speculative_config=args.speculative_config)
+                          rope_scaling_factor=args.rope_scaling_factor, speculative_config=args.speculative_config,
+                          seed=getattr(args, "seed", None))  # (chat's --seed is the sampling seed: the same use)
     return AsyncEngine(args.model, model_name=args.model_name, backend_config=config, chat_template_config=template,
                        log_level=log_level)
 

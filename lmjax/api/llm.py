@@ -9,7 +9,8 @@ reached, since on a CPU a start-up warm-up costs seconds per bucket). Arguments 
 machinery (swap_space, CUDA-graph capture sizes, ...: `_VLLM_TUNING`) take any value, a non-default one logged
 once as having no effect; the other vLLM-only ones (`_VLLM_ONLY_DEFAULTS`) raise at anything but their
 default, never silently ignored. kv_cache_dtype="int8" / "int4" quantizes the KV cache
-(LMDeploy's quant_policy 8 / 4); vLLM's float8 values raise.
+(LMDeploy's quant_policy 8 / 4); vLLM's float8 values raise. enable_prefix_caching is on unless False, as
+in vLLM V1 (n > 1 siblings and prompts sharing a prefix prefill it once, also within one step).
 """
 from __future__ import annotations
 
@@ -227,7 +228,7 @@ class LLM:
     def __init__(self, model: str | None = None, tokenizer: str | None = None, tensor_parallel_size: int = 1,
                  dtype: str = "auto", seed: int = 0, gpu_memory_utilization: float = 0.9,
                  max_model_len: int | None = None, max_num_seqs: int | None = None, block_size: int = 64,
-                 max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = False,
+                 max_num_batched_tokens: int | None = None, enable_prefix_caching: bool | None = None,
                  num_gpu_blocks_override: int | None = None, num_scheduler_steps: int = 8,
                  enforce_eager: bool | None = None, kv_cache_dtype: str = "auto", max_logprobs: int = 20,
                  quantization: str | None = None, generation_config: str = "auto",
@@ -245,7 +246,8 @@ class LLM:
                               cache_max_entry_count=gpu_memory_utilization,
                               num_gpu_blocks=num_gpu_blocks_override or 0,
                               max_prefill_token_num=max_num_batched_tokens or default_tokens,
-                              enable_prefix_caching=enable_prefix_caching,
+                              # vLLM V1's default: on (None); the LMDeploy facades keep LMDeploy's off
+                              enable_prefix_caching=enable_prefix_caching is not False,
                               num_scheduler_steps=num_scheduler_steps, warmup=enforce_eager is False,
                               quant_policy=kv_cache_quant_policy(kv_cache_dtype), max_logprobs=max_logprobs,
                               speculative_config=speculative_config)

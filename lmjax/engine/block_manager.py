@@ -145,7 +145,7 @@ class BlockManager:
         """
         if seq.num_computed_tokens or seq.block_table:
             raise ValueError(f"match_prefix needs a fresh sequence; seq {seq.seq_id} has cached tokens")
-        seq.num_prefix_cached_tokens = 0
+        seq.num_prefix_cached_tokens = seq.num_prefix_queried = 0
         if not self.enable_prefix_caching or _computes_whole_prompt(seq):
             return 0
         max_blocks = (seq.num_tokens - 1) // self.block_size
@@ -161,6 +161,7 @@ class BlockManager:
         hit = len(seq.block_table) * self.block_size
         seq.num_computed_tokens = seq.num_prefix_cached_tokens = hit
         self.prefix_cache_queries += seq.num_tokens
+        seq.num_prefix_queried = seq.num_tokens  # (a failed step may uncount it after a token was appended)
         self.prefix_cache_hits += hit
         return hit
 
@@ -168,10 +169,10 @@ class BlockManager:
         """Undo `match_prefix` (and any `append`) for a sequence that did not get admitted after
         all, so a retry next step does not count its lookup twice."""
         if self.enable_prefix_caching:
-            self.prefix_cache_queries -= seq.num_tokens
+            self.prefix_cache_queries -= seq.num_prefix_queried
             self.prefix_cache_hits -= seq.num_prefix_cached_tokens
         self.free(seq)
-        seq.num_computed_tokens = seq.num_prefix_cached_tokens = 0
+        seq.num_computed_tokens = seq.num_prefix_cached_tokens = seq.num_prefix_queried = 0
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (vLLM's reset_prefix_cache: between benchmark runs, after a weight

@@ -42,6 +42,7 @@ class Sequence:
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     num_prefix_cached_tokens: int = 0
+    num_prefix_queried: int = 0  # the tokens its admission's prefix lookup counted (cancel_admission takes them back)
     num_preemptions: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None

@@ -1,8 +1,9 @@
-"""Interactive sessions (LMDeploy's `sequence_start` / `sequence_end`): a turn continues its session's
-tokens and, when a batch slot is free, its KV blocks, so only the new tokens are prefilled; idle sessions'
-blocks give way (least recently used first) before a running request would be preempted and before a waiting
-one is refused for lack of blocks (Scheduler.reclaim), as LMDeploy evicts its hanging sequences first. Mixed into LLMEngine, whose `sessions` (session id ->
-its finished Sequence) and `_session_of` (seq_id -> session id of a turn that keeps its KV) it keeps."""
+"""Interactive sessions (LMDeploy's `sequence_start` / `sequence_end`): a turn continues its session's tokens and,
+when a batch slot is free, its KV blocks, so only the new tokens are prefilled; idle sessions' blocks give way
+(least recently used first) before a running request would be preempted and before a waiting one is refused for
+lack of blocks (Scheduler.reclaim), as LMDeploy evicts its hanging sequences first. Mixed into LLMEngine, whose
+`sessions` (session id -> its finished Sequence) and `_session_of` (seq_id -> session id of a turn that keeps
+its KV) it keeps."""
 from __future__ import annotations
 
 import bisect

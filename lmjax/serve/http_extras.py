@@ -2,9 +2,9 @@
 `GET /version`, and vLLM's client-chosen request ids.
 
 CORS (settings: lmjax.serve.cors): LMDeploy and vLLM both install Starlette's CORSMiddleware allowing every
-origin, method and header, without credentials, unless told otherwise; lmjax keeps those defaults so a browser front end (a chat UI
-served from another port) can call the server. The server binds 127.0.0.1 unless asked (the CLI's default),
-and a server with API keys still wants its key from a browser's request as from any other.
+origin, method and header, without credentials, unless told otherwise; lmjax keeps those defaults so a browser
+front end (a chat UI served from another port) can call the server. The server binds 127.0.0.1 unless asked (the
+CLI's default), and a server with API keys still wants its key from a browser's request as from any other.
 
 Request ids: a request's `X-Request-Id` header becomes its response id (`cmpl-<id>`, `chatcmpl-<id>`, as
 vLLM's `_base_request_id`), and the header is sent back on the response, so a proxy can match its logs with

@@ -128,7 +128,7 @@ def _engine_options(backend_config, tp: int | None) -> dict:
     from lmjax.config import EngineConfig
 
     if backend_config is None:
-        config = EngineConfig()
+        config = EngineConfig(seed=None)  # LMDeploy's server: unseeded requests draw a random seed
     else:
         config = backend_config.to_engine_config() if hasattr(backend_config, "to_engine_config") else backend_config
         if not isinstance(config, EngineConfig):

@@ -4,7 +4,8 @@ Routes: `GET /v1/models`, `POST /v1/chat/completions`, `POST /v1/completions` (s
 `POST /v1/embeddings` (OpenAI's and vLLM's: lmjax.serve.embeddings),
 `POST /v1/chat/interactive` (LMDeploy's session endpoint: newline-delimited JSON when streaming),
 `POST /v1/encode` (LMDeploy's tokenizer endpoint), `POST /tokenize` and `POST /detokenize` (vLLM's),
-`GET /health`, `GET /metrics` (Prometheus text), `GET /version`; CORS and X-Request-Id: lmjax.serve.http_extras. `/v1/*`, `/tokenize` and `/detokenize` need
+`GET /health`, `GET /metrics` (Prometheus text), `GET /version`; CORS and X-Request-Id: lmjax.serve.http_extras.
+`/v1/*`, `/tokenize` and `/detokenize` need
 `Authorization: Bearer KEY` when the server has API keys (vLLM leaves its tokenizer routes open; they read
 nothing private, but cost work). Errors are OpenAI-style bodies `{"error": {"message", "type", "param",
 "code"}}`: 400 for a malformed or out-of-range request (FastAPI's 422 becomes 400), 401 for a bad key, 404
@@ -126,13 +127,20 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
             raise APIError(404, f"the model {model!r} does not exist; this server serves {name!r}",
                            "invalid_request_error", "model_not_found")
 
-    def check_room(ids: list[int], max_tokens: int | None) -> None:
-        """A max_tokens the context cannot hold is a 400, as in vLLM and OpenAI (not cut short silently)."""
-        if max_tokens is not None and len(ids) + max_tokens > engine.session_len:
-            raise ValueError(f"max_tokens={max_tokens} is too large: this model's maximum context length is "
+    def fitted(ids: list[int], params, requested: int | None):
+        """A max_tokens the request asked for and the context cannot hold is a 400, as in vLLM and OpenAI (not
+        cut short silently); one that came from the model's generation_config is cut to the room left (vLLM's
+        get_max_tokens). Returns the prompt's params."""
+        room = engine.session_len - len(ids)
+        if requested is not None and requested > room:
+            raise ValueError(f"max_tokens={requested} is too large: this model's maximum context length is "
                              f"{engine.session_len} tokens and the request has {len(ids)} input tokens")
+        if params.max_tokens is not None and 1 <= room < params.max_tokens:
+            params = params.clone()
+            params.max_tokens = room
+        return params
 
-    async def start(raw: Request, prompts: list[tuple[str | None, list[int]]], params):
+    async def start(raw: Request, prompts: list[tuple[str | None, list[int]]], params, requested: int | None):
         """Validate, submit every prompt and wait for the first output: (first, rest) of (prompt, GenOut)s,
         or None when the client went away first (a request still queued is aborted then, as vLLM's
         with_cancellation does, not when it would have produced its first token)."""
@@ -141,14 +149,14 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
             if len(prompts) * params.n > blocks:  # check_n's bound, for the request's sequences all together
                 raise ValueError(f"{len(prompts)} prompts x n={params.n} is more sequences than the KV cache could "
                                  f"ever hold ({blocks} blocks, one at least each)")
-            for _, ids in prompts:
-                if params.guided_decoding is None:
-                    engine.engine.validate_request(ids, params)
+            own = [fitted(ids, params, requested) for _, ids in prompts]
+            for (_, ids), p in zip(prompts, own):
+                if p.guided_decoding is None:
+                    engine.engine.validate_request(ids, p)
                 else:  # it compiles the guide (up to ~0.3 s, then cached): off the event loop
-                    await asyncio.to_thread(engine.engine.validate_request, ids, params)
-                check_room(ids, params.max_tokens)
-            gens = [engine.generate(None, new_session_id(), params, input_ids=ids, vllm_outputs=True)
-                    for _, ids in prompts]
+                    await asyncio.to_thread(engine.engine.validate_request, ids, p)
+            gens = [engine.generate(None, new_session_id(), p, input_ids=ids, vllm_outputs=True)
+                    for (_, ids), p in zip(prompts, own)]
             opening = asyncio.ensure_future(first_and_rest(merge(gens)))
             return opening.result() if await until_disconnect(raw, opening) else None
 
@@ -188,9 +196,11 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
                 req = req.model_copy(update={"skip_special_tokens": False})
             params = req.sampling_params(defaults(), limit)
             prompt = chat_prompt(engine, req)
-        head, k, choices = R.Head("chatcmpl", name, request_id=client_request_id(raw)), req.top_logprobs or 0, R.Choices(req.n)
+        head = R.Head("chatcmpl", name, request_id=client_request_id(raw))
+        k, choices = req.top_logprobs or 0, R.Choices(req.n)
         decode = named_by(req)
-        if (started := await start(raw, [prompt], params)) is None:
+        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        if (started := await start(raw, [prompt], params, requested)) is None:
             return Response(status_code=499)  # the client is gone: nobody reads this
         first, rest = started
         if not req.stream:
@@ -225,9 +235,10 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
                        for p in req.prompts()]
         echo = [R.Echo(t if t is not None else engine.tokenizer.decode(ids), ids) for t, ids in prompts] \
             if req.echo else None
-        head, k, choices = R.Head("cmpl", name, request_id=client_request_id(raw)), req.logprobs or 0, R.Choices(req.n)
+        head = R.Head("cmpl", name, request_id=client_request_id(raw))
+        k, choices = req.logprobs or 0, R.Choices(req.n)
         decode = named_by(req)
-        if (started := await start(raw, prompts, params)) is None:
+        if (started := await start(raw, prompts, params, 1 if req.echo_only else req.max_tokens)) is None:
             return Response(status_code=499)  # the client is gone: nobody reads this
         first, rest = started
         if not req.stream:
@@ -264,7 +275,8 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
             if not await until_disconnect(raw, work):
                 return Response(status_code=499)  # the client is gone: nobody reads this
             vectors = work.result()
-        return embedding_body(R.Head("embd", name, request_id=client_request_id(raw)), vectors, req.encoding_format, sum(map(len, prompts)))
+        head = R.Head("embd", name, request_id=client_request_id(raw))
+        return embedding_body(head, vectors, req.encoding_format, sum(map(len, prompts)))
     # ---- end /v1/embeddings ----
 
     @app.post("/v1/encode", dependencies=[Depends(authorize)])

@@ -1,20 +1,18 @@
-"""Request bodies of the HTTP API (pydantic, strict: `"5"` is not an int and `true` is not a number) and
-their mapping onto the engine's SamplingParams. Field names and defaults follow OpenAI's API (with vLLM's
-extensions `top_k`, `repetition_penalty`, `ignore_eos`, `min_tokens`, `skip_special_tokens`,
-`include_stop_str_in_output`, `bad_words`, `add_generation_prompt`, `continue_final_message`); LMDeploy's
-own bodies are in lmjax.serve.lmdeploy_protocol. `logit_bias` is OpenAI's map of token ids (as strings) to
-biases in [-100, 100]. Unknown fields are ignored, as OpenAI does; OpenAI fields lmjax does not honour
-(best_of > n, suffix, non-text content parts, the deprecated functions, and vLLM's chat echo) are a 400 that
-names them unless left at their no-op values. vLLM's prompt_logprobs are given (not with streaming, as vLLM). `tools` are rendered into the prompt
-and, on a server started with --tool-call-parser, the reply is parsed for calls (lmjax.serve.tool_parsers);
-tool_choice "required" or a named function guides the reply to the call's JSON instead. Structured outputs:
-response_format (OpenAI's json_object / json_schema, LMDeploy's regex_schema), vLLM's guided_json /
-guided_regex / guided_choice and structured_outputs.
-An explicit `null` is the field's default (`_Nullable`). Every string must be valid UTF-8: JSON can carry a
-lone surrogate (`"\\udc80"`), which no tokenizer takes (`_Strict._utf8`).
-Out-of-range values are caught by SamplingParams / GenerationConfig, whose ValueError names the value.
-Responses are plain dicts built in `responses.py`.
-"""
+"""Request bodies of the HTTP API (pydantic, strict: `"5"` is not an int and `true` is not a number) and their
+mapping onto the engine's SamplingParams. Field names and defaults follow OpenAI's API (with vLLM's extensions
+`top_k`, `repetition_penalty`, `ignore_eos`, `min_tokens`, `skip_special_tokens`, `include_stop_str_in_output`,
+`bad_words`, `add_generation_prompt`, `continue_final_message`); LMDeploy's own bodies are in
+lmjax.serve.lmdeploy_protocol. `logit_bias` is OpenAI's map of token ids (as strings) to biases in [-100, 100].
+Unknown fields are ignored, as OpenAI does; OpenAI fields lmjax does not honour (best_of > n, suffix, non-text
+content parts, the deprecated functions, and vLLM's chat echo) are a 400 that names them unless left at their
+no-op values. vLLM's prompt_logprobs are given (not with streaming, as vLLM). `tools` are rendered into the
+prompt and, on a server started with --tool-call-parser, the reply is parsed for calls
+(lmjax.serve.tool_parsers); tool_choice "required" or a named function guides the reply to the call's JSON
+instead. Structured outputs: response_format (OpenAI's json_object / json_schema, LMDeploy's regex_schema),
+vLLM's guided_json / guided_regex / guided_choice and structured_outputs. An explicit `null` is the field's
+default (`_Nullable`). Every string must be valid UTF-8: JSON can carry a lone surrogate (`"\\udc80"`), which no
+tokenizer takes (`_Strict._utf8`). Out-of-range values are caught by SamplingParams / GenerationConfig, whose
+ValueError names the value. Responses are plain dicts built in `responses.py`."""
 from __future__ import annotations
 
 import re

@@ -92,8 +92,8 @@ def test_serve_arguments_become_api_server_flags():
         api_server_argv("m", {"no_such_option": 1})
     with pytest.raises(ValueError, match="server-port"):
         api_server_argv("m", {"server_port": -1})
-    with pytest.raises(ValueError, match="seed=3"):  # an engine field the server cannot be given
-        _engine_options(lmjax.EngineConfig(seed=3), None)
+    with pytest.raises(ValueError, match="max_logprobs=5"):  # an engine field the server cannot be given
+        _engine_options(lmjax.EngineConfig(max_logprobs=5), None)
     with pytest.raises(NotImplementedError, match="ssl"):
         lmjax.serve("m", ssl=True)
 
