@@ -153,10 +153,10 @@ class Scheduler:
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
         """Oldest first; the newest unscheduled running sequence gives way when blocks run out."""
-        i = 0
+        i, later_need = 0, self._later_real_need()
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if seq.draft_token_ids and not self.bm.can_append(seq, min(seq.num_uncomputed, budget)):
+            if seq.draft_token_ids and not self.bm.can_append(seq, min(seq.num_uncomputed, budget), later_need[i]):
                 seq.draft_token_ids = []  # a draft never takes blocks another sequence needs
             n = min(seq.num_uncomputed, budget)
             if seq.draft_token_ids and n < seq.num_uncomputed:  # the budget cuts the draft, never the real token
@@ -175,6 +175,18 @@ class Scheduler:
             budget -= n
             i += 1
         return budget
+
+    def _later_real_need(self) -> list[int]:
+        """Per running index i, the blocks the sequences after it need for their real tokens (drafts aside),
+        which a draft of sequence i may not take. (Preemptions only shorten the list's tail: a stale entry
+        over-reserves, dropping a draft, never a real token.) All zeros unless some sequence has a draft."""
+        if not any(s.draft_token_ids for s in self.running):
+            return [0] * len(self.running)
+        need = [self.bm.num_new_blocks(s, s.num_uncomputed - len(s.draft_token_ids)) for s in self.running]
+        suffix, total = [0] * len(need), 0
+        for i in range(len(need) - 1, -1, -1):
+            suffix[i], total = total, total + need[i]
+        return suffix
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         """Recompute-style preemption: drop the KV, keep the tokens, requeue at the front."""
