@@ -19,7 +19,7 @@ print("ckpt", time.time() - t, flush=True)
 import numpy as np
 from lmjax import LLM, SamplingParams
 t = time.time()
-llm = LLM(d, dtype=dtype, max_model_len=1024, max_num_seqs=64, gpu_memory_utilization=0.3, num_scheduler_steps=int(os.environ.get("STEPS", "8")))
+llm = LLM(d, dtype=dtype, max_model_len=1024, max_num_seqs=64, gpu_memory_utilization=0.3, num_scheduler_steps=int(os.environ.get("STEPS", "8")), enable_prefix_caching=False)
 print("load", time.time() - t, flush=True)
 rng = np.random.default_rng(0)
 V = SHAPES[shape]["vocab_size"]

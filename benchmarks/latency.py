@@ -113,7 +113,8 @@ def run_lmjax(path: str, prompt: list[int], args) -> dict:
 
     clock = CompileClock()
     t0 = time.perf_counter()
-    llm = LLM(path, dtype=args.dtype, max_model_len=args.prompt_len + args.new_tokens + 64)
+    # no prefix caching (LLM's default is on): the repeats send the same prompt, and TTFT is to measure prefill
+    llm = LLM(path, dtype=args.dtype, max_model_len=args.prompt_len + args.new_tokens + 64, enable_prefix_caching=False)
     engine = llm.llm_engine
     load_s = time.perf_counter() - t0
     cold = time_request(engine, prompt, args.new_tokens)

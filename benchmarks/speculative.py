@@ -42,7 +42,7 @@ def repeated_prompt(vocab: int, length: int, block: int, seed: int) -> list[int]
 def run_engine(model: str, name: str, engine_kw: dict, prompt, args) -> dict:
     from lmjax import LLM, SamplingParams
 
-    llm = LLM(model, dtype=args.dtype, max_model_len=args.max_model_len,
+    llm = LLM(model, dtype=args.dtype, max_model_len=args.max_model_len, enable_prefix_caching=False,  # (repeats)
               gpu_memory_utilization=args.gpu_memory_utilization, **engine_kw)
     engine = llm.llm_engine
     ids = engine.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt

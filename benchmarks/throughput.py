@@ -104,8 +104,9 @@ def run_lmjax(path: str, requests: list[Request], args) -> tuple[Result, list[li
                                 ("kv_cache_dtype", args.kv_cache_dtype)) if v}
     # enforce_eager=False: every decode batch bucket compiles at start-up (untimed, reported as load
     # compilations), as vLLM captures its CUDA graphs before a benchmark starts.
+    # prefix caching only when asked: the warm-up pass sends the same prompts, which the cache would then serve
     llm = LLM(path, dtype=args.dtype, max_model_len=args.max_model_len or longest,
-              enforce_eager=args.enforce_eager or False, **kwargs)
+              enforce_eager=args.enforce_eager or False, enable_prefix_caching=args.enable_prefix_caching, **kwargs)
     load_compile_s, load_n = clock.snapshot()
     start = time.perf_counter()
     _lmjax_generate(llm, requests[:args.warmup_prompts or None], cap=args.warmup_tokens or None)
@@ -148,6 +149,8 @@ def parse_args(argv=None):
     p.add_argument("--enforce-eager", action="store_true",
                    help="LLM(enforce_eager=True): no start-up compilation of the decode buckets")
     p.add_argument("--max-num-seqs", type=int, default=None, help="LLM(max_num_seqs=...) (default: LLM's)")
+    p.add_argument("--enable-prefix-caching", action="store_true",
+                   help="LLM(enable_prefix_caching=True) (off here: the warm-up pass repeats the timed prompts)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="LLM(max_num_batched_tokens=...)")
     p.add_argument("--kv-cache-dtype", default=None, choices=("auto", "int8", "int4"),
                    help="LLM(kv_cache_dtype=...): int8 / int4 quantize the KV cache (quant_policy 8 / 4)")
