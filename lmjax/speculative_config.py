@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from lmjax.validation import check as _check
+from lmjax.validation import check as _check, is_int
 
 
 @dataclass
@@ -27,7 +27,7 @@ class SpeculativeConfig:
             self.prompt_lookup_min = self.prompt_lookup_max
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
             value = getattr(self, name)
-            _check(isinstance(value, int) and value >= 1, f"{name} must be an int >= 1, got {value!r}")
+            _check(is_int(value) and value >= 1, f"{name} must be an int >= 1, got {value!r}")
         _check(self.prompt_lookup_min <= self.prompt_lookup_max,
                f"prompt_lookup_min={self.prompt_lookup_min} must not exceed prompt_lookup_max={self.prompt_lookup_max}")
 

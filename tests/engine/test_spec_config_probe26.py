@@ -28,3 +28,8 @@ def test_vllm_ngram_spellings_are_accepted():
     (the pre-`method` spelling, vLLM's speculative_model="[ngram]"): same __post_init__."""
     assert SpeculativeConfig.of({"method": "[ngram]", "num_speculative_tokens": 3}).method == "ngram"
     assert SpeculativeConfig.of({"model": "ngram", "num_speculative_tokens": 3}).method == "ngram"
+
+
+def test_a_bool_is_no_token_count():
+    with pytest.raises(ValueError, match="num_speculative_tokens must be an int >= 1, got True"):
+        SpeculativeConfig(num_speculative_tokens=True)

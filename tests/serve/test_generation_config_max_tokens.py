@@ -13,12 +13,16 @@ from app_client import app_client
 from tiny_llama import write_tiny_llama
 
 
+def _model(path, max_new_tokens: int) -> str:
+    path = write_tiny_llama(path)
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump({"max_new_tokens": max_new_tokens, "temperature": 0.0}, f)
+    return path
+
+
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    path = write_tiny_llama(tmp_path_factory.mktemp("m"))
-    with open(os.path.join(path, "generation_config.json"), "w") as f:
-        json.dump({"max_new_tokens": 3, "temperature": 0.0}, f)
-    return path
+    return _model(tmp_path_factory.mktemp("m"), 3)
 
 
 def _chat(client, **fields) -> int:
@@ -55,3 +59,15 @@ def test_generation_config_dir_caps_every_request(model):
     with app_client(model, session_len=64, sampling_defaults={}) as (_, client):  # --generation-config vllm
         assert _chat(client) == 64 - len(client.post("/tokenize", json={
             "model": "tiny", "messages": [{"role": "user", "content": "t1 t2"}]}).json()["tokens"])
+
+
+def test_a_default_past_the_context_is_cut_to_the_room_left_not_a_400(tmp_path):
+    """(Review 26.) vLLM's get_max_tokens takes the min of the room left and the model's default; only a
+    max_tokens the client sent itself is refused."""
+    messages = [{"role": "user", "content": "t1 t2 t3 t4 t5 t6 t7 t8"}]
+    with app_client(_model(tmp_path, 60), session_len=64) as (_, client):
+        n_prompt = len(client.post("/tokenize", json={"model": "tiny", "messages": messages}).json()["tokens"])
+        assert n_prompt + 60 > 64
+        assert _chat(client, messages=messages) == 64 - n_prompt
+        asked = client.post("/v1/chat/completions", json={"model": "tiny", "messages": messages, "max_tokens": 60})
+        assert asked.status_code == 400 and "max_tokens=60 is too large" in asked.text
