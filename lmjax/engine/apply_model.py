@@ -47,7 +47,18 @@ def apply_model(engine, func: Callable[[nnx.Module], _R]) -> _R:
     # no request or session holds one (a kept session's next turn recomputes: its salt differs too).
     engine.weights_version += 1
     engine.blocks.reset_prefix_cache()
+    _resalt_waiting(engine)
     return result
+
+
+def _resalt_waiting(engine) -> None:
+    """Queued sequences holding no KV yet took the old weights' salt when they were added: give them the new
+    one, or they would share blocks cached from the old weights (kept while a running request holds a block)."""
+    for seq in engine.scheduler.waiting:
+        if not seq.block_table:
+            request_salt, ntk, _ = seq.cache_salt or (None, None, 0)
+            seq.cache_salt = (request_salt, ntk, engine.weights_version)
+            seq.block_hashes.clear()
 
 
 def _paths(state) -> list[str]:

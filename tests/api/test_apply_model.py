@@ -91,3 +91,22 @@ def test_a_structural_change_is_refused_and_leaves_the_weights(tiny):
     with pytest.raises(ValueError, match="not the model's structure"):
         llm.apply_model(replace_module)
     assert _greedy(llm) == before
+
+
+def test_a_queued_request_reads_no_kv_cached_from_the_old_weights(tiny):
+    """(Review 26.) A request queued before apply_model (here: behind a running one, which keeps the prefix
+    cache from being reset) took the old weights' salt and shared the blocks an earlier request cached."""
+    llm = LLM(tiny, max_model_len=128, block_size=16, enable_prefix_caching=True, max_num_seqs=1)
+    ref = LLM(tiny, max_model_len=128, enable_prefix_caching=False)
+    engine = llm.llm_engine
+    _greedy(llm, LONG)  # caches LONG's two full blocks
+    engine.add_request([30, 31, 32], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    engine.step()  # running: it holds a block, so apply_model cannot reset the prefix cache
+    queued = engine.add_request(LONG, SamplingParams(temperature=0, max_tokens=4))
+    hits = engine.blocks.prefix_cache_hits
+    llm.apply_model(_scale_layer0_v)
+    ref.apply_model(_scale_layer0_v)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.blocks.prefix_cache_hits == hits
+    assert queued.completions[0].token_ids == _greedy(ref, LONG)
