@@ -82,6 +82,12 @@ def _check_sampling(temperature, top_p, top_k, min_p, repetition_penalty, n, log
 _LIST_FIELDS = ("stop", "stop_token_ids", "bad_words", "bad_token_ids", "allowed_token_ids", "logits_processors")
 
 
+def check_cache_salt(salt) -> None:
+    """vLLM's cache_salt: None or a non-empty string (SamplingParams' field, a prompt dict's key)."""
+    _check(salt is None or (isinstance(salt, str) and salt != ""),
+           f"cache_salt must be a non-empty string, got {salt!r}")
+
+
 @_strict_fields
 @dataclass
 class SamplingParams:
@@ -167,8 +173,7 @@ class SamplingParams:
                f"prompt_logprobs must be None, -1 (the whole vocabulary) or an int >= 0, got {self.prompt_logprobs!r}")
         _check(self.seed is None or isinstance(self.seed, int), f"seed must be an int, got {self.seed!r}")
         self.seed = None if self.seed == -1 else self.seed  # vLLM's: -1 is "no seed", as None
-        _check(self.cache_salt is None or (isinstance(self.cache_salt, str) and self.cache_salt != ""),
-               f"cache_salt must be a non-empty string, got {self.cache_salt!r}")
+        check_cache_salt(self.cache_salt)
         for name, kind in (("stop", str), ("bad_words", str), ("stop_token_ids", int), ("bad_token_ids", int),
                            ("allowed_token_ids", int)):
             setattr(self, name, _as_list(getattr(self, name), name, kind))

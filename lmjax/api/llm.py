@@ -26,7 +26,7 @@ from lmjax.api.batch import encode_text, is_token_id, per_prompt, run_to_complet
 from lmjax.api.beam_search import BeamSearchOutput, BeamSearchParams, beam_search as run_beam_search
 from lmjax.api.embed import EmbeddingRequestOutput, PoolingParams, embed_token_ids
 from lmjax.api.outputs import RequestOutput, request_output
-from lmjax.config import EngineConfig, SamplingParams, check_defaults_only, warn_no_effect
+from lmjax.config import EngineConfig, SamplingParams, check_cache_salt, check_defaults_only, warn_no_effect
 from lmjax.engine.apply_model import apply_model
 from lmjax.engine.engine import LLMEngine
 from lmjax.guided_params import GuidedDecodingParams
@@ -147,9 +147,8 @@ def _with_salts(params: list[SamplingParams], prompts: list) -> list[SamplingPar
     out = []
     for p, prompt in zip(params, prompts):
         salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        check_cache_salt(salt)
         if salt is not None:
-            if not isinstance(salt, str) or not salt:
-                raise ValueError(f"cache_salt must be a non-empty string, got {salt!r}")
             p = p.clone()
             p.cache_salt = salt
         out.append(p)

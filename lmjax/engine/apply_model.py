@@ -56,8 +56,7 @@ def _resalt_waiting(engine) -> None:
     one, or they would share blocks cached from the old weights (kept while a running request holds a block)."""
     for seq in engine.scheduler.waiting:
         if not seq.block_table:
-            request_salt, ntk, _ = seq.cache_salt or (None, None, 0)
-            seq.cache_salt = (request_salt, ntk, engine.weights_version)
+            seq.cache_salt = engine._cache_salt(seq.num_prompt_tokens, getattr(seq.params, "cache_salt", None))
             seq.block_hashes.clear()
 
 

@@ -68,10 +68,10 @@ class ScheduledBatch:
     num_tokens: int = 0
     advanced: bool = False  # Scheduler.advance ran: its items count their new tokens as computed
 
-    def add(self, seq: Sequence, num_new_tokens: int) -> None:
+    def add(self, seq: Sequence, num_new_tokens: int, admitted: bool = False) -> None:
         start = seq.num_computed_tokens
         samples = start + num_new_tokens == seq.num_tokens + len(seq.draft_token_ids)
-        self.items.append(ScheduledItem(seq, num_new_tokens, start, samples))
+        self.items.append(ScheduledItem(seq, num_new_tokens, start, samples, admitted))
         self.num_tokens += num_new_tokens
 
     @property
@@ -153,11 +153,13 @@ class Scheduler:
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
         """Oldest first; the newest unscheduled running sequence gives way when blocks run out."""
-        i, later_need = 0, self._later_real_need()
+        i, later_need = 0, None
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if seq.draft_token_ids and not self.bm.can_append(seq, min(seq.num_uncomputed, budget), later_need[i]):
-                seq.draft_token_ids = []  # a draft never takes blocks another sequence needs
+            if seq.draft_token_ids:  # a draft never takes blocks another sequence needs
+                later_need = later_need or self._later_real_need()
+                if not self.bm.can_append(seq, min(seq.num_uncomputed, budget), later_need[i]):
+                    seq.draft_token_ids = []
             n = min(seq.num_uncomputed, budget)
             if seq.draft_token_ids and n < seq.num_uncomputed:  # the budget cuts the draft, never the real token
                 seq.draft_token_ids = seq.draft_token_ids[:max(0, n - (seq.num_uncomputed - len(seq.draft_token_ids)))]
@@ -179,9 +181,7 @@ class Scheduler:
     def _later_real_need(self) -> list[int]:
         """Per running index i, the blocks the sequences after it need for their real tokens (drafts aside),
         which a draft of sequence i may not take. (Preemptions only shorten the list's tail: a stale entry
-        over-reserves, dropping a draft, never a real token.) All zeros unless some sequence has a draft."""
-        if not any(s.draft_token_ids for s in self.running):
-            return [0] * len(self.running)
+        over-reserves, dropping a draft, never a real token.)"""
         need = [self.bm.num_new_blocks(s, s.num_uncomputed - len(s.draft_token_ids)) for s in self.running]
         suffix, total = [0] * len(need), 0
         for i in range(len(need) - 1, -1, -1):
@@ -214,8 +214,7 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=_arrival)
-            batch.add(seq, n)
-            batch.items[-1].admitted = True
+            batch.add(seq, n, admitted=True)
             budget -= n
 
     def _try_place(self, seq: Sequence, budget: int) -> int:
