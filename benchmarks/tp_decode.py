@@ -113,7 +113,7 @@ def time_multi_step(runner, caches, inputs: StepInputs, smeta, flags, args):
     calls, tokens = [], None
     for i in range(3 + max(args.iters // args.steps, 5)):
         t0 = time.perf_counter()
-        out, caches = runner._decode(runner.params, caches, dec, smeta, flags=flags, num_steps=args.steps)
+        out, caches = runner._decode.jitted(runner.params, caches, dec, smeta, flags=flags, num_steps=args.steps)
         step_tokens = np.asarray(out.token_ids_B)[:, 0].tolist()
         tokens = tokens or step_tokens  # every call decodes the same positions from the same token
         if i >= 3:  # the first call compiles
@@ -124,7 +124,7 @@ def time_multi_step(runner, caches, inputs: StepInputs, smeta, flags, args):
         trace_dir = os.path.join(args.profile, f"tp{tp}" + (f"-p{jax.process_index()}" if jax.process_count() > 1 else ""))
         with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
             for _ in range(2):
-                out, caches = runner._decode(runner.params, caches, dec, smeta, flags=flags, num_steps=args.steps)
+                out, caches = runner._decode.jitted(runner.params, caches, dec, smeta, flags=flags, num_steps=args.steps)
                 np.asarray(out.token_ids_B)
         print(f"profile of 2 calls x {args.steps} steps ({trace_dir}):")
         try:

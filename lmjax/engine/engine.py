@@ -256,14 +256,16 @@ class LLMEngine(SessionsMixin, MultiStepMixin, HostOutputsMixin, SpeculativeMixi
             if it.seq.seq_id in self._by_seq:
                 self._by_seq[it.seq.seq_id][0].metrics.scheduled(now)
         num_steps = self._decode_steps(batch)
-        if num_steps > 1:
+        if num_steps > 1:  # (its blocks allocated: one step uses the first, the next steps the others)
             rows = [self._row(it) for it in batch.items]
             try:
-                self._pending = (batch, self.runner.dispatch_decode(batch, rows, num_steps))
+                decoding = self.runner.dispatch_decode(batch, rows, num_steps)
             except StepInputError as e:
                 return self._inputs_failed(batch, rows, list(range(len(rows))), e, changed)
-            self.num_decode_loops += 1
-            return self._finish_pending(changed)
+            if decoding is not None:  # else its sampling variant is compiling: one step now
+                self._pending = (batch, decoding)
+                self.num_decode_loops += 1
+                return self._finish_pending(changed)
         extras = self._extras(batch)
         starts = row_starts(batch)  # each item's first sampled row (items verifying a draft have several)
         rows = [self._row(it, ahead=j) for it in batch.items for j in range(it.num_rows)]

@@ -25,6 +25,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from lmjax import parallel
+from lmjax.engine.background_compile import BackgroundCompiler
 from lmjax.engine.block_manager import BlockManager
 from lmjax.engine.followers import FollowersMixin, step_kind
 from lmjax.engine.decode_loop import DecodeInputs, PendingDecode, decode_steps, pending_ids
@@ -40,6 +41,7 @@ from lmjax.layers.sampler import (
     SamplingMetadata,
     SamplingRow,
     build_sampling_metadata,
+    is_basic,
     sample,
     token_rank,
 )
@@ -172,6 +174,10 @@ def _prompt_logprobs(logits_TV, next_ids_T, k: int):
     return chosen_T, top_ids_TK.astype(jnp.int32), top_lp_TK, token_rank(logprobs_TV, chosen_T)
 
 
+def _sample(logits_BV, smeta, *, flags: SamplingFlags) -> SamplerOutput:
+    return sample(logits_BV, smeta, **flags._asdict())
+
+
 def _sample_rows(raw_BV, idx_R, processed_RV, smeta, *, flags: SamplingFlags) -> SamplerOutput:
     """Sample from the raw logits with rows idx_R (out of bounds: padding) replaced by processed ones."""
     logits_BV = raw_BV.at[idx_R].set(processed_RV, mode="drop")
@@ -209,8 +215,10 @@ class ModelRunner(FollowersMixin):
         self.leading = False  # process 0 driving follower processes (see lead / follow)
         self._step = jax.jit(self._step_fn, donate_argnums=(1,),
                              static_argnames=("flags", "num_prompt_logprobs", "extras"))
+        self._sample = jax.jit(_sample, static_argnames=("flags",))
         self._sample_rows = jax.jit(_sample_rows, static_argnames=("flags",))
-        self._decode = jax.jit(self._decode_fn, donate_argnums=(1,), static_argnames=("flags", "num_steps"))
+        self._decode = BackgroundCompiler(
+            jax.jit(self._decode_fn, donate_argnums=(1,), static_argnames=("flags", "num_steps")))
 
     def _model(self, params: list) -> nnx.Module:
         return nnx.merge(self.graphdef, jax.tree_util.tree_unflatten(self._params_def, params))
@@ -247,13 +255,14 @@ class ModelRunner(FollowersMixin):
                             block_size=self.block_size, flags=flags)
 
     def dispatch_decode(self, batch: ScheduledBatch, rows: list[SamplingRow], num_steps: int,
-                        after: PendingDecode | PendingStep | None = None) -> PendingDecode:
+                        after: PendingDecode | PendingStep | None = None) -> PendingDecode | None:
         """Start `num_steps` decode steps of a decode-only batch on the device and return without
         waiting (block tables must already hold slots for all of them). `after`: a call still in
         flight for the same sequences, in the same order; this one continues where it ends, its input
         tokens being that call's last sampled ones, still on the device (the host has not read them).
         After a K-step call the host's num_computed_tokens is K behind; after a one-step call it is
-        not (the engine advances the scheduler when it dispatches one: `Scheduler.advance`)."""
+        not (the engine advances the scheduler when it dispatches one: `Scheduler.advance`). None: nothing
+        dispatched, the call's sampling variant is still compiling (the engine steps once instead)."""
         items, n = batch.items, len(batch.items)
         ahead = after.num_steps if isinstance(after, PendingDecode) else 0
         B, M = bucket(n, self.min_decode_B), self.table_width(max(len(it.seq.block_table) for it in items))
@@ -268,9 +277,19 @@ class ModelRunner(FollowersMixin):
         smeta, flags = _sampling_inputs(rows, pad_to=B)
         if self.mesh is not None:
             inputs, smeta = parallel.replicate((inputs, smeta), self.mesh)
+        result = self._run_decode((inputs, smeta), flags, num_steps)
+        return None if result is None else PendingDecode(result, n, num_steps)
+
+    def _run_decode(self, varying: tuple, flags: SamplingFlags, num_steps: int, wait: bool = False):
+        """The decode call's SamplerOutput (the cache updated), or None while its sampling variant compiles
+        (lmjax.engine.background_compile); `wait`: compile it now."""
         with parallel.use_mesh(self.mesh):
-            out, self.caches = self._decode(self.params, self.caches, inputs, smeta, flags=flags, num_steps=num_steps)
-        return PendingDecode(out, n, num_steps)
+            result = self._decode((self.params, self.caches), varying, {"flags": flags, "num_steps": num_steps},
+                                  basic=is_basic(flags, varying[1]), wait=wait)
+        if result is None:
+            return None
+        out, self.caches = result
+        return out
 
     def collect(self, pending: PendingDecode) -> list[StepOutput]:
         """Wait for a dispatched decode call; one StepOutput per step."""
@@ -278,6 +297,10 @@ class ModelRunner(FollowersMixin):
         n = pending.num_items
         return [StepOutput(tokens[k, :n], logprobs[k, :n], top_ids[k, :n], top_lp[k, :n], None, ranks[k, :n])
                 for k in range(pending.num_steps)]
+
+    def wait_for_compiles(self) -> None:
+        """Block until the decode variants compiling in the background are ready (a benchmark's warm-up)."""
+        self._decode.wait()
 
     def table_width(self, num_blocks: int) -> int:
         """Block-table width M of a step whose longest sequence holds `num_blocks` blocks."""
@@ -296,9 +319,7 @@ class ModelRunner(FollowersMixin):
                     inputs = DecodeInputs(zeros_B, zeros_B, np.zeros((B, M), np.int32), np.int32(0))
                     args = parallel.replicate((inputs, smeta), self.mesh) if self.mesh is not None \
                         else (inputs, smeta)
-                    with parallel.use_mesh(self.mesh):
-                        out, self.caches = self._decode(self.params, self.caches, *args, flags=flags,
-                                                        num_steps=num_steps)
+                    out = self._run_decode(args, flags, num_steps, wait=True)
                 else:
                     T = bucket(B, 16)
                     attn = AttentionMetadata(np.zeros(T, np.int32), np.ones(T, np.int32), zeros_B,
@@ -390,7 +411,14 @@ class ModelRunner(FollowersMixin):
              extras: Extras = NO_EXTRAS):
         if self.mesh is not None:
             inputs, smeta = parallel.replicate((inputs, smeta), self.mesh)
+        # Only basic sampling is fused into the step; any other variant samples the step's logits in a small
+        # program of its own, so the model step compiles once for them all (lmjax.engine.background_compile).
+        apart = extras.sample and not is_basic(flags, smeta)
         with parallel.use_mesh(self.mesh):
-            out, prompt, extra, self.caches = self._step(self.params, self.caches, inputs, smeta, flags=flags,
-                                                         num_prompt_logprobs=num_prompt_logprobs, extras=extras)
+            out, prompt, extra, self.caches = self._step(
+                self.params, self.caches, inputs, None if apart else smeta, flags=None if apart else flags,
+                num_prompt_logprobs=num_prompt_logprobs, extras=extras._replace(sample=False) if apart else extras)
+            if apart:
+                logits_BV = extra["last_logits"] if extras.last_logits else extra.pop("last_logits")
+                out = self._sample(logits_BV, smeta, flags=flags)
         return out, prompt, extra

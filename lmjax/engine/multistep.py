@@ -25,7 +25,13 @@ class MultiStepMixin:
         if k > 1:
             pending.start_host_copy()
             rows = [self._row(it, ahead=1) for it in decode.items]
-            self._pending = (decode, self.runner.dispatch_decode(decode, rows, k, after=pending))
+            self._chain(decode, self.runner.dispatch_decode(decode, rows, k, after=pending))
+
+    def _chain(self, batch: ScheduledBatch, decoding) -> None:
+        """Keep a chained call in flight; None: its sampling variant is still compiling (the blocks allocated
+        for it are the batch's next tokens' anyway), and the batch steps once at a time meanwhile."""
+        if decoding is not None:
+            self._pending = (batch, decoding)
             self.num_decode_loops += 1
             self.num_chained_loops += 1
 
@@ -84,9 +90,7 @@ class MultiStepMixin:
         k = self._decode_steps(batch, ahead=pending.num_steps)
         if k > 1:
             rows = [self._row(it, ahead=pending.num_steps) for it in batch.items]
-            self._pending = (batch, self.runner.dispatch_decode(batch, rows, k, after=pending))
-            self.num_decode_loops += 1
-            self.num_chained_loops += 1
+            self._chain(batch, self.runner.dispatch_decode(batch, rows, k, after=pending))
         self.num_loop_steps_read += pending.num_steps  # all K ran, even past a request's end
         self._catch_up_ending(batch, pending.num_steps)
         for out in self.runner.collect(pending):

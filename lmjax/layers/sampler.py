@@ -81,6 +81,13 @@ class SamplingFlags(NamedTuple):
     ranks: bool = False  # some row asked for logprobs: the sampled token's rank in the vocabulary too
 
 
+def is_basic(flags: SamplingFlags, meta: SamplingMetadata) -> bool:
+    """Greedy or plain temperature sampling: no penalties, top-k / top-p, logprobs, mask, bias, and at most one
+    banned id. The engine fuses only these into its model step (lmjax.engine.background_compile says why)."""
+    return (not (flags.use_penalties or flags.use_top_k_top_p or flags.num_logprobs or flags.ranks)
+            and not any(meta.optional_inputs()) and meta.banned_BX.shape[1] == 1)
+
+
 class SamplerOutput(NamedTuple):
     token_ids_B: jax.Array        # int32
     logprobs_B: jax.Array         # float32, chosen token under log_softmax(raw logits)

@@ -47,7 +47,11 @@ def test_bias_forces_and_bans_tokens_inside_multi_step_decode(engine):
     loops = engine.engine.num_decode_loops
     forced = SamplingParams(temperature=0, max_tokens=20, logit_bias={42: 100.0})
     banned = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logit_bias={t: -100.0 for t in alone})
-    outs = _tokens(engine, ["t5 t9 t12 t30", "t7 t8", "t5 t9 t12 t30"], [plain, forced, banned])
+    prompts = ["t5 t9 t12 t30", "t7 t8", "t5 t9 t12 t30"]
+    single = _tokens(engine, prompts, [plain, forced, banned])  # single steps until its variant compiles
+    engine.engine.runner.wait_for_compiles()
+    outs = _tokens(engine, prompts, [plain, forced, banned])
+    assert outs == single
     assert outs[0] == alone  # the unbiased row of the mixed batch: the tokens it gets alone
     assert outs[1] == [42] * 20
     assert len(outs[2]) == 20 and not set(outs[2]) & set(alone)

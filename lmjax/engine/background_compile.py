@@ -1,0 +1,104 @@
+"""Sampling variants of the multi-step decode call, compiled off the critical path.
+
+The multi-step decode call (lmjax.engine.decode_loop) has the sampler inside its device loop, so each
+combination of sampling features (SamplingFlags, and the widths of ban and bias lists) is a compilation of
+the whole model. Compiling one in the middle of serving stalls every running request for seconds (vLLM's
+sampler runs outside its CUDA graphs and never does). So only the basic variants (greedy or plain
+temperature sampling: `lmjax.layers.sampler.is_basic`) compile when first met, as warm-up does; any other
+is lowered (traced, on the calling thread) and handed to a worker thread to compile (XLA releases the GIL
+meanwhile), and until it is ready the engine runs those steps one at a time, whose model step is shared by
+every variant and whose sampler is a small program of its own (ModelRunner._run). Outputs are the same
+either way (multi-step decoding draws exactly what single steps draw).
+
+LMJAX_BACKGROUND_COMPILE=0 compiles every variant when first met instead (before: the stall, after: no
+single steps; deterministic, for tests that count multi-step calls).
+"""
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable
+
+import jax
+
+from lmjax.env import env_choice
+
+logger = logging.getLogger("lmjax.engine")
+
+
+def background_compile_enabled() -> bool:
+    return env_choice("LMJAX_BACKGROUND_COMPILE", ("1", "0"), "1") == "1"
+
+
+def variant_key(args: Any, static: dict) -> tuple:
+    """What selects a compilation of a jitted call: the arguments' structure, shapes and dtypes, and the
+    static arguments (values of the arrays do not)."""
+    leaves, treedef = jax.tree_util.tree_flatten(args)
+    return treedef, tuple((x.shape, str(x.dtype)) for x in leaves), tuple(sorted(static.items()))
+
+
+class BackgroundCompiler:
+    """Runs a jitted call through its compiled variants, compiling new non-basic ones on a worker thread."""
+
+    def __init__(self, jitted: Callable, enabled: bool | None = None):
+        self.jitted = jitted
+        self.enabled = background_compile_enabled() if enabled is None else enabled
+        self._in_jit: set[tuple] = set()  # variants the jitted function has compiled (its own cache)
+        self._compiled: dict[tuple, Any] = {}  # variants compiled here (jax.stages.Compiled)
+        self._compiling: dict[tuple, Future] = {}
+        self._failed: set[tuple] = set()
+        self._pool: ThreadPoolExecutor | None = None
+        self.num_background = 0  # variants handed to the worker
+
+    def __call__(self, fixed: tuple, varying: tuple, static: dict, basic: bool, wait: bool = False):
+        """jitted(*fixed, *varying, **static), or None when its variant is compiling in the background (or
+        failed to): the caller runs something else. `fixed`: arguments whose shapes never change (the
+        parameters, the cache), left out of the variant's key. `basic` or `wait` (warm-up): compile now, as
+        the jitted function does."""
+        key, args = variant_key(varying, static), (*fixed, *varying)
+        if key in self._in_jit or basic or wait or not self.enabled:
+            self._in_jit.add(key)
+            return self.jitted(*args, **static)
+        compiled = self._compiled.get(key) or self._collect(key)
+        if compiled is not None:
+            return compiled(*args)
+        if key not in self._compiling and key not in self._failed:
+            self._submit(key, self.jitted.lower(*args, **static))
+        return None
+
+    def wait(self) -> None:
+        """Block until every variant handed to the worker is compiled (tests; a benchmark's warm-up)."""
+        for key, future in list(self._compiling.items()):
+            if not future.cancelled():
+                future.exception()
+            self._collect(key)
+
+    def _submit(self, key: tuple, lowered) -> None:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmjax-compile")
+            # A dropped engine's queued compilations are cancelled, not run at interpreter exit.
+            weakref.finalize(self, self._pool.shutdown, wait=False, cancel_futures=True)
+        self.num_background += 1
+        self._compiling[key] = self._pool.submit(_timed_compile, lowered)
+
+    def _collect(self, key: tuple):
+        future = self._compiling.get(key)
+        if future is None or not future.done():
+            return None
+        del self._compiling[key]
+        if future.cancelled() or future.exception() is not None:
+            self._failed.add(key)  # its steps stay single steps: the engine keeps serving
+            logger.warning("background compilation failed; those batches decode one step per call: %r",
+                           None if future.cancelled() else future.exception())
+            return None
+        self._compiled[key] = future.result()
+        return self._compiled[key]
+
+
+def _timed_compile(lowered):
+    start = time.perf_counter()
+    compiled = lowered.compile()
+    logger.info("compiled a decode variant in the background in %.1f s", time.perf_counter() - start)
+    return compiled
