@@ -14,9 +14,9 @@ final EOS not) and the best beam_width stay live. After max_tokens steps the liv
 completed + live are ranked by the same score and the best beam_width returned, best first (fewer when a
 prompt had fewer candidates). Logprobs are the raw model's (vLLM V1's default, lmjax.layers.sampler).
 
-Cost: every step re-submits each beam's whole sequence; vLLM relies on prefix caching to skip the shared
-part. lmjax's LLM leaves it off by default (vLLM V1 turns it on): pass LLM(enable_prefix_caching=True) for
-long prompts or many steps. Without it the results are the same, only slower.
+Cost: every step re-submits each beam's whole sequence; prefix caching (LLM's default, as vLLM V1's) skips
+the shared part. With LLM(enable_prefix_caching=False) the results are the same, only slower on long prompts
+or many steps.
 
 Where lmjax differs from vLLM, and why:
 - Finished beams follow vLLM's *online* beam search (its OpenAI server), since vLLM's offline one leaves

@@ -5,8 +5,8 @@ combination of sampling features (SamplingFlags, and the widths of ban and bias 
 the whole model. Compiling one in the middle of serving stalls every running request for seconds (vLLM's
 sampler runs outside its CUDA graphs and never does). So only the basic variants (greedy or plain
 temperature sampling: `lmjax.layers.sampler.is_basic`) compile when first met, as warm-up does; any other
-is lowered (traced, on the calling thread) and handed to a worker thread to compile (XLA releases the GIL
-meanwhile), and until it is ready the engine runs those steps one at a time, whose model step is shared by
+is traced, lowered and compiled on a worker thread (from the arguments' shapes and shardings: the calling
+thread goes on, donating the arrays; XLA releases the GIL while it compiles), and until it is ready the engine runs those steps one at a time, whose model step is shared by
 every variant and whose sampler is a small program of its own (ModelRunner._run). Outputs are the same
 either way (multi-step decoding draws exactly what single steps draw).
 
@@ -15,11 +15,12 @@ single steps; deterministic, for tests that count multi-step calls).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any, Callable, ContextManager
 
 import jax
 
@@ -42,8 +43,10 @@ def variant_key(args: Any, static: dict) -> tuple:
 class BackgroundCompiler:
     """Runs a jitted call through its compiled variants, compiling new non-basic ones on a worker thread."""
 
-    def __init__(self, jitted: Callable, enabled: bool | None = None):
+    def __init__(self, jitted: Callable, enabled: bool | None = None,
+                 context: Callable[[], ContextManager] = contextlib.nullcontext):
         self.jitted = jitted
+        self.context = context  # entered around the worker's tracing (the mesh the calling thread runs under)
         self.enabled = background_compile_enabled() if enabled is None else enabled
         self._in_jit: set[tuple] = set()  # variants the jitted function has compiled (its own cache)
         self._compiled: dict[tuple, Any] = {}  # variants compiled here (jax.stages.Compiled)
@@ -65,7 +68,7 @@ class BackgroundCompiler:
         if compiled is not None:
             return compiled(*args)
         if key not in self._compiling and key not in self._failed:
-            self._submit(key, self.jitted.lower(*args, **static))
+            self._submit(key, jax.tree_util.tree_map(_abstract, args), static)
         return None
 
     def wait(self) -> None:
@@ -75,13 +78,23 @@ class BackgroundCompiler:
                 future.exception()
             self._collect(key)
 
-    def _submit(self, key: tuple, lowered) -> None:
+    def _submit(self, key: tuple, abstract_args: tuple, static: dict) -> None:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmjax-compile")
             # A dropped engine's queued compilations are cancelled, not run at interpreter exit.
             weakref.finalize(self, self._pool.shutdown, wait=False, cancel_futures=True)
         self.num_background += 1
-        self._compiling[key] = self._pool.submit(_timed_compile, lowered)
+        self._compiling[key] = self._pool.submit(self._compile, abstract_args, static)
+
+    def _compile(self, abstract_args: tuple, static: dict):
+        start = time.perf_counter()
+        with self.context():
+            lowered = self.jitted.lower(*abstract_args, **static)
+        traced = time.perf_counter()
+        compiled = _compile(lowered)
+        logger.info("compiled a decode variant in the background: traced in %.1f s, compiled in %.1f s",
+                    traced - start, time.perf_counter() - traced)
+        return compiled
 
     def _collect(self, key: tuple):
         future = self._compiling.get(key)
@@ -97,8 +110,11 @@ class BackgroundCompiler:
         return self._compiled[key]
 
 
-def _timed_compile(lowered):
-    start = time.perf_counter()
-    compiled = lowered.compile()
-    logger.info("compiled a decode variant in the background in %.1f s", time.perf_counter() - start)
-    return compiled
+def _abstract(x):
+    """An argument as the worker traces it: shape, dtype and (for a device array) sharding, never the buffer
+    (the calling thread may have donated it by then)."""
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+
+
+def _compile(lowered):
+    return lowered.compile()

@@ -46,6 +46,10 @@ class BlockManager:
         self._free_cached: OrderedDict[int, None] = OrderedDict()  # free, hashed; oldest first
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        # A preempted sequence's readmission lookups, apart (vLLM's preempted_queries / preempted_hits): its
+        # recompute re-hitting blocks it computed itself would inflate the hit rate.
+        self.preempted_queries = 0
+        self.preempted_hits = 0
 
     # ---- capacity ---------------------------------------------------------------------------
 
@@ -160,19 +164,28 @@ class BlockManager:
             seq.block_table.append(block)
         hit = len(seq.block_table) * self.block_size
         seq.num_computed_tokens = seq.num_prefix_cached_tokens = hit
-        self.prefix_cache_queries += seq.num_tokens
         seq.num_prefix_queried = seq.num_tokens  # (a failed step may uncount it after a token was appended)
-        self.prefix_cache_hits += hit
+        if not seq.num_preemptions:
+            seq.num_first_cached_tokens = hit
+        self._count_lookup(seq, 1)
         return hit
+
+    def _count_lookup(self, seq: Sequence, sign: int) -> None:
+        if seq.num_preemptions:
+            self.preempted_queries += sign * seq.num_prefix_queried
+            self.preempted_hits += sign * seq.num_prefix_cached_tokens
+        else:
+            self.prefix_cache_queries += sign * seq.num_prefix_queried
+            self.prefix_cache_hits += sign * seq.num_prefix_cached_tokens
 
     def cancel_admission(self, seq: Sequence) -> None:
         """Undo `match_prefix` (and any `append`) for a sequence that did not get admitted after
         all, so a retry next step does not count its lookup twice."""
-        if self.enable_prefix_caching:
-            self.prefix_cache_queries -= seq.num_prefix_queried
-            self.prefix_cache_hits -= seq.num_prefix_cached_tokens
+        self._count_lookup(seq, -1)
         self.free(seq)
         seq.num_computed_tokens = seq.num_prefix_cached_tokens = seq.num_prefix_queried = 0
+        if not seq.num_preemptions:
+            seq.num_first_cached_tokens = 0
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (vLLM's reset_prefix_cache: between benchmark runs, after a weight

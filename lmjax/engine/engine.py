@@ -216,10 +216,12 @@ class LLMEngine(SessionsMixin, MultiStepMixin, HostOutputsMixin, SpeculativeMixi
 
     def stats(self) -> dict:
         """Counters worth logging and exporting: compilations (traces of a step; `cache_hits` of them
-        were loaded from the persistent compilation cache), prefix-cache hits, preemptions, cache use."""
+        were loaded from the persistent compilation cache), prefix-cache hits (a preempted sequence's readmissions
+        apart, as vLLM), preemptions, cache use."""
         b = self.blocks
         return {"num_compilations": self.runner.num_compilations, "prefix_cache_queries": b.prefix_cache_queries,
                 "prefix_cache_hits": b.prefix_cache_hits, "prefix_cache_hit_rate": b.hit_rate,
+                "prefix_cache_preempted_queries": b.preempted_queries, "prefix_cache_preempted_hits": b.preempted_hits,
                 "num_preemptions": self.scheduler.num_preemptions, "kv_cache_usage": b.usage,
                 "num_running": self.scheduler.num_running, "num_waiting": self.scheduler.num_waiting,
                 "num_free_blocks": b.num_free_blocks, "num_usable_blocks": b.num_usable_blocks,
@@ -342,8 +344,8 @@ class LLMEngine(SessionsMixin, MultiStepMixin, HostOutputsMixin, SpeculativeMixi
                          "bans, allowed tokens, guide or logits processors left every logit at -inf")
             return self._finish(req, comp, "error")
         req.metrics.token(time.time())
-        if len(comp.token_ids) == 1:  # the prompt's hit, as vLLM counts it (a recompute also hits its own output)
-            hit = min(comp.seq.num_prefix_cached_tokens, len(req.prompt_token_ids))
+        if len(comp.token_ids) == 1:  # its first admission's hit, as vLLM counts it (not a recompute's)
+            hit = min(comp.seq.num_first_cached_tokens, len(req.prompt_token_ids))
             req.num_cached_tokens = max(req.num_cached_tokens, hit)
         comp.cumulative_logprob += float(out.logprobs[i])
         if comp.logprobs is not None:

@@ -218,7 +218,8 @@ class ModelRunner(FollowersMixin):
         self._sample = jax.jit(_sample, static_argnames=("flags",))
         self._sample_rows = jax.jit(_sample_rows, static_argnames=("flags",))
         self._decode = BackgroundCompiler(
-            jax.jit(self._decode_fn, donate_argnums=(1,), static_argnames=("flags", "num_steps")))
+            jax.jit(self._decode_fn, donate_argnums=(1,), static_argnames=("flags", "num_steps")),
+            context=lambda: parallel.use_mesh(self.mesh))
 
     def _model(self, params: list) -> nnx.Module:
         return nnx.merge(self.graphdef, jax.tree_util.tree_unflatten(self._params_def, params))

@@ -43,6 +43,9 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_prefix_cached_tokens: int = 0
     num_prefix_queried: int = 0  # the tokens its admission's prefix lookup counted (cancel_admission takes them back)
+    # The prefix-cache hit of its first admission (vLLM's num_cached_tokens: a recompute after a preemption
+    # re-hits blocks it computed itself, which were no cache hit of the request)
+    num_first_cached_tokens: int = 0
     num_preemptions: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None

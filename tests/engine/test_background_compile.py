@@ -96,7 +96,7 @@ def test_a_failed_background_compilation_leaves_single_steps(tiny, monkeypatch, 
     def fail(lowered):
         raise RuntimeError("out of memory compiling")
 
-    monkeypatch.setattr(background_compile, "_timed_compile", fail)
+    monkeypatch.setattr(background_compile, "_compile", fail)
     want = _outputs(LLM(tiny, max_model_len=128, num_scheduler_steps=1, block_size=8), VARIANTS[3], 24)
     llm = LLM(tiny, max_model_len=128, num_scheduler_steps=4, block_size=8)
     with caplog.at_level(logging.WARNING, logger="lmjax.engine"):

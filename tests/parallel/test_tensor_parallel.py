@@ -76,6 +76,17 @@ def test_tiny_engine_tp_matches_tp1(checkpoints, name):
             _check_param_bytes(run, tp)
 
 
+def test_sampling_apart_and_background_compiles_under_tp(checkpoints):
+    """Non-basic sampling runs apart from the model step on replicated logits, and its multi-step variant
+    compiles on the worker thread under the mesh: tp = 2 draws tp = 1's tokens, before and after it is ready."""
+    out = _drive({"model": checkpoints["llama-kv2"], "tp": [1, 2], "prompts": PROMPTS, "mode": "background"},
+                 env={"LMJAX_ATTENTION_IMPL": "tiled"})  # one block-table width: one variant
+    runs = {int(tp): run for tp, run in out["runs"].items()}
+    for run in runs.values():
+        assert run["tokens"] == run["again"] == runs[1]["tokens"]
+        assert run["background"] == 1 and run["loops_after"] > 0
+
+
 def test_notebook_shard_model_runs_same_step(checkpoints):
     """The public rules applied to an already built model (lmjax.parallel.shard_model), run through
     lmjax.models.forward.greedy_generate: the researcher's path."""

@@ -6,7 +6,7 @@ in a subprocess:
     python tests/parallel/tp_driver.py '{"model": DIR, "tp": [1, 2], "devices": 8, "prompts": [[1, 2]]}'
 
 Spec keys: model, tp (list), devices (forced host devices), prompts (token-id lists), max_tokens,
-mode ("engine": LLM.generate; "notebook": load at tp=1, then lmjax.parallel.shard_model and
+mode ("engine": LLM.generate; "background": sampled variants compiled on the worker thread; "notebook": load at tp=1, then lmjax.parallel.shard_model and
 lmjax.models.forward.greedy_generate, counting fused add + norm kernel calls; "collectives": the collectives in the compiled engine step;
 "kernel": the Pallas attention kernel in shard_map, interpret mode),
 leader (with several processes: process 0 alone schedules and drives the others' steps). With LMJAX_COORDINATOR_ADDRESS & co. set, the processes join
@@ -54,6 +54,24 @@ def run_engine(tp: int) -> dict:
     model = nnx.merge(runner.graphdef, runner.state)
     merged = sorted({layer.self_attn.qkv_shards for layer in model.layers if layer.self_attn.qkv_proj is not None})
     return {"tokens": [o.outputs[0].token_ids for o in outs], "qkv_shards": merged, **_bytes(model, runner.mesh)}
+
+
+def run_background(tp: int) -> dict:
+    """Seeded top-k sampling with logprobs (a sampler apart from the model step; a multi-step variant compiled
+    on the worker thread, under the mesh): the tokens while it compiles, and again once it has."""
+    llm = LLM(SPEC["model"], tensor_parallel_size=tp, dtype="float32", max_model_len=256, block_size=8,
+              num_scheduler_steps=4)
+    params = SamplingParams(temperature=0.9, top_k=20, seed=4, logprobs=2, max_tokens=16, ignore_eos=True)
+
+    def tokens():
+        return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in SPEC["prompts"]],
+                                                             params, use_tqdm=False)]
+    engine = llm.llm_engine
+    first = tokens()
+    engine.runner.wait_for_compiles()
+    loops = engine.num_decode_loops
+    return {"tokens": first, "again": tokens(), "loops_after": engine.num_decode_loops - loops,
+            "background": engine.runner._decode.num_background}
 
 
 def run_notebook(tp: int) -> dict:
@@ -121,7 +139,7 @@ def run_kernel(tp: int) -> dict:
 
 def main() -> None:
     parallel.initialize_distributed()
-    run = {"engine": run_engine, "notebook": run_notebook, "collectives": run_collectives,
+    run = {"engine": run_engine, "background": run_background, "notebook": run_notebook, "collectives": run_collectives,
            "kernel": run_kernel}[SPEC.get("mode", "engine")]
     runs = {tp: run(tp) for tp in SPEC["tp"]}
     print(json.dumps({"runs": runs, "process": jax.process_index(), "devices": jax.device_count()}), flush=True)
