@@ -8,6 +8,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Engines write compiled steps to a persistent cache: a fresh one per test session keeps runs hermetic
 # (and still shared between the tests of a session, which compile the same tiny models many times).
 os.environ.setdefault("LMJAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="lmjax-test-jax-cache-"))
+# Multi-step decode variants compile when first met, so whether a batch decodes K steps a call or one never
+# depends on how fast a worker thread compiles on a loaded CI machine (tests that compare the two, count calls
+# or stream chunks stay deterministic); tests/engine/test_background_compile.py turns the worker on.
+os.environ.setdefault("LMJAX_BACKGROUND_COMPILE", "0")
 
 # Under pytest-xdist (the README's test command: two workers) each worker is its own JAX process, which
 # inherits the controller's environment. Each gets its own cache directory: JAX writes an entry in place

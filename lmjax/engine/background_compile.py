@@ -6,17 +6,23 @@ the whole model. Compiling one in the middle of serving stalls every running req
 sampler runs outside its CUDA graphs and never does). So only the basic variants (greedy or plain
 temperature sampling: `lmjax.layers.sampler.is_basic`) compile when first met, as warm-up does; any other
 is traced, lowered and compiled on a worker thread (from the arguments' shapes and shardings: the calling
-thread goes on, donating the arrays; XLA releases the GIL while it compiles), and until it is ready the engine runs those steps one at a time, whose model step is shared by
-every variant and whose sampler is a small program of its own (ModelRunner._run). Outputs are the same
-either way (multi-step decoding draws exactly what single steps draw).
+thread goes on, donating the arrays; XLA releases the GIL while it compiles). Until it is ready the engine
+runs those steps one at a time: their model step is shared by every variant and their sampler is a small
+program of its own (ModelRunner._run). Multi-step calls compute what single steps compute; on a GPU the two
+programs round differently (as they always have: tests/engine/test_multistep.py), so where a run switches
+from one to the other depends on when the worker finishes. LMJAX_BACKGROUND_COMPILE=0 compiles every
+variant when first met instead (the stall, then no single steps: runs that must repeat bit for bit, tests
+that count multi-step calls).
 
-LMJAX_BACKGROUND_COMPILE=0 compiles every variant when first met instead (before: the stall, after: no
-single steps; deterministic, for tests that count multi-step calls).
+The worker holds no reference to the engine between jobs: a dropped engine's queued compilations are
+cancelled (its parameters and cache freed once the one compiling ends), and at interpreter exit queued ones
+are skipped.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -27,6 +33,9 @@ import jax
 from lmjax.env import env_choice
 
 logger = logging.getLogger("lmjax.engine")
+_exiting = threading.Event()
+# Set before the interpreter joins worker threads (concurrent.futures runs their queued jobs first otherwise).
+getattr(threading, "_register_atexit", lambda fn: None)(_exiting.set)
 
 
 def background_compile_enabled() -> bool:
@@ -46,8 +55,8 @@ class BackgroundCompiler:
     def __init__(self, jitted: Callable, enabled: bool | None = None,
                  context: Callable[[], ContextManager] = contextlib.nullcontext):
         self.jitted = jitted
-        self.context = context  # entered around the worker's tracing (the mesh the calling thread runs under)
         self.enabled = background_compile_enabled() if enabled is None else enabled
+        self.context = context  # entered around the worker's tracing (the mesh the calling thread runs under)
         self._in_jit: set[tuple] = set()  # variants the jitted function has compiled (its own cache)
         self._compiled: dict[tuple, Any] = {}  # variants compiled here (jax.stages.Compiled)
         self._compiling: dict[tuple, Future] = {}
@@ -55,18 +64,18 @@ class BackgroundCompiler:
         self._pool: ThreadPoolExecutor | None = None
         self.num_background = 0  # variants handed to the worker
 
-    def __call__(self, fixed: tuple, varying: tuple, static: dict, basic: bool, wait: bool = False):
+    def __call__(self, fixed: tuple, varying: tuple, static: dict, basic: bool, now: bool = False):
         """jitted(*fixed, *varying, **static), or None when its variant is compiling in the background (or
         failed to): the caller runs something else. `fixed`: arguments whose shapes never change (the
-        parameters, the cache), left out of the variant's key. `basic` or `wait` (warm-up): compile now, as
+        parameters, the cache), left out of the variant's key. `basic` or `now` (warm-up): compile now, as
         the jitted function does."""
         key, args = variant_key(varying, static), (*fixed, *varying)
-        if key in self._in_jit or basic or wait or not self.enabled:
+        if key in self._in_jit or basic or now or not self.enabled:
             self._in_jit.add(key)
             return self.jitted(*args, **static)
         compiled = self._compiled.get(key) or self._collect(key)
         if compiled is not None:
-            return compiled(*args)
+            return self._call_compiled(key, compiled, args, static)
         if key not in self._compiling and key not in self._failed:
             self._submit(key, jax.tree_util.tree_map(_abstract, args), static)
         return None
@@ -78,36 +87,57 @@ class BackgroundCompiler:
                 future.exception()
             self._collect(key)
 
+    def close(self) -> None:
+        """Cancel the queued compilations (the one running ends on its own)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _call_compiled(self, key: tuple, compiled, args: tuple, static: dict):
+        try:
+            return compiled(*args)
+        except (TypeError, ValueError) as e:  # raised before running (nothing donated): arguments it was not
+            logger.warning("a background-compiled decode variant refused its arguments (%s); compiling it "
+                           "on the engine's thread", e)  # traced for, e.g. another sharding
+            del self._compiled[key]
+            self._in_jit.add(key)
+            return self.jitted(*args, **static)
+
     def _submit(self, key: tuple, abstract_args: tuple, static: dict) -> None:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmjax-compile")
-            # A dropped engine's queued compilations are cancelled, not run at interpreter exit.
             weakref.finalize(self, self._pool.shutdown, wait=False, cancel_futures=True)
         self.num_background += 1
-        self._compiling[key] = self._pool.submit(self._compile, abstract_args, static)
-
-    def _compile(self, abstract_args: tuple, static: dict):
-        start = time.perf_counter()
-        with self.context():
-            lowered = self.jitted.lower(*abstract_args, **static)
-        traced = time.perf_counter()
-        compiled = _compile(lowered)
-        logger.info("compiled a decode variant in the background: traced in %.1f s, compiled in %.1f s",
-                    traced - start, time.perf_counter() - traced)
-        return compiled
+        self._compiling[key] = self._pool.submit(_compile_job, weakref.ref(self), abstract_args, static)
 
     def _collect(self, key: tuple):
         future = self._compiling.get(key)
         if future is None or not future.done():
             return None
         del self._compiling[key]
-        if future.cancelled() or future.exception() is not None:
+        error = None if future.cancelled() else future.exception()
+        if future.cancelled() or error is not None or future.result() is None:
             self._failed.add(key)  # its steps stay single steps: the engine keeps serving
-            logger.warning("background compilation failed; those batches decode one step per call: %r",
-                           None if future.cancelled() else future.exception())
+            logger.warning("background compilation of a decode variant failed (%r); its batches decode one step "
+                           "per call", error, exc_info=error)
             return None
         self._compiled[key] = future.result()
         return self._compiled[key]
+
+
+def _compile_job(compiler_ref: weakref.ref, abstract_args: tuple, static: dict):
+    """Trace with the compiler alive (its jitted function holds the engine), compile without it."""
+    compiler = compiler_ref()
+    if compiler is None or _exiting.is_set():
+        return None
+    start = time.perf_counter()
+    with compiler.context():
+        lowered = compiler.jitted.lower(*abstract_args, **static)
+    del compiler
+    traced = time.perf_counter()
+    compiled = _compile(lowered)
+    logger.info("compiled a decode variant in the background: traced in %.1f s, compiled in %.1f s",
+                traced - start, time.perf_counter() - traced)
+    return compiled
 
 
 def _abstract(x):

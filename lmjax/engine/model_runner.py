@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -30,11 +31,9 @@ from lmjax.engine.block_manager import BlockManager
 from lmjax.engine.followers import FollowersMixin, step_kind
 from lmjax.engine.decode_loop import DecodeInputs, PendingDecode, decode_steps, pending_ids
 from lmjax.engine.host_outputs import NO_EXTRAS, Extras
+from lmjax.engine.model_prep import decode_batch_floor, merge_projections
 from lmjax.engine.scheduler import ScheduledBatch
-from lmjax.env import env_choice, env_int
-from lmjax.layers.attention import AttentionMetadata, cost_follows_context, kv_write_impl
-from lmjax.layers.out_major import OutMajorLinear, out_major_wanted
-from lmjax.layers.quant import QuantLinear
+from lmjax.layers.attention import AttentionMetadata, cost_follows_context
 from lmjax.layers.sampler import (
     SamplerOutput,
     SamplingFlags,
@@ -77,55 +76,6 @@ def rows_pack(rows: list[SamplingRow]) -> bool:
 def bucket(n: int, minimum: int) -> int:
     """Next power of two >= max(n, minimum)."""
     return 1 << (max(n, minimum) - 1).bit_length()
-
-
-def decode_batch_floor(model: nnx.Module | None = None) -> int:
-    """Smallest batch bucket of the multi-step decode call (LMJAX_DECODE_BATCH_FLOOR overrides, for A/B
-    runs): 1 on GPU for a model with int4 weights, so a batch-1 step runs one row and its QuantLinears take
-    the one-token GEMV of pallas_kernels/w4_matmul.py, and for out-major layers (their one-row GEMV with
-    fused norms, lmjax.layers.out_major); else 4. For bf16 weights XLA handles one-row
-    dots worse than four-row ones (H200, 2026-11-23, tp_decode batch 1: 8B 5.58 vs 4.57 ms a step, 1B
-    1.56 vs 1.11 ms: it turns them into Triton GEMMs and reductions), and on CPU every extra bucket is one
-    more compilation of seconds."""
-    default = 4
-    if model is not None:
-        modules = [m for _, m in _modules(model)]
-        w4 = jax.default_backend() == "gpu" and any(isinstance(m, QuantLinear) and m.spec.method == "w4"
-                                                   for m in modules)
-        default = 1 if w4 or any(isinstance(m, OutMajorLinear) for m in modules) else 4
-    floor = env_int("LMJAX_DECODE_BATCH_FLOOR", default, minimum=1)
-    if floor & (floor - 1):
-        raise ValueError(f"LMJAX_DECODE_BATCH_FLOOR={floor} must be a power of two")
-    return floor
-
-
-def merge_gate_up_enabled() -> bool:
-    """One gate/up weight (one GEMM launch instead of two): LMJAX_MERGE_GATE_UP=1 or 0, else "auto", on
-    GPU only. Measured there (H200, 2026-11-23, batch-1 decode): 8B 4.533 -> 4.437 ms a step, 1B 1.069 ->
-    1.073 (flat). Off on CPU, where it would only change what the tests compile."""
-    value = env_choice("LMJAX_MERGE_GATE_UP", ("auto", "0", "1"), "auto")
-    return value == "1" or (value == "auto" and jax.default_backend() == "gpu")
-
-
-def _merge_projections(model: nnx.Module, quant_policy: int, tp: int) -> None:
-    """q/k/v as one weight when the fused RoPE + KV-write kernel will read its output whole (GPU,
-    unquantized cache: `kv_write_impl`; under tp in per-device blocks, when every device holds whole KV
-    heads), gate/up on one GPU (`merge_gate_up_enabled`); float or quantized weights. Under tp, XLA
-    already makes one GEMM of gate and up (2 x H200 profile, 2026-11-23). Then, on one device where
-    `out_major_wanted`, the merged layers out-major (lmjax.layers.out_major), which needs both merges."""
-    out_major = tp == 1 and quant_policy == 0 and hasattr(model, "to_out_major") and \
-        out_major_wanted(model.config.hidden_size)
-    if quant_policy == 0 and (out_major or kv_write_impl(merged=True) == "kernel") and hasattr(model, "merge_qkv"):
-        logger.info("merged the q/k/v projections of %d layers", model.merge_qkv(tp))
-    if tp == 1 and (out_major or merge_gate_up_enabled()) and hasattr(model, "merge_gate_up"):
-        logger.info("merged the gate/up projections of %d layers", model.merge_gate_up())
-    if out_major:
-        logger.info("out-major weights (one-row GEMV with fused norms) in %d layers", model.to_out_major())
-
-
-def _modules(model: nnx.Module):
-    iter_modules = getattr(nnx, "iter_modules", None) or type(model).iter_modules  # flax 0.12 spelling first
-    return iter_modules(model)
 
 
 @jax.tree_util.register_dataclass
@@ -195,7 +145,7 @@ class ModelRunner(FollowersMixin):
     def __init__(self, model: nnx.Module, num_blocks: int, block_size: int, max_tokens_per_step: int,
                  max_batch_size: int, max_blocks_per_seq: int, kv_dtype, quant_policy: int = 0, kv_maps=None):
         mesh = parallel.mesh_of(nnx.state(model))  # None on one device
-        _merge_projections(model, quant_policy, parallel.tp_size(mesh))
+        merge_projections(model, quant_policy, parallel.tp_size(mesh))
         self.graphdef, self.state = nnx.split(model)
         # The jitted calls take the parameters as a flat list: an nnx State is flattened in Python on every
         # call (~0.5 ms of a dispatch on a CI core, more on the GPU machines' slower host), a list in C++.
@@ -212,6 +162,7 @@ class ModelRunner(FollowersMixin):
         self.max_M = bucket(max_blocks_per_seq, 1)
         self.fixed_M = cost_follows_context()  # one block-table width: fewer compilations
         self.num_compilations = 0
+        self._count_lock = threading.Lock()  # traces run on the engine's thread and the compile worker's
         self.leading = False  # process 0 driving follower processes (see lead / follow)
         self._step = jax.jit(self._step_fn, donate_argnums=(1,),
                              static_argnames=("flags", "num_prompt_logprobs", "extras"))
@@ -221,14 +172,18 @@ class ModelRunner(FollowersMixin):
             jax.jit(self._decode_fn, donate_argnums=(1,), static_argnames=("flags", "num_steps")),
             context=lambda: parallel.use_mesh(self.mesh))
 
+    def _count_compilation(self) -> int:
+        with self._count_lock:
+            self.num_compilations += 1
+            return self.num_compilations
+
     def _model(self, params: list) -> nnx.Module:
         return nnx.merge(self.graphdef, jax.tree_util.tree_unflatten(self._params_def, params))
 
     def _step_fn(self, params, caches, inputs: StepInputs, smeta, *, flags: SamplingFlags, num_prompt_logprobs,
                  extras: Extras = NO_EXTRAS):
         # Runs once per compilation (tracing), never per step: count and log it.
-        self.num_compilations += 1
-        logger.info("compiling step #%d: T=%d B=%d M=%d %s prompt_logprobs=%d%s", self.num_compilations,
+        logger.info("compiling step #%d: T=%d B=%d M=%d %s prompt_logprobs=%d%s", self._count_compilation(),
                     inputs.ids_T.shape[0], inputs.last_rows_B.shape[0], inputs.attn.block_tables_BM.shape[1],
                     flags, num_prompt_logprobs, "" if extras == NO_EXTRAS else f" {extras}")
         model = self._model(params)
@@ -248,8 +203,7 @@ class ModelRunner(FollowersMixin):
         return out, prompt, extra, caches
 
     def _decode_fn(self, params, caches, inputs: DecodeInputs, smeta, *, flags: SamplingFlags, num_steps: int):
-        self.num_compilations += 1
-        logger.info("compiling %d-step decode #%d: B=%d M=%d %s", num_steps, self.num_compilations,
+        logger.info("compiling %d-step decode #%d: B=%d M=%d %s", num_steps, self._count_compilation(),
                     inputs.ids_B.shape[0], inputs.block_tables_BM.shape[1], flags)
         model = self._model(params)
         return decode_steps(model, self._logits, caches, inputs, smeta, num_steps=num_steps,
@@ -281,12 +235,12 @@ class ModelRunner(FollowersMixin):
         result = self._run_decode((inputs, smeta), flags, num_steps)
         return None if result is None else PendingDecode(result, n, num_steps)
 
-    def _run_decode(self, varying: tuple, flags: SamplingFlags, num_steps: int, wait: bool = False):
+    def _run_decode(self, varying: tuple, flags: SamplingFlags, num_steps: int, now: bool = False):
         """The decode call's SamplerOutput (the cache updated), or None while its sampling variant compiles
-        (lmjax.engine.background_compile); `wait`: compile it now."""
+        (lmjax.engine.background_compile); `now`: compile it now."""
         with parallel.use_mesh(self.mesh):
             result = self._decode((self.params, self.caches), varying, {"flags": flags, "num_steps": num_steps},
-                                  basic=is_basic(flags, varying[1]), wait=wait)
+                                  basic=is_basic(flags, varying[1]), now=now)
         if result is None:
             return None
         out, self.caches = result
@@ -320,7 +274,7 @@ class ModelRunner(FollowersMixin):
                     inputs = DecodeInputs(zeros_B, zeros_B, np.zeros((B, M), np.int32), np.int32(0))
                     args = parallel.replicate((inputs, smeta), self.mesh) if self.mesh is not None \
                         else (inputs, smeta)
-                    out = self._run_decode(args, flags, num_steps, wait=True)
+                    out = self._run_decode(args, flags, num_steps, now=True)
                 else:
                     T = bucket(B, 16)
                     attn = AttentionMetadata(np.zeros(T, np.int32), np.ones(T, np.int32), zeros_B,
@@ -413,11 +367,13 @@ class ModelRunner(FollowersMixin):
         if self.mesh is not None:
             inputs, smeta = parallel.replicate((inputs, smeta), self.mesh)
         # Only basic sampling is fused into the step; any other variant samples the step's logits in a small
-        # program of its own, so the model step compiles once for them all (lmjax.engine.background_compile).
-        apart = extras.sample and not is_basic(flags, smeta)
+        # program of its own, so the model step compiles once for them all (lmjax.engine.background_compile),
+        # as it does for steps the host samples.
+        fused = extras.sample and is_basic(flags, smeta)
+        apart = extras.sample and not fused
         with parallel.use_mesh(self.mesh):
             out, prompt, extra, self.caches = self._step(
-                self.params, self.caches, inputs, None if apart else smeta, flags=None if apart else flags,
+                self.params, self.caches, inputs, smeta if fused else None, flags=flags if fused else None,
                 num_prompt_logprobs=num_prompt_logprobs, extras=extras._replace(sample=False) if apart else extras)
             if apart:
                 logits_BV = extra["last_logits"] if extras.last_logits else extra.pop("last_logits")

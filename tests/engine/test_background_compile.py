@@ -18,6 +18,11 @@ VARIANTS = [dict(temperature=0, logprobs=1), dict(temperature=0, logprobs=3), di
             dict(temperature=1.0, seed=3, logit_bias={17: 3.0}), dict(temperature=0, bad_token_ids=[1, 2, 4])]
 
 
+@pytest.fixture(autouse=True)
+def _worker_on(monkeypatch):
+    monkeypatch.setenv("LMJAX_BACKGROUND_COMPILE", "1")  # the default (tests/conftest.py turns it off)
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return write_tiny_llama(tmp_path_factory.mktemp("tiny"), eos_token_id=3)
@@ -107,3 +112,51 @@ def test_a_failed_background_compilation_leaves_single_steps(tiny, monkeypatch, 
     assert llm.llm_engine.num_decode_loops == loops  # single steps, and no second attempt
     assert llm.llm_engine.runner._decode.num_background == 1
     assert any("out of memory compiling" in r.getMessage() for r in caplog.records)
+
+
+def test_host_sampled_steps_compile_the_model_step_once(tiny, caplog):
+    """A logits processor (the host samples) with a presence penalty, whose token lists widen as the output grows:
+    the model step compiles no more for 40 tokens than for 3 (before, once per penalty-width bucket)."""
+    def keep(output_ids, logits):
+        return logits
+
+    def step_compiles(max_tokens):
+        llm = LLM(tiny, max_model_len=128, num_scheduler_steps=1, block_size=8)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="lmjax.engine"):
+            llm.generate([PROMPTS[0]], SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0,
+                                                      presence_penalty=0.5, logits_processors=[keep]), use_tqdm=False)
+        return _step_compiles(caplog.records)
+
+    assert step_compiles(40) == step_compiles(3)
+
+
+def test_a_dropped_engine_cancels_its_queued_compilations(tiny, monkeypatch):
+    """The worker holds no reference to the engine: dropping it frees its parameters and cache while a variant
+    compiles, and the variants queued behind that one never compile."""
+    import gc
+    import threading
+    import weakref
+
+    monkeypatch.setenv("LMJAX_ATTENTION_IMPL", "tiled")
+    entered, release, compiled = threading.Event(), threading.Event(), []
+
+    def slow_compile(lowered):
+        entered.set()
+        release.wait(60)
+        compiled.append(lowered)
+        return lowered.compile()
+
+    monkeypatch.setattr(background_compile, "_compile", slow_compile)
+    llm = LLM(tiny, max_model_len=128, num_scheduler_steps=4, block_size=8)
+    for variant in VARIANTS[1:4]:  # three multi-step variants queued, the first compiling
+        _outputs(llm, variant, 16)
+    runner = llm.llm_engine.runner
+    assert entered.wait(60) and runner._decode.num_background == 3
+    pool, alive = runner._decode._pool, weakref.ref(runner)
+    del llm, runner
+    gc.collect()
+    assert alive() is None  # while the first variant is still compiling
+    release.set()
+    pool.shutdown(wait=True)
+    assert len(compiled) == 1

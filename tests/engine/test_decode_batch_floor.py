@@ -6,7 +6,7 @@ import jax
 import pytest
 from flax import nnx
 
-from lmjax.engine import model_runner
+from lmjax.engine import model_prep
 from lmjax.layers.linear import Linear
 from lmjax.layers.quant import QuantLinear, QuantSpec
 
@@ -20,32 +20,32 @@ class _Model(nnx.Module):
     ("gpu", "w4", 1), ("gpu", "w8", 4), ("gpu", None, 4), ("cpu", "w4", 4), ("cpu", None, 4)])
 def test_floor_follows_backend_and_weights(monkeypatch, backend, method, floor):
     monkeypatch.delenv("LMJAX_DECODE_BATCH_FLOOR", raising=False)
-    monkeypatch.setattr(model_runner.jax, "default_backend", lambda: backend)
-    assert model_runner.decode_batch_floor(_Model(method)) == floor
+    monkeypatch.setattr(model_prep.jax, "default_backend", lambda: backend)
+    assert model_prep.decode_batch_floor(_Model(method)) == floor
 
 
 def test_env_overrides_and_bad_values_are_named(monkeypatch):
     monkeypatch.setenv("LMJAX_DECODE_BATCH_FLOOR", "2")
-    assert model_runner.decode_batch_floor(_Model(None)) == 2
+    assert model_prep.decode_batch_floor(_Model(None)) == 2
     for bad in ("0", "6"):
         monkeypatch.setenv("LMJAX_DECODE_BATCH_FLOOR", bad)
         with pytest.raises(ValueError, match=f"LMJAX_DECODE_BATCH_FLOOR={bad} "):
-            model_runner.decode_batch_floor(_Model(None))
+            model_prep.decode_batch_floor(_Model(None))
     assert jax.default_backend() == "cpu"  # the monkeypatch above did not leak
 
 
 def test_gate_up_merge_is_on_for_gpu_by_default_and_bad_values_are_named(monkeypatch):
     monkeypatch.delenv("LMJAX_MERGE_GATE_UP", raising=False)
-    assert not model_runner.merge_gate_up_enabled()  # CPU
-    monkeypatch.setattr(model_runner.jax, "default_backend", lambda: "gpu")
-    assert model_runner.merge_gate_up_enabled()
+    assert not model_prep.merge_gate_up_enabled()  # CPU
+    monkeypatch.setattr(model_prep.jax, "default_backend", lambda: "gpu")
+    assert model_prep.merge_gate_up_enabled()
     monkeypatch.setenv("LMJAX_MERGE_GATE_UP", "0")
-    assert not model_runner.merge_gate_up_enabled()
+    assert not model_prep.merge_gate_up_enabled()
     monkeypatch.setenv("LMJAX_MERGE_GATE_UP", "1")
-    assert model_runner.merge_gate_up_enabled()
+    assert model_prep.merge_gate_up_enabled()
     monkeypatch.setenv("LMJAX_MERGE_GATE_UP", "yes")
     with pytest.raises(ValueError, match="LMJAX_MERGE_GATE_UP='yes'"):
-        model_runner.merge_gate_up_enabled()
+        model_prep.merge_gate_up_enabled()
 
 
 def test_engine_with_merged_gate_up_gives_the_same_tokens(monkeypatch):

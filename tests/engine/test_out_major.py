@@ -94,7 +94,7 @@ def test_out_major_layers_decode_one_row(monkeypatch):
     import jax.numpy as jnp
     from flax import nnx
 
-    from lmjax.engine import model_runner
+    from lmjax.engine import model_prep
     from lmjax.layers.out_major import OutMajorLinear
 
     class _Model(nnx.Module):
@@ -102,7 +102,7 @@ def test_out_major_layers_decode_one_row(monkeypatch):
             self.proj = OutMajorLinear(jnp.zeros((8, 8)))
 
     monkeypatch.delenv("LMJAX_DECODE_BATCH_FLOOR", raising=False)
-    assert model_runner.decode_batch_floor(_Model()) == 1
+    assert model_prep.decode_batch_floor(_Model()) == 1
 
 
 def test_qkv_rope_fusion_rule_and_switch(monkeypatch):

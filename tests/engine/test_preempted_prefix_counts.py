@@ -3,17 +3,17 @@ vLLM counts neither that self-hit as the request's cached tokens nor its lookup 
 
 1. num_cached_tokens (RequestOutput.num_cached_tokens, the server's usage.prompt_tokens_details.cached_tokens)
 is vLLM's "prefix cache hit of the request's first scheduling" (vllm/v1/core/sched/scheduler.py:
-`if request.num_cached_tokens < 0: request.num_cached_tokens = num_computed_tokens`), and lmjax's own test
-(tests/engine/test_probe24_cached_and_ntk.py) says "as vLLM (set when the request is first scheduled)".
-lmjax instead records it at the first sampled token, from the *latest* admission: a request preempted in the
-middle of its chunked prefill is readmitted onto the blocks it computed itself, and reports them as cached
-although nothing was cached when it was first scheduled.
+`if request.num_cached_tokens < 0: request.num_cached_tokens = num_computed_tokens`), as
+tests/engine/test_probe24_cached_and_ntk.py says. (lmjax recorded the latest admission's hit: a request
+preempted in the middle of its chunked prefill reported its own recomputed blocks as cached although nothing
+was cached when it was first scheduled.)
 
 2. vllm:prefix_cache_queries_total / vllm:prefix_cache_hits_total (lmjax.serve.metrics, from LLMEngine.stats()):
 vLLM's PrefixCacheStats.record(num_tokens, num_hits, preempted=request.num_preemptions > 0) puts a previously
 preempted request's lookup under preempted_queries / preempted_hits, not queries / hits (vllm/v1/metrics/stats.py,
 vllm/v1/core/kv_cache_manager.py), so a recompute re-hitting its own blocks does not inflate the hit rate.
-lmjax's BlockManager.match_prefix counts every lookup, a preempted sequence's readmission included."""
+(lmjax's BlockManager.match_prefix counted every lookup, a preempted sequence's readmission included; it
+counts those apart now, as vLLM.)"""
 from tiny_llama import write_tiny_llama
 
 from lmjax import LLM, SamplingParams

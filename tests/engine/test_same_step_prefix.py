@@ -209,8 +209,7 @@ def test_int8_kv_cache(tiny):
     assert first_hits == 3 * 32
 
 
-def test_multi_step_decode(tiny, monkeypatch):
-    monkeypatch.setenv("LMJAX_BACKGROUND_COMPILE", "0")  # K-step calls from the first token (logprobs: not basic)
+def test_multi_step_decode(tiny):
     got, engine, first_hits = _compare(tiny, SHARED, _greedy(n=4, max_tokens=12), num_scheduler_steps=4)
     assert first_hits == 3 * 36 and engine.num_decode_loops > 0
 

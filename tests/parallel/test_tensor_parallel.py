@@ -80,7 +80,7 @@ def test_sampling_apart_and_background_compiles_under_tp(checkpoints):
     """Non-basic sampling runs apart from the model step on replicated logits, and its multi-step variant
     compiles on the worker thread under the mesh: tp = 2 draws tp = 1's tokens, before and after it is ready."""
     out = _drive({"model": checkpoints["llama-kv2"], "tp": [1, 2], "prompts": PROMPTS, "mode": "background"},
-                 env={"LMJAX_ATTENTION_IMPL": "tiled"})  # one block-table width: one variant
+                 env={"LMJAX_ATTENTION_IMPL": "tiled", "LMJAX_BACKGROUND_COMPILE": "1"})  # one width: one variant
     runs = {int(tp): run for tp, run in out["runs"].items()}
     for run in runs.values():
         assert run["tokens"] == run["again"] == runs[1]["tokens"]
@@ -222,4 +222,3 @@ def test_kv_cache_sizing_counts_one_device_share():
     assert bytes_per_block(cfg(8), 16, "float32", tp=4) == one // 4  # 2 of 8 KV heads per device
     # 2 KV heads over 4 devices: each device keeps the one KV head its query heads read.
     assert bytes_per_block(cfg(2), 16, "float32", tp=4) == bytes_per_block(cfg(2), 16, "float32") // 2
-

@@ -6,9 +6,10 @@ in a subprocess:
     python tests/parallel/tp_driver.py '{"model": DIR, "tp": [1, 2], "devices": 8, "prompts": [[1, 2]]}'
 
 Spec keys: model, tp (list), devices (forced host devices), prompts (token-id lists), max_tokens,
-mode ("engine": LLM.generate; "background": sampled variants compiled on the worker thread; "notebook": load at tp=1, then lmjax.parallel.shard_model and
+mode ("engine": LLM.generate; "notebook": load at tp=1, then lmjax.parallel.shard_model and
 lmjax.models.forward.greedy_generate, counting fused add + norm kernel calls; "collectives": the collectives in the compiled engine step;
-"kernel": the Pallas attention kernel in shard_map, interpret mode),
+"kernel": the Pallas attention kernel in shard_map, interpret mode; "background": sampled variants compiled
+on the worker thread),
 leader (with several processes: process 0 alone schedules and drives the others' steps). With LMJAX_COORDINATOR_ADDRESS & co. set, the processes join
 through jax.distributed first. Prints one JSON line: {"runs": {tp: {"tokens", "device_bytes",
 "replicated_bytes", "total_bytes"}}, "process": i, "devices": n}.
