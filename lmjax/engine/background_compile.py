@@ -87,11 +87,6 @@ class BackgroundCompiler:
                 future.exception()
             self._collect(key)
 
-    def close(self) -> None:
-        """Cancel the queued compilations (the one running ends on its own)."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-
     def _call_compiled(self, key: tuple, compiled, args: tuple, static: dict):
         try:
             return compiled(*args)
