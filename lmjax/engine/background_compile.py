@@ -69,8 +69,11 @@ class BackgroundCompiler:
         failed to): the caller runs something else. `fixed`: arguments whose shapes never change (the
         parameters, the cache), left out of the variant's key. `basic` or `now` (warm-up): compile now, as
         the jitted function does."""
-        key, args = variant_key(varying, static), (*fixed, *varying)
-        if key in self._in_jit or basic or now or not self.enabled:
+        args = (*fixed, *varying)
+        if basic or not self.enabled:  # (the greedy decode loop's path: no key to build)
+            return self.jitted(*args, **static)
+        key = variant_key(varying, static)
+        if now or key in self._in_jit:
             self._in_jit.add(key)
             return self.jitted(*args, **static)
         compiled = self._compiled.get(key) or self._collect(key)

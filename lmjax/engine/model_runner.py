@@ -232,15 +232,16 @@ class ModelRunner(FollowersMixin):
         smeta, flags = _sampling_inputs(rows, pad_to=B)
         if self.mesh is not None:
             inputs, smeta = parallel.replicate((inputs, smeta), self.mesh)
-        result = self._run_decode((inputs, smeta), flags, num_steps)
+        result = self._run_decode(inputs, smeta, flags, num_steps)
         return None if result is None else PendingDecode(result, n, num_steps)
 
-    def _run_decode(self, varying: tuple, flags: SamplingFlags, num_steps: int, now: bool = False):
+    def _run_decode(self, inputs: DecodeInputs, smeta: SamplingMetadata, flags: SamplingFlags, num_steps: int,
+                    now: bool = False):
         """The decode call's SamplerOutput (the cache updated), or None while its sampling variant compiles
         (lmjax.engine.background_compile); `now`: compile it now."""
         with parallel.use_mesh(self.mesh):
-            result = self._decode((self.params, self.caches), varying, {"flags": flags, "num_steps": num_steps},
-                                  basic=is_basic(flags, varying[1]), now=now)
+            result = self._decode((self.params, self.caches), (inputs, smeta), {"flags": flags, "num_steps": num_steps},
+                                  basic=is_basic(flags, smeta), now=now)
         if result is None:
             return None
         out, self.caches = result
@@ -274,7 +275,7 @@ class ModelRunner(FollowersMixin):
                     inputs = DecodeInputs(zeros_B, zeros_B, np.zeros((B, M), np.int32), np.int32(0))
                     args = parallel.replicate((inputs, smeta), self.mesh) if self.mesh is not None \
                         else (inputs, smeta)
-                    out = self._run_decode(args, flags, num_steps, now=True)
+                    out = self._run_decode(*args, flags, num_steps, now=True)
                 else:
                     T = bucket(B, 16)
                     attn = AttentionMetadata(np.zeros(T, np.int32), np.ones(T, np.int32), zeros_B,
