@@ -11,8 +11,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-KINDS = ("json", "regex", "choice", "grammar", "json_object")
-# vLLM's backend names: lmjax has one (outlines-core) and gives each the same constrained output.
+KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+# vLLM's backend names: lmjax guides JSON schemas, regexes and choices with outlines-core and grammars and
+# structural tags with llguidance (lmjax.engine.guided), whichever backend a request names.
 BACKENDS = (None, "auto", "outlines", "xgrammar", "guidance", "lm-format-enforcer")
 
 
@@ -20,17 +21,15 @@ def _fail(message: str):
     raise ValueError(message)
 
 
-class UnsupportedGuideError(ValueError, NotImplementedError):
-    """A kind of guide lmjax does not implement (grammar, structural_tag): a NotImplementedError, and a
-    ValueError too, so that callers who turn bad requests into errors (the server's 400) catch it as one."""
-
-
 @dataclass
 class GuidedDecodingParams:
     """Exactly one of json (a JSON schema: dict, JSON string or pydantic model class), regex, choice (the
-    output is one of these strings), json_object (any JSON object) must be set. grammar and structural_tag
-    (EBNF / tags) are not supported. whitespace_pattern: the regex of the whitespace allowed between JSON
-    tokens (outlines' default: one optional space); disable_any_whitespace: none at all."""
+    output is one of these strings), grammar (a context-free grammar in EBNF, llama.cpp's GBNF as in vLLM's
+    xgrammar examples, or in Lark syntax), json_object (any JSON object), structural_tag (vLLM's JSON text:
+    {"type": "structural_tag", "structures": [{"begin", "schema", "end"}], "triggers": [...]}: free text in
+    which each structure's JSON arguments are guided once its trigger appears) must be set.
+    whitespace_pattern: the regex of the whitespace allowed between JSON tokens (outlines' default: one
+    optional space); disable_any_whitespace: none at all (both for json and json_object)."""
     json: str | dict | type | None = None
     regex: str | None = None
     choice: list[str] | None = None
@@ -45,19 +44,21 @@ class GuidedDecodingParams:
     structural_tag: str | None = None
 
     def __post_init__(self):
-        for name in ("grammar", "structural_tag"):
-            if getattr(self, name) is not None:
-                raise UnsupportedGuideError(f"GuidedDecodingParams({name}={getattr(self, name)!r}) is not "
-                                            "supported by lmjax: use json, regex, choice or json_object")
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]
         if len(given) != 1:
-            _fail(f"guided decoding needs exactly one of {list(KINDS[:3]) + ['json_object']}, got {given or 'none'}")
+            _fail(f"guided decoding needs exactly one of {list(KINDS)}, got {given or 'none'}")
         if self.backend not in BACKENDS:
             _fail(f"guided decoding backend={self.backend!r} is not one of {[b for b in BACKENDS if b]}")
         if self.json is not None:
             self.json = _schema_text(self.json)
         if self.regex is not None and not isinstance(self.regex, str):
             _fail(f"guided regex must be a str, got {self.regex!r}")
+        if self.grammar is not None and not (isinstance(self.grammar, str) and self.grammar.strip()):
+            _fail(f"guided grammar must be a non-empty str (EBNF or Lark), got {self.grammar!r}")
+        if isinstance(self.structural_tag, dict):  # vLLM takes JSON text; its dict is the same thing
+            self.structural_tag = json.dumps(self.structural_tag)
+        if self.structural_tag is not None and not isinstance(self.structural_tag, str):
+            _fail(f"structural_tag must be JSON text or a dict, got {self.structural_tag!r}")
         if self.choice is not None:
             choice = list(self.choice) if isinstance(self.choice, (list, tuple)) else None
             if not choice or not all(isinstance(c, str) and c for c in choice):
@@ -122,8 +123,8 @@ def as_guided(guided_decoding, structured_outputs=None) -> GuidedDecodingParams 
 def from_response_format(response_format: dict | None, whitespace_pattern: str | None = None
                          ) -> GuidedDecodingParams | None:
     """LMDeploy's (and OpenAI's) response_format: {"type": "json_schema", "json_schema": {"name": ...,
-    "schema": {...}}}, {"type": "regex_schema", "regex_schema": "..."}, {"type": "json_object"}, or
-    {"type": "text"} (no guide). `whitespace_pattern` (vLLM's guided_whitespace_pattern) for the JSON ones."""
+    "schema": {...}}}, {"type": "regex_schema", "regex_schema": "..."}, {"type": "json_object"}, vLLM's
+    {"type": "structural_tag", "structures": [...], "triggers": [...]}, or {"type": "text"} (no guide). `whitespace_pattern` (vLLM's guided_whitespace_pattern) for the JSON ones."""
     if response_format is None:
         return None
     kind = response_format.get("type") if isinstance(response_format, dict) else None
@@ -140,5 +141,7 @@ def from_response_format(response_format: dict | None, whitespace_pattern: str |
             return GuidedDecodingParams(json=schema, whitespace_pattern=whitespace_pattern)
         _fail(f"response_format of type 'json_schema' needs json_schema={{'name': ..., 'schema': {{...}}}}, "
               f"got {response_format!r}")
-    return _fail(f"response_format must be a dict with type 'json_schema', 'regex_schema', 'json_object' or "
-                 f"'text' (and its field), got {response_format!r}")
+    if kind == "structural_tag" and "structures" in response_format:  # vLLM's OpenAI server's
+        return GuidedDecodingParams(structural_tag=json.dumps(response_format))
+    return _fail(f"response_format must be a dict with type 'json_schema', 'regex_schema', 'json_object', "
+                 f"'structural_tag' or 'text' (and its fields), got {response_format!r}")

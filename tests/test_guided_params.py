@@ -1,10 +1,13 @@
 """Structured-output parameters as vLLM and LMDeploy users write them: vLLM's GuidedDecodingParams (and its
 newer name StructuredOutputsParams) in SamplingParams, LMDeploy's response_format in GenerationConfig; bad
 ones are errors naming the value, on creation."""
+import json
+
 import pytest
 
 import lmjax
 from lmjax import GenerationConfig, GuidedDecodingParams, SamplingParams, StructuredOutputsParams
+from lmjax.guided_params import from_response_format
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
 
@@ -47,9 +50,15 @@ def test_bad_guided_parameters_name_the_value(make, message):
         make()
 
 
-def test_grammar_is_not_supported():
-    with pytest.raises(NotImplementedError, match="grammar="):
-        GuidedDecodingParams(grammar="root ::= 'a'")
+def test_grammar_and_structural_tag_are_guides_of_their_own():
+    assert GuidedDecodingParams(grammar="root ::= 'a'").kind == "grammar"
+    tag = {"type": "structural_tag", "structures": [{"begin": "<f>", "schema": {}, "end": "</f>"}], "triggers": ["<f"]}
+    assert json.loads(GuidedDecodingParams(structural_tag=tag).structural_tag) == tag  # vLLM's JSON text
+    assert from_response_format(tag).kind == "structural_tag"
+    with pytest.raises(ValueError, match="grammar must be a non-empty str.*' '"):
+        GuidedDecodingParams(grammar=" ")
+    with pytest.raises(ValueError, match="structural_tag must be JSON text or a dict, got 3"):
+        GuidedDecodingParams(structural_tag=3)
 
 
 @pytest.mark.parametrize("response_format, kind", [

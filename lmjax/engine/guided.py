@@ -31,6 +31,7 @@ from collections import OrderedDict
 import numpy as np
 
 from lmjax.config import SamplingParams
+from lmjax.engine import guided_grammar
 from lmjax.engine.guided_regex import guide_regex
 from lmjax.guided_params import GuidedDecodingParams
 from lmjax.layers.sampler import pack_token_ids
@@ -43,6 +44,7 @@ INDEX_CACHE_SIZE = 32  # compiled guides kept per engine (a JSON schema's: milli
 # byte late) drops the tokens that go on past a shorter match, so without it choice=["Paris", "Paris, France"]
 # could only give "Paris", and a number "3.14" or an integer 42 not at all.
 END = b"\x00"
+GRAMMAR_KINDS = ("grammar", "structural_tag")  # guided by llguidance (lmjax.engine.guided_grammar)
 
 
 def _outlines():
@@ -111,6 +113,7 @@ class GuidedDecoding:
         self.eos_W = pack_token_ids(self.eos_token_ids, self.num_words)
         self.not_eos_W = ~self.eos_W
         self._vocabulary, self._buffer_words, self.end_id = None, self.num_words, None
+        self._grammar_tokenizer, self.grammar_words = None, self.num_words
         self._indexes: OrderedDict = OrderedDict()
         self._lock = threading.Lock()
         self.compile_seconds = 0.0  # spent compiling guides (a stat)
@@ -130,16 +133,30 @@ class GuidedDecoding:
             logger.info("guided decoding vocabulary: %d tokens in %.2f s", len(vocab), time.perf_counter() - start)
         return self._vocabulary
 
+    def grammar_tokenizer(self):
+        """llguidance's tokenizer for grammar guides (lmjax.engine.guided_grammar), over the same token bytes."""
+        with self._lock:
+            if self._grammar_tokenizer is None:
+                start = time.perf_counter()
+                self._grammar_tokenizer = guided_grammar.grammar_tokenizer(
+                    self.tokenizer, vocabulary_map(self.tokenizer, set(self.eos_token_ids)), self.vocab_size,
+                    self.eos_token_ids)
+                self.grammar_words = -(-self._grammar_tokenizer.vocab_size // 32)
+                logger.info("grammar vocabulary: %d ids in %.2f s", self._grammar_tokenizer.vocab_size,
+                            time.perf_counter() - start)
+            return self._grammar_tokenizer
+
     def check(self, params: SamplingParams) -> None:
-        """A ValueError naming a guide that cannot be compiled, or allowed_token_ids that leave it no first
-        token; the guide is compiled (and cached) here, at submission (the ids' range is checked before, with
+        """A ValueError naming a guide that cannot be compiled, or that no token can begin (allowed_token_ids
+        or the vocabulary); the guide is compiled (and cached) here, at submission (the ids' range is checked before, with
         the request's other ids: LLMEngine.validate_request)."""
         if params.guided_decoding is not None:
-            index = self.index(params.guided_decoding)
-            if params.allowed_token_ids and not GuideState(self, index, self.allowed_mask(params),
-                                                           params.ignore_eos).mask_W().any():
-                raise ValueError(f"allowed_token_ids {list(params.allowed_token_ids)[:8]} leave no token that can "
-                                 f"begin the guided output ({_describe(params.guided_decoding)})")
+            state = self.new_state(params, self.allowed_mask(params))  # compiles the guide
+            if not state.mask_W().any():
+                cause = (f"allowed_token_ids {list(params.allowed_token_ids)[:8]} leave" if params.allowed_token_ids
+                         else "the vocabulary has")
+                raise ValueError(f"{cause} no token that can begin the guided output "
+                                 f"({_describe(params.guided_decoding)})")
 
     def index(self, guided: GuidedDecodingParams):
         """The compiled guide, from the LRU or compiled now. The server compiles off its event loop while
@@ -150,6 +167,32 @@ class GuidedDecoding:
             if key in self._indexes:
                 self._indexes.move_to_end(key)
                 return self._indexes[key]
+        if guided.kind in GRAMMAR_KINDS:
+            index = self._compile_grammar(guided)
+        else:
+            index = self._compile_regex(guided)
+        with self._lock:
+            self._indexes[key] = index
+            if len(self._indexes) > INDEX_CACHE_SIZE:
+                self._indexes.popitem(last=False)
+        return index
+
+    def _compile_grammar(self, guided: GuidedDecodingParams):
+        llg_tokenizer, start = self.grammar_tokenizer(), time.perf_counter()
+        try:
+            matcher = guided_grammar.compile_matcher(llg_tokenizer, guided_grammar.serialize(guided.kind, guided.spec))
+        except ValueError as e:
+            raise ValueError(f"guided decoding {_describe(guided)} cannot be compiled: {_shorten(str(e))}") from e
+        self._count_compile(guided, time.perf_counter() - start)
+        return matcher
+
+    def _count_compile(self, guided: GuidedDecodingParams, seconds: float) -> None:
+        logger.info("compiled guide %s in %.2f s", _describe(guided), seconds)
+        with self._lock:
+            self.compile_seconds += seconds
+
+    def _compile_regex(self, guided: GuidedDecodingParams):
+        with self._lock:
             vocabulary = self.vocabulary()
         start = time.perf_counter()
         try:
@@ -158,13 +201,7 @@ class GuidedDecoding:
             anchored = "anchored" in str(e)
             hint = " (anchors such as ^ and $ are only allowed at the very start and end)" if anchored else ""
             raise ValueError(f"guided decoding {_describe(guided)} cannot be compiled: {_shorten(str(e))}{hint}") from e
-        seconds = time.perf_counter() - start
-        logger.info("compiled guide %s in %.2f s", _describe(guided), seconds)
-        with self._lock:
-            self.compile_seconds += seconds
-            self._indexes[key] = index
-            if len(self._indexes) > INDEX_CACHE_SIZE:
-                self._indexes.popitem(last=False)
+        self._count_compile(guided, time.perf_counter() - start)
         return index
 
     def allowed_mask(self, params: SamplingParams) -> np.ndarray | None:
@@ -174,9 +211,11 @@ class GuidedDecoding:
 
     def new_state(self, params: SamplingParams, allowed_W: np.ndarray | None) -> GuideState | None:
         """A fresh walk of the request's guide (one per completion), or None without one."""
-        if params.guided_decoding is None:
+        guided = params.guided_decoding
+        if guided is None:
             return None
-        return GuideState(self, self.index(params.guided_decoding), allowed_W, params.ignore_eos)
+        state = guided_grammar.GrammarState if guided.kind in GRAMMAR_KINDS else GuideState
+        return state(self, self.index(guided), allowed_W, params.ignore_eos)
 
 
 class GuideState:

@@ -8,8 +8,9 @@ content parts, the deprecated functions, and vLLM's chat echo) are a 400 that na
 no-op values. vLLM's prompt_logprobs are given (not with streaming, as vLLM). `tools` are rendered into the
 prompt and, on a server started with --tool-call-parser, the reply is parsed for calls
 (lmjax.serve.tool_parsers); tool_choice "required" or a named function guides the reply to the call's JSON
-instead. Structured outputs: response_format (OpenAI's json_object / json_schema, LMDeploy's regex_schema),
-vLLM's guided_json / guided_regex / guided_choice and structured_outputs. An explicit `null` is the field's
+instead. Structured outputs: response_format (OpenAI's json_object / json_schema, LMDeploy's regex_schema,
+vLLM's structural_tag), vLLM's guided_json / guided_regex / guided_choice / guided_grammar / structural_tag and
+structured_outputs. An explicit `null` is the field's
 default (`_Nullable`). Every string must be valid UTF-8: JSON can carry a lone surrogate (`"\\udc80"`), which no
 tokenizer takes (`_Strict._utf8`). Out-of-range values are caught by SamplingParams / GenerationConfig, whose
 ValueError names the value. Responses are plain dicts built in `responses.py`."""
@@ -159,8 +160,8 @@ class _Sampling(_Nullable):
     guided_json: dict | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
-    guided_grammar: str | None = None  # vLLM's EBNF grammar: a 400 (outlines-core has no grammars), not ignored
-    structural_tag: str | None = None  # vLLM's structural tags: likewise
+    guided_grammar: str | None = None  # vLLM's grammar: EBNF (GBNF) or Lark
+    structural_tag: str | None = None  # vLLM's structural tags (JSON text)
     guided_whitespace_pattern: str | None = None
     guided_decoding_backend: str | None = None
     structured_outputs: dict | None = None
@@ -226,6 +227,7 @@ class _Sampling(_Nullable):
                   "structured_outputs": as_guided(self.structured_outputs)}
         kinds = ("json", "regex", "choice", "grammar")
         vllm = [f"guided_{k}" for k in kinds if getattr(self, f"guided_{k}") is not None]
+        vllm += ["structural_tag"] if self.structural_tag is not None else []
         guides[" / ".join(vllm)] = GuidedDecodingParams.from_optional(
             json=self.guided_json, regex=self.guided_regex, choice=self.guided_choice, grammar=self.guided_grammar,
             whitespace_pattern=self.guided_whitespace_pattern, backend=self.guided_decoding_backend,

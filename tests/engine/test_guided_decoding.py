@@ -55,6 +55,28 @@ def test_choice_output_is_one_of_them(outputs):
     assert outputs[2].text in CHOICES and outputs[2].finish_reason == "stop"
 
 
+SQL = """root ::= select_statement
+select_statement ::= "SELECT " column " from " table " where " condition
+column ::= "col_1 " | "col_2 "
+table ::= "table_1 " | "table_2 "
+condition ::= column "= " number
+number ::= "1 " | "2 "
+"""  # vLLM's EBNF example (its docs' guided_grammar)
+ANSWER = 'start: "The answer is " NUMBER "."\nNUMBER: /[1-9][0-9]{0,3}/'  # Lark
+
+
+def test_grammar_outputs_follow_their_grammar_in_one_batch_with_other_guides(pipe):
+    greedy = SamplingParams(temperature=0, max_tokens=60, guided_decoding=GuidedDecodingParams(grammar=SQL))
+    sampled = SamplingParams(temperature=1.0, seed=3, max_tokens=60, guided_decoding=GuidedDecodingParams(grammar=ANSWER))
+    regex = SamplingParams(temperature=0, max_tokens=20, guided_decoding=GuidedDecodingParams(regex=r"\d{3}-\d{4}"))
+    prompts = ["Write an SQL query.", "What is 6 times 7?", "Give me a phone number."]
+    sql, answer, phone = pipe([[{"role": "user", "content": p}] for p in prompts], gen_config=[greedy, sampled, regex])
+    assert re.fullmatch(r"SELECT col_[12]  from table_[12]  where col_[12] = [12] ", sql.text), sql.text
+    assert re.fullmatch(r"The answer is [1-9][0-9]{0,3}\.", answer.text), answer.text
+    assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", phone.text)
+    assert sql.finish_reason == answer.finish_reason == phone.finish_reason == "stop"
+
+
 def test_lmdeploy_response_format(outputs):
     jsonschema.validate(json.loads(outputs[3].text), CITY)
 

@@ -72,14 +72,16 @@ def test_allowed_token_ids_that_exclude_the_guide_fail_at_submission(guided):
                                                                                "maximum": 1})))
 
 
-@pytest.mark.parametrize("field", ["grammar", "structural_tag"])
-def test_unsupported_guides_are_value_errors(field):
-    # the server maps ValueError to a 400; a bare NotImplementedError was a 500 (structured_outputs={"grammar": ..})
-    from lmjax.guided_params import as_guided
-    with pytest.raises(ValueError, match=f"{field}=.*not supported"):
-        as_guided({field: "root ::= 'a'"})
-    with pytest.raises(NotImplementedError):
-        GuidedDecodingParams(**{field: "x"})
+def test_grammars_that_cannot_compile_or_begin_are_value_errors_naming_them(guided):
+    # the server maps ValueError to a 400 (a bare NotImplementedError was a 500); CHARS' vocabulary has a token
+    # for every character the grammars below use, so each fails for the reason its message names
+    bad = {"root ::= foo": "grammar='root ::= foo' cannot be compiled.*Rule 'foo' not found",
+           "start: foo": "unknown name",
+           '{"structures": []}': "structural_tag=.*cannot be compiled.*'triggers'"}
+    for spec, message in bad.items():
+        kind = "structural_tag" if spec.startswith("{") else "grammar"
+        with pytest.raises(ValueError, match=message):
+            guided.check(SamplingParams(guided_decoding=GuidedDecodingParams(**{kind: spec})))
 
 
 def test_json_object_honours_the_whitespace_options():

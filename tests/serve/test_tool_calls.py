@@ -362,3 +362,6 @@ def test_server_forced_tool_choice_and_structured_outputs(client):
     assert got.choices[0].text == " check." and got.choices[0].finish_reason == "stop"
     with pytest.raises(openai.BadRequestError, match="regex"):
         client.completions.create(model="m", prompt="plain", max_tokens=5, extra_body={"guided_regex": "(unclosed"})
+    with pytest.raises(openai.BadRequestError, match="Rule 'clause' not found"):  # compiled at submission: a 400
+        client.completions.create(model="m", prompt="plain", max_tokens=5,
+                                  extra_body={"guided_grammar": 'root ::= "a" clause'})

@@ -37,12 +37,14 @@ def test_llama3_json_answer_with_a_name_is_content():
                                          '{"name": "g", "parameters": {}}')[1]] == ["f", "g"]
 
 
-def test_vllm_guides_lmjax_lacks_are_400s_not_ignored():
-    """guided_grammar / structural_tag: a ValueError (the server's 400) naming them, not unconstrained text."""
-    import pytest
+def test_vllm_grammar_and_structural_tag_fields_become_guides():
+    """guided_grammar / structural_tag (a 400 naming them until lmjax had grammars) reach the engine as guides."""
+    from lmjax.serve.protocol import ChatCompletionRequest, CompletionRequest
 
-    from lmjax.serve.protocol import CompletionRequest
-
-    for field in ("guided_grammar", "structural_tag"):
-        with pytest.raises(ValueError, match=f"{field.removeprefix('guided_')}=.*is not supported"):
-            CompletionRequest(model="m", prompt="x", **{field: 'root ::= "a"'}).sampling_params()
+    tag = {"type": "structural_tag", "triggers": ["<f"], "structures": [{"begin": "<f>", "schema": {}, "end": "</f>"}]}
+    assert CompletionRequest(model="m", prompt="x", guided_grammar='root ::= "a"').sampling_params(
+    ).guided_decoding.grammar == 'root ::= "a"'
+    assert json.loads(CompletionRequest(model="m", prompt="x", structural_tag=json.dumps(tag)).sampling_params(
+    ).guided_decoding.structural_tag) == tag
+    chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], response_format=tag)
+    assert json.loads(chat.sampling_params().guided_decoding.structural_tag) == tag

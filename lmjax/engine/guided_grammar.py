@@ -1,0 +1,174 @@
+"""Grammar guides (vLLM's `grammar` and `structural_tag`) with llguidance, the library behind vLLM's "guidance"
+backend: a context-free grammar in EBNF (llama.cpp's GBNF, which vLLM's xgrammar examples use) or in Lark
+syntax, or structural tags (JSON arguments constrained between a begin and end string once a trigger appears in
+free text: tool calls). JSON schemas, regexes and choices stay with outlines-core (lmjax.engine.guided);
+both give the engine the same per-completion state (`mask_W`, `advance`).
+
+The vocabulary llguidance walks is the one outlines walks (guided.vocabulary_map: each token id's bytes in the
+tokenizer's own spelling, byte-level BPE or SentencePiece), so both kinds of guide read a first "▁Paris" as
+b" Paris". llguidance also tokenizes the bytes a grammar forces (to fast-forward through them); it gets the
+tokenizer's own ids where they spell exactly those bytes, else the longest tokens that do (`_ByteTokenizer`).
+
+Shape letters: W 32-bit words of a packed token mask, ceil(V / 32) for the model's V logits.
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from lmjax.loader.tokenizer import sentencepiece_byte
+
+# llguidance marks a special token's bytes with this first byte (no UTF-8 text holds it), so a grammar's text
+# never matches one; `<|name|>` in a Lark grammar names it.
+SPECIAL_PREFIX = b"\xff"
+
+
+def _llguidance():
+    try:
+        import llguidance
+    except ImportError as e:  # a core dependency, but an old install may lack it: say what to do
+        raise ValueError("grammar-guided decoding needs the llguidance package: pip install 'llguidance>=1.0'") from e
+    return llguidance
+
+
+class _ByteTokenizer:
+    """What llguidance.TokenizerWrapper reads: `tokens` (id -> bytes; special and unused ids marked with
+    SPECIAL_PREFIX, so no text matches them), eos / bos ids, and a call that tokenizes bytes."""
+
+    def __init__(self, tokenizer, vocab: dict[bytes, list[int]], num_ids: int, eos_id: int):
+        self.tokens = [b""] * num_ids
+        for data, ids in vocab.items():
+            for i in ids:
+                if i < num_ids:
+                    self.tokens[i] = data
+        self.special_token_ids = [i for i in range(num_ids) if not self.tokens[i]]
+        for i in self.special_token_ids:
+            self.tokens[i] = SPECIAL_PREFIX + f"<[{i}]>".encode()
+        self.eos_token_id, self.bos_token_id = eos_id, getattr(tokenizer, "bos_token_id", None)
+        self._tokenizer = tokenizer
+        self._ids = {data: _preferred(tokenizer, ids) for data, ids in vocab.items()}
+        self._longest = max(map(len, vocab), default=1)
+
+    def __call__(self, data: bytes) -> list[int]:
+        """Ids spelling exactly `data`: the tokenizer's own encoding where it does (a SentencePiece one adds a
+        leading "▁", a word-level one may give <unk>), else the longest tokens left to right. Never raises:
+        llguidance calls it from Rust, where a Python exception is a panic."""
+        data = data.encode() if isinstance(data, str) else bytes(data)
+        try:
+            ids = list(self._tokenizer.encode(data.decode("utf-8"), add_special_tokens=False))
+            if b"".join(self.tokens[i] for i in ids) == data:
+                return ids
+        except Exception:  # undecodable bytes, ids past the vocabulary, a tokenizer without encode
+            pass
+        return self._longest_match(data)
+
+    def _longest_match(self, data: bytes) -> list[int]:
+        ids, at = [], 0
+        while at < len(data):
+            for end in range(min(len(data), at + self._longest), at, -1):
+                if (i := self._ids.get(data[at:end])) is not None:
+                    ids.append(i)
+                    at = end
+                    break
+            else:  # no token starts with this byte (a vocabulary without byte fallback): stop there
+                break
+        return ids
+
+
+def _preferred(tokenizer, ids: list[int]) -> int:
+    """The id to spell these bytes with: a SentencePiece vocabulary spells a letter both as itself and as a
+    byte-fallback piece ("<0x48>"); the piece of its own is the one its tokenizer would use."""
+    if len(ids) == 1:
+        return ids[0]
+    return min(ids, key=lambda i: (sentencepiece_byte(tokenizer.convert_ids_to_tokens(i) or "") is not None, i))
+
+
+def grammar_tokenizer(tokenizer, vocab: dict[bytes, list[int]], vocab_size: int, eos_token_ids: list[int]):
+    """llguidance's tokenizer over `vocab` (bytes -> ids) for a model with `vocab_size` logits. (llguidance
+    walks the grammar's text byte by byte: where a byte it needs has no token of its own, as in a word-level
+    vocabulary, nothing can be sampled there; GuidedDecoding.check refuses a guide that cannot even begin.)"""
+    llg = _llguidance()
+    num_ids = max([vocab_size, *(i + 1 for ids in vocab.values() for i in ids)])
+    eos = list(eos_token_ids) or [vocab_size]  # an id no grammar can reach where the model has no EOS
+    wrapped = llg.TokenizerWrapper(_ByteTokenizer(tokenizer, vocab, num_ids, eos[0]))
+    return llg.LLTokenizer(wrapped, n_vocab=num_ids, eos_token=eos)
+
+
+def serialize(kind: str, spec: str) -> str:
+    """llguidance's grammar for a `grammar` (EBNF or Lark text) or a `structural_tag` (vLLM's JSON: {"type":
+    "structural_tag", "structures": [{"begin", "schema", "end"}], "triggers": [...]}); ValueError on a bad one."""
+    llg = _llguidance()
+    if kind == "grammar":
+        return llg.grammar_from("grammar", spec)  # GBNF is converted to Lark; Lark passes as it is
+    try:
+        tag = json.loads(spec)
+        triggers, structures = tag["triggers"], tag["structures"]
+        if not isinstance(triggers, list) or not isinstance(structures, list) or not structures:
+            raise TypeError("triggers and structures must be lists, structures not empty")
+        tags = []
+        for s in structures:
+            trigger = next((t for t in triggers if isinstance(t, str) and t and s["begin"].startswith(t)), None)
+            if trigger is None:
+                raise ValueError(f"no trigger in {triggers} begins the structure's begin {s['begin']!r}")
+            schema = {} if s["schema"] is True else s["schema"]
+            if not isinstance(schema, dict):
+                raise TypeError(f"a structure's schema must be a JSON schema object, got {schema!r}")
+            tags.append(llg.StructTag(trigger=trigger, begin=s["begin"], grammar=json.dumps(schema), end=s["end"]))
+    except (KeyError, TypeError, AttributeError, json.JSONDecodeError) as e:
+        raise ValueError(f"structural_tag must be JSON {{\"structures\": [{{\"begin\", \"schema\", \"end\"}}], "
+                         f"\"triggers\": [...]}}: {type(e).__name__}: {e}") from e
+    return llg.StructTag.to_grammar(tags)
+
+
+def compile_matcher(llg_tokenizer, grammar: str):
+    """A matcher at the grammar's start (the guide's "index": each completion walks a deep copy of it);
+    ValueError with llguidance's message when the grammar does not compile."""
+    llg = _llguidance()
+    error = llg.LLMatcher.validate_grammar(grammar, llg_tokenizer)
+    if error:
+        raise ValueError(error)
+    matcher = llg.LLMatcher(llg_tokenizer, grammar, log_level=0)
+    if matcher.is_error():
+        raise ValueError(matcher.get_error())
+    return matcher
+
+
+class GrammarState:
+    """One completion's place in its grammar: GuideState's interface (lmjax.engine.guided) over an
+    llguidance matcher. `owner`: the engine's GuidedDecoding (num_words, eos_W, not_eos_W)."""
+
+    def __init__(self, owner, template, allowed_W: np.ndarray | None, ignore_eos: bool):
+        self._matcher = template.deep_copy()
+        self._owner, self._allowed_W, self._ignore_eos = owner, allowed_W, ignore_eos
+        self._buffer = np.zeros(owner.grammar_words, np.int32)  # llguidance writes int32 words here
+        self._mask_W: np.ndarray | None = None
+        self.complete = False
+        self.error: str | None = None
+
+    def mask_W(self) -> np.ndarray:
+        if self._mask_W is None:
+            self._matcher.unsafe_compute_mask_ptr(self._buffer.ctypes.data, self._buffer.nbytes)
+            mask_W = self._buffer.view(np.uint32)[:self._owner.num_words] & self._owner.not_eos_W
+            self.complete = self._matcher.is_accepting()
+            if self.complete and not self._ignore_eos:  # every EOS id may end it (llguidance knows one)
+                mask_W |= self._owner.eos_W
+            self._mask_W = mask_W if self._allowed_W is None else mask_W & self._allowed_W
+        return self._mask_W
+
+    def advance(self, token: int) -> str | None:
+        """GuideState.advance: "stop" when nothing but EOS may follow a complete output, "error" (with
+        `self.error`) when the token was not allowed or nothing may follow, else None."""
+        if not self._matcher.consume_token(token):
+            reason = (self._matcher.get_error().strip().splitlines() or ["refused"])[0][:300]  # (a state dump follows)
+            self.error = f"guided decoding: sampled token {token} is not allowed here ({reason})"
+            return "error"
+        self._mask_W = None
+        mask_W = self.mask_W()
+        if self._matcher.is_stopped() or not (mask_W & self._owner.not_eos_W).any():
+            if self.complete:
+                return "stop"
+            self.error = "guided decoding: no allowed token can continue the output (allowed_token_ids?)"
+            return "error"
+        return None
+
