@@ -32,7 +32,7 @@ import numpy as np
 
 from lmjax.config import SamplingParams
 from lmjax.engine import guided_grammar
-from lmjax.engine.guided_regex import guide_regex
+from lmjax.engine.guided_regex import guide_regex, needs_llguidance
 from lmjax.guided_params import GuidedDecodingParams
 from lmjax.layers.sampler import pack_token_ids
 from lmjax.loader.tokenizer import byte_level_decoder, sentencepiece_byte
@@ -167,7 +167,7 @@ class GuidedDecoding:
             if key in self._indexes:
                 self._indexes.move_to_end(key)
                 return self._indexes[key]
-        if guided.kind in GRAMMAR_KINDS:
+        if guided.kind in GRAMMAR_KINDS or (guided.kind == "json" and needs_llguidance(json.loads(guided.json))):
             index = self._compile_grammar(guided)
         else:
             index = self._compile_regex(guided)
@@ -180,7 +180,7 @@ class GuidedDecoding:
     def _compile_grammar(self, guided: GuidedDecodingParams):
         llg_tokenizer, start = self.grammar_tokenizer(), time.perf_counter()
         try:
-            matcher = guided_grammar.compile_matcher(llg_tokenizer, guided_grammar.serialize(guided.kind, guided.spec))
+            matcher = guided_grammar.compile_matcher(llg_tokenizer, guided_grammar.serialize(guided))
         except ValueError as e:
             raise ValueError(f"guided decoding {_describe(guided)} cannot be compiled: {_shorten(str(e))}") from e
         self._count_compile(guided, time.perf_counter() - start)
@@ -214,8 +214,9 @@ class GuidedDecoding:
         guided = params.guided_decoding
         if guided is None:
             return None
-        state = guided_grammar.GrammarState if guided.kind in GRAMMAR_KINDS else GuideState
-        return state(self, self.index(guided), allowed_W, params.ignore_eos)
+        index = self.index(guided)
+        state = guided_grammar.GrammarState if guided_grammar.is_matcher(index) else GuideState
+        return state(self, index, allowed_W, params.ignore_eos)
 
 
 class GuideState:

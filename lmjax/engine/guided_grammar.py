@@ -1,8 +1,10 @@
 """Grammar guides (vLLM's `grammar` and `structural_tag`) with llguidance, the library behind vLLM's "guidance"
 backend: a context-free grammar in EBNF (llama.cpp's GBNF, which vLLM's xgrammar examples use) or in Lark
 syntax, or structural tags (JSON arguments constrained between a begin and end string once a trigger appears in
-free text: tool calls). JSON schemas, regexes and choices stay with outlines-core (lmjax.engine.guided);
-both give the engine the same per-completion state (`mask_W`, `advance`).
+free text: tool calls), and the JSON schemas that ask what outlines-core cannot enforce (number bounds,
+multipleOf, patternProperties, min/maxProperties: guided_regex.needs_llguidance). Other JSON schemas, regexes
+and choices stay with outlines-core (lmjax.engine.guided); both give the engine the same per-completion state
+(`mask_W`, `advance`).
 
 The vocabulary llguidance walks is the one outlines walks (guided.vocabulary_map: each token id's bytes in the
 tokenizer's own spelling, byte-level BPE or SentencePiece), so both kinds of guide read a first "▁Paris" as
@@ -17,7 +19,10 @@ import json
 
 import numpy as np
 
+from lmjax.engine.guided_regex import check_keywords, schema_nodes
 from lmjax.loader.tokenizer import sentencepiece_byte
+
+OUTLINES_WHITESPACE = r"[ ]?"  # outlines-core's default whitespace between JSON tokens (its json_schema.WHITESPACE)
 
 # llguidance marks a special token's bytes with this first byte (no UTF-8 text holds it), so a grammar's text
 # never matches one; `<|name|>` in a Lark grammar names it.
@@ -95,14 +100,17 @@ def grammar_tokenizer(tokenizer, vocab: dict[bytes, list[int]], vocab_size: int,
     return llg.LLTokenizer(wrapped, n_vocab=num_ids, eos_token=eos)
 
 
-def serialize(kind: str, spec: str) -> str:
-    """llguidance's grammar for a `grammar` (EBNF or Lark text) or a `structural_tag` (vLLM's JSON: {"type":
-    "structural_tag", "structures": [{"begin", "schema", "end"}], "triggers": [...]}); ValueError on a bad one."""
+def serialize(guided) -> str:
+    """llguidance's grammar for a GuidedDecodingParams: a `grammar` (EBNF or Lark text), a `structural_tag`
+    (vLLM's JSON: {"type": "structural_tag", "structures": [{"begin", "schema", "end"}], "triggers": [...]}) or a
+    `json` schema that outlines-core cannot enforce (guided_regex.needs_llguidance); ValueError on a bad one."""
     llg = _llguidance()
-    if kind == "grammar":
-        return llg.grammar_from("grammar", spec)  # GBNF is converted to Lark; Lark passes as it is
+    if guided.kind == "grammar":
+        return llg.grammar_from("grammar", guided.grammar)  # GBNF is converted to Lark; Lark passes as it is
+    if guided.kind == "json":
+        return json_grammar(json.loads(guided.json), guided.whitespace)
     try:
-        tag = json.loads(spec)
+        tag = json.loads(guided.structural_tag)
         triggers, structures = tag["triggers"], tag["structures"]
         if not isinstance(triggers, list) or not isinstance(structures, list) or not structures:
             raise TypeError("triggers and structures must be lists, structures not empty")
@@ -121,6 +129,19 @@ def serialize(kind: str, spec: str) -> str:
     return llg.StructTag.to_grammar(tags)
 
 
+def json_grammar(schema, whitespace: str | None) -> str:
+    """A JSON schema as llguidance's grammar, written as outlines-core writes JSON (lmjax.engine.guided_regex):
+    the same whitespace between tokens (`whitespace`: None is outlines' one optional space, "" none) and only
+    the properties the schema names (additionalProperties false where it does not say)."""
+    check_keywords(schema)
+    for node in schema_nodes(schema):
+        if ("properties" in node or "patternProperties" in node) and "additionalProperties" not in node:
+            node["additionalProperties"] = False
+    options = {"whitespace_flexible": False} if whitespace == "" else \
+        {"whitespace_pattern": OUTLINES_WHITESPACE if whitespace is None else whitespace}
+    return _llguidance().LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=options)
+
+
 def compile_matcher(llg_tokenizer, grammar: str):
     """A matcher at the grammar's start (the guide's "index": each completion walks a deep copy of it);
     ValueError with llguidance's message when the grammar does not compile."""
@@ -132,6 +153,11 @@ def compile_matcher(llg_tokenizer, grammar: str):
     if matcher.is_error():
         raise ValueError(matcher.get_error())
     return matcher
+
+
+def is_matcher(index) -> bool:
+    """Whether a compiled guide is llguidance's (walked by GrammarState) rather than outlines-core's."""
+    return type(index).__name__ == "LLMatcher"
 
 
 class GrammarState:

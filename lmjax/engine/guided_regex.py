@@ -144,35 +144,52 @@ def _regex(guided: GuidedDecodingParams) -> str:
 # ------------------------------------------------------------------ what a JSON schema may ask
 
 _NOT_SCHEMAS = {"const", "enum", "default", "examples"}  # keys whose values are data, not subschemas
-_SCHEMA_MAPS = {"properties", "$defs", "definitions"}  # keys whose values map names to subschemas
-# Keywords outlines-core's regex leaves out, so a guide would let JSON through that breaks them (checked with
-# outlines-core 0.2.14): refused by name, as vLLM refuses what its backend cannot enforce, not ignored.
-UNSUPPORTED_KEYWORDS = {"multipleOf", "uniqueItems", "contains", "minContains", "maxContains", "patternProperties",
-                        "propertyNames", "minProperties", "maxProperties", "dependentRequired", "dependentSchemas",
-                        "if", "then", "else"}
+_SCHEMA_MAPS = {"properties", "patternProperties", "$defs", "definitions"}  # names (patterns) to subschemas
+# Keywords outlines-core's regex leaves out (checked with outlines-core 0.2.14) that llguidance enforces: a schema
+# using one is guided by llguidance instead (lmjax.engine.guided), as vLLM's "auto" falls back from xgrammar to
+# guidance. Number bounds (minimum / maximum on a non-integer) likewise; integer bounds outlines' regex takes here.
+LLGUIDANCE_KEYWORDS = {"multipleOf", "patternProperties", "minProperties", "maxProperties"}
+_BOUNDS = {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"}
+# Keywords neither enforces (llguidance 1.9: "Unimplemented keys"): refused by name, as vLLM refuses what its
+# backend cannot enforce, not ignored (a guide would let JSON through that breaks them).
+UNSUPPORTED_KEYWORDS = {"uniqueItems", "contains", "minContains", "maxContains", "propertyNames",
+                        "dependentRequired", "dependentSchemas", "if", "then", "else"}
+
+
+def schema_nodes(schema):
+    """Every subschema of `schema` (itself included), at any depth (property names are not keywords)."""
+    if isinstance(schema, list):
+        for value in schema:
+            yield from schema_nodes(value)
+    elif isinstance(schema, dict):
+        yield schema
+        for key, value in schema.items():
+            if key in _SCHEMA_MAPS and isinstance(value, dict):
+                for sub in value.values():
+                    yield from schema_nodes(sub)
+            elif key not in _NOT_SCHEMAS:
+                yield from schema_nodes(value)
 
 
 def check_keywords(schema) -> None:
-    """A ValueError naming the keywords of `schema` (at any depth) that the guide cannot enforce."""
-    found: set[str] = set()
-
-    def walk(node) -> None:
-        if isinstance(node, list):
-            for v in node:
-                walk(v)
-        elif isinstance(node, dict):
-            for key, value in node.items():
-                if key in UNSUPPORTED_KEYWORDS:
-                    found.add(key)
-                if key in _SCHEMA_MAPS and isinstance(value, dict):
-                    for sub in value.values():
-                        walk(sub)
-                elif key not in _NOT_SCHEMAS:
-                    walk(value)
-    walk(schema)
+    """A ValueError naming the keywords of `schema` (at any depth) that no guide can enforce."""
+    found = {key for node in schema_nodes(schema) for key in node if key in UNSUPPORTED_KEYWORDS}
     if found:
         raise ValueError(f"JSON schema keywords {sorted(found)} are not supported by guided decoding (the guide "
                          "could not enforce them)")
+
+
+def needs_llguidance(schema) -> bool:
+    """Whether `schema` asks what outlines-core's regex cannot hold and llguidance can: LLGUIDANCE_KEYWORDS or
+    bounds on a value that may be a non-integer number."""
+    for node in schema_nodes(schema):
+        if LLGUIDANCE_KEYWORDS & node.keys():
+            return True
+        types = node.get("type")
+        types = [types] if isinstance(types, str) else types
+        if _BOUNDS & node.keys() and not (types and set(types) <= {"integer", "null"}):
+            return True
+    return False
 
 
 MAX_NESTING = 10  # outlines-core writes an array's items twice, an object's optional properties in each order:

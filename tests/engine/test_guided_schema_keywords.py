@@ -68,3 +68,33 @@ def test_integer_bounds_hold_when_type_is_a_list(guided):
     guided.check(params)
     assert _completes(guided, params, '{"n":7}') and _completes(guided, params, '{"n":null}')
     assert not _completes(guided, params, '{"n":1}')
+
+
+@pytest.mark.parametrize("schema, valid, invalid", [
+    ({"type": "object", "properties": {"x": {"type": "number", "minimum": 0.5, "maximum": 2.5}}, "required": ["x"]},
+     ['{"x":1.5}', '{"x":2.5}', '{"x":0.5}', '{"x":2}'], ['{"x":3}', '{"x":0.25}', '{"x":2.51}', '{"x":-1}']),
+    ({"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1}, ["0.5", "0.999"], ["0", "1", "1.5"]),
+    ({"type": "integer", "multipleOf": 5}, ["15", "0", "-5"], ["7", "16"]),
+    ({"type": "object", "patternProperties": {"^x": {"type": "integer"}}}, ['{"x1":2}', "{}"], ['{"x1":"s"}', '{"y":1}']),
+    ({"type": "object", "additionalProperties": {"type": "integer"}, "maxProperties": 1}, ['{"a":1}'], ['{"a":1,"b":2}']),
+])
+def test_what_outlines_cannot_enforce_llguidance_does(guided, schema, valid, invalid):
+    """Number bounds were silently not enforced; multipleOf, patternProperties, min/maxProperties were refused: a
+    schema using them is guided by llguidance (vLLM's guidance backend), which holds the output to them."""
+    params = SamplingParams(guided_decoding=GuidedDecodingParams(json=schema, disable_any_whitespace=True))
+    guided.check(params)
+    for text in valid:
+        jsonschema.validate(json.loads(text), schema)
+        assert _completes(guided, params, text), text
+    for text in invalid:
+        assert not _completes(guided, params, text), text
+
+
+def test_llguidance_json_keeps_outlines_whitespace_and_declared_properties(guided):
+    schema = {"type": "object", "properties": {"x": {"type": "number", "maximum": 9}}, "required": ["x"]}
+    params = SamplingParams(guided_decoding=GuidedDecodingParams(json=schema))  # the default: one optional space
+    assert _completes(guided, params, '{"x": 1.5}') and _completes(guided, params, '{"x":1.5}')
+    assert not _completes(guided, params, '{"x":  1.5}')
+    assert not _completes(guided, params, '{"x": 1, "y": 2}')  # no undeclared property, as outlines writes JSON
+    lines = SamplingParams(guided_decoding=GuidedDecodingParams(json=schema, whitespace_pattern=r"[\n ]*"))
+    assert _completes(guided, lines, '{\n  "x": 2\n}')
