@@ -109,14 +109,13 @@ def _no_prompt_adapter(prompt_adapter_request) -> None:
 
 # vLLM's guided_options_request (LLMGuidedOptions dict / GuidedDecodingRequest): field -> GuidedDecodingParams'
 _GUIDED_OPTIONS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
-                   "guided_grammar": "grammar", "guided_json_object": "json_object",
+                   "guided_grammar": "grammar", "guided_json_object": "json_object", "structural_tag": "structural_tag",
                    "guided_decoding_backend": "backend", "guided_whitespace_pattern": "whitespace_pattern"}
 
 
 def _guide_from_options(options) -> GuidedDecodingParams | None:
     """vLLM's guided_options_request (a dict or an object with its guided_* fields; a GuidedDecodingParams
-    passes as it is) as GuidedDecodingParams. GuidedDecodingParams checks it: exactly one kind of guide; guided_grammar is its NotImplementedError
-    (lmjax has no grammars)."""
+    passes as it is) as GuidedDecodingParams. GuidedDecodingParams checks it: exactly one kind of guide."""
     if options is None or isinstance(options, GuidedDecodingParams):
         return options
     if isinstance(options, dict):

@@ -1,10 +1,12 @@
-"""Guided decoding (structured outputs) on the host, with outlines-core's automata.
+"""Guided decoding (structured outputs) on the host, with outlines-core's automata and llguidance's grammars.
 
 Data flow: a request's GuidedDecodingParams (lmjax.guided_params) becomes a regex (a JSON schema through
-outlines-core's build_regex_from_schema, a choice as an alternation of escaped strings, json_object as a
-generic JSON object), and the regex plus the tokenizer's vocabulary (token id -> the bytes it stands for)
-an outlines-core `Index`: a token-level automaton, compiled when the request is submitted (so a bad
-schema is a ValueError naming it, and no other request ever sees it) and kept in an LRU per (kind, spec).
+outlines-core's build_regex_from_schema, a choice as an alternation of escaped strings), and the regex plus
+the tokenizer's vocabulary (token id -> the bytes it stands for) an outlines-core `Index`: a token-level
+automaton, compiled when the request is submitted (so a bad schema is a ValueError naming it, and no other
+request ever sees it) and kept in an LRU per (kind, spec). Grammars, structural tags, json_object and the JSON
+schemas outlines-core cannot enforce compile to an llguidance matcher instead (lmjax.engine.guided_grammar),
+over the same vocabulary bytes, with the same per-completion interface.
 Each completion walks it with its own `GuideState`. Before a step, the engine puts the packed mask of the
 tokens the state allows into the completion's SamplingRow (outlines writes it straight into numpy: about
 2 us for a 49k vocabulary); the sampler sets every other logit to -inf, greedy rows included
@@ -44,7 +46,8 @@ INDEX_CACHE_SIZE = 32  # compiled guides kept per engine (a JSON schema's: milli
 # byte late) drops the tokens that go on past a shorter match, so without it choice=["Paris", "Paris, France"]
 # could only give "Paris", and a number "3.14" or an integer 42 not at all.
 END = b"\x00"
-GRAMMAR_KINDS = ("grammar", "structural_tag")  # guided by llguidance (lmjax.engine.guided_grammar)
+# guided by llguidance (lmjax.engine.guided_grammar), as are JSON schemas outlines-core cannot enforce
+LLGUIDANCE_KINDS = ("grammar", "structural_tag", "json_object")
 
 
 def _outlines():
@@ -113,7 +116,7 @@ class GuidedDecoding:
         self.eos_W = pack_token_ids(self.eos_token_ids, self.num_words)
         self.not_eos_W = ~self.eos_W
         self._vocabulary, self._buffer_words, self.end_id = None, self.num_words, None
-        self._grammar_tokenizer, self.grammar_words = None, self.num_words
+        self._grammar_vocabulary = None
         self._indexes: OrderedDict = OrderedDict()
         self._lock = threading.Lock()
         self.compile_seconds = 0.0  # spent compiling guides (a stat)
@@ -133,18 +136,17 @@ class GuidedDecoding:
             logger.info("guided decoding vocabulary: %d tokens in %.2f s", len(vocab), time.perf_counter() - start)
         return self._vocabulary
 
-    def grammar_tokenizer(self):
-        """llguidance's tokenizer for grammar guides (lmjax.engine.guided_grammar), over the same token bytes."""
+    def grammar_vocabulary(self) -> guided_grammar.GrammarVocabulary:
+        """llguidance's view of the vocabulary for grammar guides (lmjax.engine.guided_grammar): the same bytes."""
         with self._lock:
-            if self._grammar_tokenizer is None:
+            if self._grammar_vocabulary is None:
                 start = time.perf_counter()
-                self._grammar_tokenizer = guided_grammar.grammar_tokenizer(
+                self._grammar_vocabulary = guided_grammar.GrammarVocabulary(
                     self.tokenizer, vocabulary_map(self.tokenizer, set(self.eos_token_ids)), self.vocab_size,
                     self.eos_token_ids)
-                self.grammar_words = -(-self._grammar_tokenizer.vocab_size // 32)
-                logger.info("grammar vocabulary: %d ids in %.2f s", self._grammar_tokenizer.vocab_size,
+                logger.info("grammar vocabulary: %d words in %.2f s", self._grammar_vocabulary.num_words,
                             time.perf_counter() - start)
-            return self._grammar_tokenizer
+            return self._grammar_vocabulary
 
     def check(self, params: SamplingParams) -> None:
         """A ValueError naming a guide that cannot be compiled, or that no token can begin (allowed_token_ids
@@ -167,7 +169,7 @@ class GuidedDecoding:
             if key in self._indexes:
                 self._indexes.move_to_end(key)
                 return self._indexes[key]
-        if guided.kind in GRAMMAR_KINDS or (guided.kind == "json" and needs_llguidance(json.loads(guided.json))):
+        if guided.kind in LLGUIDANCE_KINDS or (guided.kind == "json" and needs_llguidance(json.loads(guided.json))):
             index = self._compile_grammar(guided)
         else:
             index = self._compile_regex(guided)
@@ -178,7 +180,7 @@ class GuidedDecoding:
         return index
 
     def _compile_grammar(self, guided: GuidedDecodingParams):
-        llg_tokenizer, start = self.grammar_tokenizer(), time.perf_counter()
+        llg_tokenizer, start = self.grammar_vocabulary().llg, time.perf_counter()
         try:
             matcher = guided_grammar.compile_matcher(llg_tokenizer, guided_grammar.serialize(guided))
         except ValueError as e:

@@ -1,9 +1,9 @@
 """Grammar guides (vLLM's `grammar` and `structural_tag`) with llguidance, the library behind vLLM's "guidance"
 backend: a context-free grammar in EBNF (llama.cpp's GBNF, which vLLM's xgrammar examples use) or in Lark
 syntax, or structural tags (JSON arguments constrained between a begin and end string once a trigger appears in
-free text: tool calls), and the JSON schemas that ask what outlines-core cannot enforce (number bounds,
-multipleOf, patternProperties, min/maxProperties: guided_regex.needs_llguidance). Other JSON schemas, regexes
-and choices stay with outlines-core (lmjax.engine.guided); both give the engine the same per-completion state
+free text: tool calls), `json_object` (any JSON object, nested to any depth: a regex cannot), and the JSON schemas
+that ask what outlines-core cannot enforce (number bounds, multipleOf, patternProperties, min/maxProperties:
+guided_regex.needs_llguidance). Other JSON schemas, regexes and choices stay with outlines-core (lmjax.engine.guided); both give the engine the same per-completion state
 (`mask_W`, `advance`).
 
 The vocabulary llguidance walks is the one outlines walks (guided.vocabulary_map: each token id's bytes in the
@@ -68,6 +68,9 @@ class _ByteTokenizer:
             pass
         return self._longest_match(data)
 
+    def spells_a_start(self, data: bytes) -> bool:
+        return any(data[:k] in self._ids for k in range(1, min(len(data), self._longest) + 1))
+
     def _longest_match(self, data: bytes) -> list[int]:
         ids, at = [], 0
         while at < len(data):
@@ -89,26 +92,36 @@ def _preferred(tokenizer, ids: list[int]) -> int:
     return min(ids, key=lambda i: (sentencepiece_byte(tokenizer.convert_ids_to_tokens(i) or "") is not None, i))
 
 
-def grammar_tokenizer(tokenizer, vocab: dict[bytes, list[int]], vocab_size: int, eos_token_ids: list[int]):
-    """llguidance's tokenizer over `vocab` (bytes -> ids) for a model with `vocab_size` logits. (llguidance
-    walks the grammar's text byte by byte: where a byte it needs has no token of its own, as in a word-level
-    vocabulary, nothing can be sampled there; GuidedDecoding.check refuses a guide that cannot even begin.)"""
-    llg = _llguidance()
-    num_ids = max([vocab_size, *(i + 1 for ids in vocab.values() for i in ids)])
-    eos = list(eos_token_ids) or [vocab_size]  # an id no grammar can reach where the model has no EOS
-    wrapped = llg.TokenizerWrapper(_ByteTokenizer(tokenizer, vocab, num_ids, eos[0]))
-    return llg.LLTokenizer(wrapped, n_vocab=num_ids, eos_token=eos)
+class GrammarVocabulary:
+    """llguidance's tokenizer (`llg`) over `vocab` (bytes -> ids) for a model with `vocab_size` logits, and
+    `num_words`, the int32 words of its masks (at least the model's W)."""
+
+    def __init__(self, tokenizer, vocab: dict[bytes, list[int]], vocab_size: int, eos_token_ids: list[int]):
+        llg = _llguidance()
+        num_ids = max([vocab_size, *(i + 1 for ids in vocab.values() for i in ids)])
+        eos = list(eos_token_ids) or [vocab_size]  # an id no grammar can reach where the model has no EOS
+        self.bytes = _ByteTokenizer(tokenizer, vocab, num_ids, eos[0])
+        self.llg = llg.LLTokenizer(llg.TokenizerWrapper(self.bytes), n_vocab=num_ids, eos_token=eos)
+        self.num_words = -(-num_ids // 32)
+
+    def can_begin(self, data: bytes) -> bool:
+        """Whether some token spells a beginning of `data` (text the grammar forces next). Where none does (a
+        word-level vocabulary lacks most single characters), llguidance's mask skips the forced text and
+        offers what follows it: nothing may be sampled there instead."""
+        return self.bytes.spells_a_start(data)
 
 
 def serialize(guided) -> str:
     """llguidance's grammar for a GuidedDecodingParams: a `grammar` (EBNF or Lark text), a `structural_tag`
-    (vLLM's JSON: {"type": "structural_tag", "structures": [{"begin", "schema", "end"}], "triggers": [...]}) or a
-    `json` schema that outlines-core cannot enforce (guided_regex.needs_llguidance); ValueError on a bad one."""
+    (vLLM's JSON: {"type": "structural_tag", "structures": [{"begin", "schema", "end"}], "triggers": [...]}),
+    `json_object`, or a `json` schema that outlines-core cannot enforce (guided_regex.needs_llguidance);
+    ValueError on a bad one."""
     llg = _llguidance()
     if guided.kind == "grammar":
         return llg.grammar_from("grammar", guided.grammar)  # GBNF is converted to Lark; Lark passes as it is
-    if guided.kind == "json":
-        return json_grammar(json.loads(guided.json), guided.whitespace)
+    if guided.kind in ("json", "json_object"):
+        schema = json.loads(guided.json) if guided.kind == "json" else {"type": "object"}  # any object, any depth
+        return json_grammar(schema, guided.whitespace)
     try:
         tag = json.loads(guided.structural_tag)
         triggers, structures = tag["triggers"], tag["structures"]
@@ -162,13 +175,15 @@ def is_matcher(index) -> bool:
 
 class GrammarState:
     """One completion's place in its grammar: GuideState's interface (lmjax.engine.guided) over an
-    llguidance matcher. `owner`: the engine's GuidedDecoding (num_words, eos_W, not_eos_W)."""
+    llguidance matcher. `owner`: the engine's GuidedDecoding (num_words, eos_W, not_eos_W, grammar_vocabulary)."""
 
     def __init__(self, owner, template, allowed_W: np.ndarray | None, ignore_eos: bool):
         self._matcher = template.deep_copy()
         self._owner, self._allowed_W, self._ignore_eos = owner, allowed_W, ignore_eos
-        self._buffer = np.zeros(owner.grammar_words, np.int32)  # llguidance writes int32 words here
+        self._vocab = owner.grammar_vocabulary()
+        self._buffer = np.zeros(self._vocab.num_words, np.int32)  # llguidance writes int32 words here
         self._mask_W: np.ndarray | None = None
+        self._unspellable: bytes | None = None  # forced text no token spells (GrammarVocabulary.can_begin)
         self.complete = False
         self.error: str | None = None
 
@@ -176,6 +191,10 @@ class GrammarState:
         if self._mask_W is None:
             self._matcher.unsafe_compute_mask_ptr(self._buffer.ctypes.data, self._buffer.nbytes)
             mask_W = self._buffer.view(np.uint32)[:self._owner.num_words] & self._owner.not_eos_W
+            forced = self._matcher.compute_ff_bytes()
+            if forced and not self._vocab.can_begin(forced):
+                mask_W[:] = 0
+                self._unspellable = forced
             self.complete = self._matcher.is_accepting()
             if self.complete and not self._ignore_eos:  # every EOS id may end it (llguidance knows one)
                 mask_W |= self._owner.eos_W
@@ -194,7 +213,9 @@ class GrammarState:
         if self._matcher.is_stopped() or not (mask_W & self._owner.not_eos_W).any():
             if self.complete:
                 return "stop"
-            self.error = "guided decoding: no allowed token can continue the output (allowed_token_ids?)"
+            self.error = ("guided decoding: no allowed token can continue the output (allowed_token_ids?)"
+                          if self._unspellable is None else "guided decoding: no token of the vocabulary spells the "
+                          f"grammar's next text {self._unspellable[:40]!r}")
             return "error"
         return None
 

@@ -1,10 +1,9 @@
 """A request's guide as a regex for outlines-core (lmjax.engine.guided compiles it over the vocabulary): a JSON
 schema through outlines' build_regex_from_schema (its integers' minimum / maximum, which outlines ignores, put
-back as exact ranges), a choice as an alternation of escaped strings, json_object as a generic JSON object, a
-regex with its anchors stripped and `\\d` made ASCII."""
+back as exact ranges), a choice as an alternation of escaped strings, a regex with its anchors stripped and `\\d`
+made ASCII. (json_object and the schemas outlines cannot enforce go to llguidance: lmjax.engine.guided_grammar.)"""
 from __future__ import annotations
 
-import functools
 import json
 import math
 import re
@@ -19,26 +18,6 @@ _REGEX_META = set("\\.+*?()|[]{}^$#&-~")
 def _escape(text: str) -> str:
     """A literal for outlines' (Rust) regex syntax: its metacharacters escaped, nothing else."""
     return "".join("\\" + c if c in _REGEX_META else c for c in text)
-
-
-@functools.cache
-def json_object_regex(depth: int = 2, whitespace: str | None = None) -> str:
-    """Any JSON object whose values nest at most `depth` containers deep. outlines' own schema for
-    {"type": "object"} nests 3 deep and takes ~6 s to compile over a 49k vocabulary; 2 deep takes 0.3 s.
-    `whitespace`: the regex of the whitespace between tokens (None: outlines' default; "": none)."""
-    from outlines_core.json_schema import BOOLEAN, NULL, NUMBER, STRING, WHITESPACE
-
-    ws = WHITESPACE if whitespace is None else f"({whitespace})" if whitespace else ""
-
-    scalar = f"({STRING}|{NUMBER}|{BOOLEAN}|{NULL})"
-
-    def obj(value: str) -> str:
-        return rf"\{{{ws}({STRING}{ws}:{ws}{value}({ws},{ws}{STRING}{ws}:{ws}{value})*)?{ws}\}}"
-
-    value = scalar
-    for _ in range(depth - 1):
-        value = rf"({scalar}|{obj(value)}|\[{ws}({value}({ws},{ws}{value})*)?{ws}\])"
-    return obj(value)
 
 
 def ascii_digits(regex: str) -> str:
@@ -128,8 +107,6 @@ def _regex(guided: GuidedDecodingParams) -> str:
         return strip_anchors(guided.regex)
     if kind == "choice":
         return "(" + "|".join(_escape(c) for c in guided.choice) + ")"
-    if kind == "json_object":
-        return json_object_regex(2, guided.whitespace)
     from outlines_core.json_schema import build_regex_from_schema
 
     check_keywords(json.loads(guided.json))

@@ -11,7 +11,7 @@ from lmjax.engine.guided import GuidedDecoding
 from lmjax.engine.guided_regex import guide_regex, integer_range_regex, strip_anchors
 from char_tokenizer import CharTokenizer
 
-CHARS = list('0123456789-+.eE{}[]":, abcdefghijklmnopqrstuvwxyz')
+CHARS = list('0123456789-+.eE{}[]":, abcdefghijklmnopqrstuvwxyz\n')
 
 
 @pytest.fixture(scope="module")
@@ -84,11 +84,20 @@ def test_grammars_that_cannot_compile_or_begin_are_value_errors_naming_them(guid
             guided.check(SamplingParams(guided_decoding=GuidedDecodingParams(**{kind: spec})))
 
 
-def test_json_object_honours_the_whitespace_options():
+def test_json_object_honours_the_whitespace_options(guided):
     # json_object ignored disable_any_whitespace / whitespace_pattern (a JSON schema took them)
-    tight = re.compile(guide_regex(GuidedDecodingParams(json_object=True, disable_any_whitespace=True)))
-    assert tight.fullmatch('{"a":[1,2],"b":{"c":null}}') and not tight.fullmatch('{ "a": 1}')
-    lines = re.compile(guide_regex(GuidedDecodingParams(json_object=True, whitespace_pattern=r"[\n ]*")))
-    assert lines.fullmatch('{\n  "a": 1,\n  "b": "x"\n}')
-    default = re.compile(guide_regex(GuidedDecodingParams(json_object=True)))
-    assert default.fullmatch('{ "a": 1}') and not default.fullmatch('{\n"a": 1}')
+    def walks(text, **options):
+        return _walk(guided, SamplingParams(guided_decoding=GuidedDecodingParams(json_object=True, **options)),
+                     text) in (None, "stop")
+    assert walks('{"a":[1,2],"b":{"c":null}}', disable_any_whitespace=True)
+    assert not walks('{ "a": 1}', disable_any_whitespace=True)
+    assert walks('{\n  "a": 1,\n  "b": "x"\n}', whitespace_pattern=r"[\n ]*")
+    assert walks('{ "a": 1}') and not walks('{\n"a": 1}')
+
+
+def test_json_object_nests_to_any_depth(guided):
+    # its regex stopped at two levels (outlines' own three-level one took 6 s to compile); llguidance has no limit
+    deep = '{"a": {"b": [{"c": [[1, {"d": "x"}]]}]}}'  # (not "e": CHARS spells it twice, the vocabulary keeps one)
+    params = SamplingParams(guided_decoding=GuidedDecodingParams(json_object=True))
+    assert _walk(guided, params, deep) == "stop"
+    assert _walk(guided, params, "[1, 2]") == "masked" and _walk(guided, params, '{"a": 1,}') == "masked"
