@@ -16,10 +16,12 @@ Shape letters: W 32-bit words of a packed token mask, ceil(V / 32) for the model
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 
 from lmjax.engine.guided_regex import check_keywords, schema_nodes
+from lmjax.layers.sampler import pack_token_ids
 from lmjax.loader.tokenizer import sentencepiece_byte
 
 OUTLINES_WHITESPACE = r"[ ]?"  # outlines-core's default whitespace between JSON tokens (its json_schema.WHITESPACE)
@@ -39,7 +41,8 @@ def _llguidance():
 
 class _ByteTokenizer:
     """What llguidance.TokenizerWrapper reads: `tokens` (id -> bytes; special and unused ids marked with
-    SPECIAL_PREFIX, so no text matches them), eos / bos ids, and a call that tokenizes bytes."""
+    SPECIAL_PREFIX, so no text matches them, and named as the tokenizer names them: a grammar may say
+    `<|im_end|>`; unused ids `<[id]>`), eos / bos ids, and a call that tokenizes bytes."""
 
     def __init__(self, tokenizer, vocab: dict[bytes, list[int]], num_ids: int, eos_id: int):
         self.tokens = [b""] * num_ids
@@ -48,8 +51,9 @@ class _ByteTokenizer:
                 if i < num_ids:
                     self.tokens[i] = data
         self.special_token_ids = [i for i in range(num_ids) if not self.tokens[i]]
+        names = _special_names(tokenizer, self.special_token_ids)
         for i in self.special_token_ids:
-            self.tokens[i] = SPECIAL_PREFIX + f"<[{i}]>".encode()
+            self.tokens[i] = SPECIAL_PREFIX + names.get(i, f"<[{i}]>").encode()
         self.eos_token_id, self.bos_token_id = eos_id, getattr(tokenizer, "bos_token_id", None)
         self._tokenizer = tokenizer
         self._ids = {data: _preferred(tokenizer, ids) for data, ids in vocab.items()}
@@ -69,6 +73,8 @@ class _ByteTokenizer:
         return self._longest_match(data)
 
     def spells_a_start(self, data: bytes) -> bool:
+        if data.startswith(SPECIAL_PREFIX):  # a special token the grammar names
+            return True
         return any(data[:k] in self._ids for k in range(1, min(len(data), self._longest) + 1))
 
     def _longest_match(self, data: bytes) -> list[int]:
@@ -82,6 +88,20 @@ class _ByteTokenizer:
             else:  # no token starts with this byte (a vocabulary without byte fallback): stop there
                 break
         return ids
+
+
+def _special_names(tokenizer, ids: list[int]) -> dict[int, str]:
+    """{id: name} of the ids the tokenizer names `<...>` (its special and added tokens: "<|im_end|>", "</s>")."""
+    names = {}
+    convert = getattr(tokenizer, "convert_ids_to_tokens", None)
+    for i in ids if convert is not None else ():
+        try:
+            name = convert(i)
+        except (IndexError, KeyError, ValueError, TypeError):
+            continue
+        if isinstance(name, str) and name.startswith("<") and name.endswith(">") and len(name) > 2:
+            names[i] = name
+    return names
 
 
 def _preferred(tokenizer, ids: list[int]) -> int:
@@ -99,10 +119,12 @@ class GrammarVocabulary:
     def __init__(self, tokenizer, vocab: dict[bytes, list[int]], vocab_size: int, eos_token_ids: list[int]):
         llg = _llguidance()
         num_ids = max([vocab_size, *(i + 1 for ids in vocab.values() for i in ids)])
-        eos = list(eos_token_ids) or [vocab_size]  # an id no grammar can reach where the model has no EOS
+        eos = list(eos_token_ids) or [num_ids]  # where the model has no EOS: an id past the logits, never sampled
+        num_ids = max(num_ids, *(i + 1 for i in eos))
         self.bytes = _ByteTokenizer(tokenizer, vocab, num_ids, eos[0])
         self.llg = llg.LLTokenizer(llg.TokenizerWrapper(self.bytes), n_vocab=num_ids, eos_token=eos)
         self.num_words = -(-num_ids // 32)
+        self.logits_W = pack_token_ids(np.arange(vocab_size), -(-vocab_size // 32))  # the ids the model has
 
     def can_begin(self, data: bytes) -> bool:
         """Whether some token spells a beginning of `data` (text the grammar forces next). Where none does (a
@@ -117,8 +139,8 @@ def serialize(guided) -> str:
     `json_object`, or a `json` schema that outlines-core cannot enforce (guided_regex.needs_llguidance);
     ValueError on a bad one."""
     llg = _llguidance()
-    if guided.kind == "grammar":
-        return llg.grammar_from("grammar", guided.grammar)  # GBNF is converted to Lark; Lark passes as it is
+    if guided.kind == "grammar":  # GBNF is converted to Lark; Lark passes as it is
+        return llg.grammar_from("grammar", guided.grammar if _is_lark(guided.grammar) else _gbnf_escapes(guided.grammar))
     if guided.kind in ("json", "json_object"):
         schema = json.loads(guided.json) if guided.kind == "json" else {"type": "object"}  # any object, any depth
         return json_grammar(schema, guided.whitespace)
@@ -140,6 +162,30 @@ def serialize(guided) -> str:
         raise ValueError(f"structural_tag must be JSON {{\"structures\": [{{\"begin\", \"schema\", \"end\"}}], "
                          f"\"triggers\": [...]}}: {type(e).__name__}: {e}") from e
     return llg.StructTag.to_grammar(tags)
+
+
+def _is_lark(grammar: str) -> bool:
+    from llguidance.gbnf_to_lark import is_lark_syntax
+
+    return is_lark_syntax(grammar)
+
+
+_GBNF_ESCAPE = re.compile(r"\\\\|\\u([0-9a-fA-F]{4})|\\U([0-9a-fA-F]{8})")
+
+
+def _gbnf_escapes(grammar: str) -> str:
+    """GBNF's \\uXXXX and \\UXXXXXXXX escapes as llguidance's converter reads them: it drops their leading
+    zeros ("\\u00e9" becomes "\\ue9", which its Lark lexer refuses). ASCII becomes \\xXX (a quote or bracket stays
+    escaped), any other code point the character itself; an escaped backslash stays as written."""
+    def spell(match: re.Match) -> str:
+        hex_digits = match.group(1) or match.group(2)
+        if hex_digits is None:
+            return match.group(0)
+        code = int(hex_digits, 16)
+        if code < 0x80:
+            return f"\\x{code:02x}"
+        return match.group(0) if 0xD800 <= code < 0xE000 or code > 0x10FFFF else chr(code)
+    return _GBNF_ESCAPE.sub(spell, grammar)
 
 
 def json_grammar(schema, whitespace: str | None) -> str:
@@ -190,14 +236,16 @@ class GrammarState:
     def mask_W(self) -> np.ndarray:
         if self._mask_W is None:
             self._matcher.unsafe_compute_mask_ptr(self._buffer.ctypes.data, self._buffer.nbytes)
-            mask_W = self._buffer.view(np.uint32)[:self._owner.num_words] & self._owner.not_eos_W
+            mask_W = self._buffer.view(np.uint32)[:self._owner.num_words] & self._vocab.logits_W
             forced = self._matcher.compute_ff_bytes()
             if forced and not self._vocab.can_begin(forced):
                 mask_W[:] = 0
                 self._unspellable = forced
             self.complete = self._matcher.is_accepting()
-            if self.complete and not self._ignore_eos:  # every EOS id may end it (llguidance knows one)
-                mask_W |= self._owner.eos_W
+            if self._matcher.is_stopped() and not self.complete:  # a dead end: llguidance offers EOS alone
+                mask_W[:] = 0
+            if self.complete:  # every EOS id may end it, unless ignore_eos (a grammar naming one mid-way keeps it)
+                mask_W = mask_W & self._owner.not_eos_W if self._ignore_eos else mask_W | self._owner.eos_W
             self._mask_W = mask_W if self._allowed_W is None else mask_W & self._allowed_W
         return self._mask_W
 
@@ -210,7 +258,8 @@ class GrammarState:
             return "error"
         self._mask_W = None
         mask_W = self.mask_W()
-        if self._matcher.is_stopped() or not (mask_W & self._owner.not_eos_W).any():
+        only_eos = not (mask_W & self._owner.not_eos_W).any()
+        if self._matcher.is_stopped() or (only_eos and self.complete) or not mask_W.any():
             if self.complete:
                 return "stop"
             self.error = ("guided decoding: no allowed token can continue the output (allowed_token_ids?)"

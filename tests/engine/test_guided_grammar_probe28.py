@@ -1,0 +1,87 @@
+"""Grammar-guide fixes found by probe 28: a grammar or structural tag may name a special token (`<|im_end|>`,
+a `<|im_start|>` trigger) as vLLM's guidance backend lets it; a model without any EOS id runs grammars; GBNF's
+\\uXXXX / \\UXXXXXXXX escapes mean their characters (llguidance's converter dropped the leading zeros); vLLM's
+guided_options_request carries structural_tag."""
+import json
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from lmjax import GuidedDecodingParams, SamplingParams
+from lmjax.api.llm import _guide_from_options
+from lmjax.engine.guided import GuidedDecoding
+from sentencepiece_tokenizer import pieces, sentencepiece_tokenizer
+
+
+def _ids(state) -> list[int]:
+    return np.nonzero(np.unpackbits(state.mask_W().view(np.uint8), bitorder="little"))[0].tolist()
+
+
+def _params(**guide) -> SamplingParams:
+    return SamplingParams(guided_decoding=GuidedDecodingParams(**guide))
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_tokenizer):
+    return smollm2_tokenizer, GuidedDecoding(smollm2_tokenizer, len(smollm2_tokenizer), [smollm2_tokenizer.eos_token_id])
+
+
+def test_a_grammar_may_name_a_special_token(smollm2):
+    tok, guided = smollm2
+    endoftext, im_end = tok.convert_tokens_to_ids("<|endoftext|>"), tok.convert_tokens_to_ids("<|im_end|>")
+    assert im_end == tok.eos_token_id != endoftext
+    for grammar, named in (('start: "yes" <|endoftext|>', endoftext), ('start: "yes" <|im_end|>', im_end)):
+        state = guided.new_state(_params(grammar=grammar), None)  # was: "unknown special token"
+        for token in tok.encode("yes", add_special_tokens=False):
+            assert state.advance(token) is None
+        assert _ids(state) == [named], grammar
+    state = guided.new_state(_params(grammar='start: "yes" <|endoftext|>'), None)
+    for token in [*tok.encode("yes", add_special_tokens=False), endoftext]:
+        result = state.advance(token)
+    assert result == "stop" and state.complete
+
+
+def test_a_structural_tag_may_trigger_on_a_special_token(smollm2):
+    tok, guided = smollm2
+    tag = {"type": "structural_tag", "triggers": ["<|im_start|>"],
+           "structures": [{"begin": "<|im_start|>", "schema": {"type": "object"}, "end": "x"}]}
+    state = guided.new_state(_params(structural_tag=tag), None)
+    assert state.advance(tok.convert_tokens_to_ids("<|im_start|>")) is None
+    assert {tok.decode([i]).lstrip()[:1] for i in _ids(state)} == {"{"}
+
+
+def test_a_model_without_an_eos_id_runs_grammars():
+    tok = sentencepiece_tokenizer()
+    tok.eos_token = None
+    guided = GuidedDecoding(tok, len(pieces()), [])  # what the engine builds when eos_token_ids == []
+    tag = {"type": "structural_tag", "triggers": ["<f"], "structures": [{"begin": "<f>", "schema": {}, "end": "</f>"}]}
+    for guide in (dict(grammar='root ::= "ab" [0-9]'), dict(structural_tag=tag)):
+        params = _params(**guide)
+        guided.check(params)  # was: "EOS token ID 327 is out of range (vocab_size=327)"
+        assert _ids(guided.new_state(params, None)) and max(_ids(guided.new_state(params, None))) < len(pieces())
+
+
+@pytest.mark.parametrize("literal, escaped", [
+    ('root ::= "café"', r'root ::= "caf\u00e9"'), ('root ::= [à-ÿ]', r'root ::= [\u00e0-\u00ff]'),
+    ('root ::= "Ж"', r'root ::= "\u0416"'), ('root ::= "😀"', r'root ::= "\U0001F600"'),
+    ('root ::= [😀-🙏]', r'root ::= [\U0001F600-\U0001F64F]'), ('root ::= "\\"a"', r'root ::= "\u0022a"'),
+])
+def test_gbnf_unicode_escapes_mean_their_characters(smollm2, literal, escaped):
+    tok, guided = smollm2
+    first = [_ids(guided.new_state(_params(grammar=g), None)) for g in (escaped, literal)]
+    assert first[0] == first[1] and first[0]
+
+
+@dataclass
+class GuidedDecodingRequest:  # vLLM's guided_options_request object (its guided_fields.py), the fields used here
+    guided_json: object = None
+    guided_grammar: str | None = None
+    structural_tag: str | None = None
+
+
+def test_guided_options_request_carries_structural_tag():
+    tag = json.dumps({"type": "structural_tag", "triggers": ["<f="],
+                      "structures": [{"begin": "<f=a>", "schema": {"type": "object"}, "end": "</f>"}]})
+    for options in ({"structural_tag": tag}, GuidedDecodingRequest(structural_tag=tag)):
+        assert _guide_from_options(options).structural_tag == tag  # was: TypeError / dropped
