@@ -109,7 +109,8 @@ def _preferred(tokenizer, ids: list[int]) -> int:
     byte-fallback piece ("<0x48>"); the piece of its own is the one its tokenizer would use."""
     if len(ids) == 1:
         return ids[0]
-    return min(ids, key=lambda i: (sentencepiece_byte(tokenizer.convert_ids_to_tokens(i) or "") is not None, i))
+    convert = getattr(tokenizer, "convert_ids_to_tokens", None)
+    return min(ids, key=lambda i: (convert is not None and sentencepiece_byte(str(convert(i) or "")) is not None, i))
 
 
 class GrammarVocabulary:
