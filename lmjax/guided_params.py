@@ -12,8 +12,9 @@ import json
 from dataclasses import dataclass
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
-# vLLM's backend names: lmjax guides JSON schemas, regexes and choices with outlines-core and grammars and
-# structural tags with llguidance (lmjax.engine.guided), whichever backend a request names.
+# vLLM's backend names: lmjax guides regexes, choices and most JSON schemas with outlines-core, and grammars,
+# structural tags, json_object and the schemas outlines cannot enforce with llguidance (lmjax.engine.guided),
+# whichever backend a request names.
 BACKENDS = (None, "auto", "outlines", "xgrammar", "guidance", "lm-format-enforcer")
 
 
@@ -124,7 +125,8 @@ def from_response_format(response_format: dict | None, whitespace_pattern: str |
                          ) -> GuidedDecodingParams | None:
     """LMDeploy's (and OpenAI's) response_format: {"type": "json_schema", "json_schema": {"name": ...,
     "schema": {...}}}, {"type": "regex_schema", "regex_schema": "..."}, {"type": "json_object"}, vLLM's
-    {"type": "structural_tag", "structures": [...], "triggers": [...]}, or {"type": "text"} (no guide). `whitespace_pattern` (vLLM's guided_whitespace_pattern) for the JSON ones."""
+    {"type": "structural_tag", "structures": [...], "triggers": [...]}, or {"type": "text"} (no guide).
+    `whitespace_pattern` (vLLM's guided_whitespace_pattern) for the JSON ones."""
     if response_format is None:
         return None
     kind = response_format.get("type") if isinstance(response_format, dict) else None

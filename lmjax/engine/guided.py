@@ -9,8 +9,8 @@ schemas outlines-core cannot enforce compile to an llguidance matcher instead (l
 over the same vocabulary bytes, with the same per-completion interface.
 Each completion walks it with its own `GuideState`. Before a step, the engine puts the packed mask of the
 tokens the state allows into the completion's SamplingRow (outlines writes it straight into numpy: about
-2 us for a 49k vocabulary); the sampler sets every other logit to -inf, greedy rows included
-(lmjax.layers.sampler.apply_allowed). After the step, the state advances by the sampled token; where the
+2-5 us for a 49k vocabulary; llguidance's costs more: lmjax.engine.guided_grammar); the sampler sets every
+other logit to -inf, greedy rows included (lmjax.layers.sampler.apply_allowed). After the step, the state advances by the sampled token; where the
 output is a whole match, EOS may end it (and the model may go on where the guide lets it); when only EOS
 could follow, the request ends right there, with finish reason "stop".
 With byte-level BPE and SentencePiece vocabularies the text is the bytes the guide walked: it continues
@@ -137,21 +137,22 @@ class GuidedDecoding:
         return self._vocabulary
 
     def grammar_vocabulary(self) -> guided_grammar.GrammarVocabulary:
-        """llguidance's view of the vocabulary for grammar guides (lmjax.engine.guided_grammar): the same bytes."""
-        with self._lock:
-            if self._grammar_vocabulary is None:
-                start = time.perf_counter()
-                self._grammar_vocabulary = guided_grammar.GrammarVocabulary(
-                    self.tokenizer, vocabulary_map(self.tokenizer, set(self.eos_token_ids)), self.vocab_size,
-                    self.eos_token_ids)
-                logger.info("grammar vocabulary: %d words in %.2f s", self._grammar_vocabulary.num_words,
-                            time.perf_counter() - start)
-            return self._grammar_vocabulary
+        """llguidance's view of the vocabulary for grammar guides (lmjax.engine.guided_grammar): the same bytes.
+        Built outside the lock (~0.25 s on a 49k vocabulary): the engine thread's lookups do not wait on it."""
+        if self._grammar_vocabulary is None:
+            start = time.perf_counter()
+            vocab = vocabulary_map(self.tokenizer, set(self.eos_token_ids))
+            built = guided_grammar.GrammarVocabulary(self.tokenizer, vocab, self.vocab_size, self.eos_token_ids)
+            with self._lock:
+                if self._grammar_vocabulary is None:
+                    self._grammar_vocabulary = built
+                    logger.info("grammar vocabulary: %d words in %.2f s", built.num_words, time.perf_counter() - start)
+        return self._grammar_vocabulary
 
     def check(self, params: SamplingParams) -> None:
         """A ValueError naming a guide that cannot be compiled, or that no token can begin (allowed_token_ids
-        or the vocabulary); the guide is compiled (and cached) here, at submission (the ids' range is checked before, with
-        the request's other ids: LLMEngine.validate_request)."""
+        or the vocabulary); the guide is compiled (and cached) here, at submission (the ids' range is checked
+        before, with the request's other ids: LLMEngine.validate_request)."""
         if params.guided_decoding is not None:
             state = self.new_state(params, self.allowed_mask(params))  # compiles the guide
             if not state.mask_W().any():
@@ -180,9 +181,9 @@ class GuidedDecoding:
         return index
 
     def _compile_grammar(self, guided: GuidedDecodingParams):
-        llg_tokenizer, start = self.grammar_vocabulary().llg, time.perf_counter()
+        vocab, start = self.grammar_vocabulary(), time.perf_counter()
         try:
-            matcher = guided_grammar.compile_matcher(llg_tokenizer, guided_grammar.serialize(guided))
+            matcher = guided_grammar.compile_matcher(vocab.llg, guided_grammar.serialize(guided, vocab.special_names))
         except ValueError as e:
             raise ValueError(f"guided decoding {_describe(guided)} cannot be compiled: {_shorten(str(e))}") from e
         self._count_compile(guided, time.perf_counter() - start)

@@ -1,10 +1,14 @@
 """Grammar guides (vLLM's `grammar` and `structural_tag`) with llguidance, the library behind vLLM's "guidance"
 backend: a context-free grammar in EBNF (llama.cpp's GBNF, which vLLM's xgrammar examples use) or in Lark
 syntax, or structural tags (JSON arguments constrained between a begin and end string once a trigger appears in
-free text: tool calls), `json_object` (any JSON object, nested to any depth: a regex cannot), and the JSON schemas
-that ask what outlines-core cannot enforce (number bounds, multipleOf, patternProperties, min/maxProperties:
-guided_regex.needs_llguidance). Other JSON schemas, regexes and choices stay with outlines-core (lmjax.engine.guided); both give the engine the same per-completion state
-(`mask_W`, `advance`).
+free text: tool calls), `json_object` (any JSON object, nested to any depth: a regex cannot), and the JSON
+schemas that ask what outlines-core cannot enforce (number bounds, multipleOf, patternProperties,
+min/maxProperties: guided_regex.needs_llguidance). Other JSON schemas, regexes and choices stay with
+outlines-core (lmjax.engine.guided); both give the engine the same per-completion state (`mask_W`, `advance`).
+A grammar's mask costs more host time than outlines' (SmolLM2, 49k vocabulary, one row: ~10-15 us a step for
+JSON, ~0.1 ms for a GBNF grammar and 1-2 ms inside a GBNF character-class repeat such as [A-Za-z ]+, which
+llguidance's converter turns into a repeat of one-character rules; the same in Lark as a terminal /[A-Za-z ]+/
+is faster, and as a regex guide ~5 us).
 
 The vocabulary llguidance walks is the one outlines walks (guided.vocabulary_map: each token id's bytes in the
 tokenizer's own spelling, byte-level BPE or SentencePiece), so both kinds of guide read a first "▁Paris" as
@@ -29,6 +33,7 @@ OUTLINES_WHITESPACE = r"[ ]?"  # outlines-core's default whitespace between JSON
 # llguidance marks a special token's bytes with this first byte (no UTF-8 text holds it), so a grammar's text
 # never matches one; `<|name|>` in a Lark grammar names it.
 SPECIAL_PREFIX = b"\xff"
+CALLBACK_CACHE_SIZE = 4096  # forced texts whose tokens are remembered (~110 us each on SmolLM2's tokenizer)
 
 
 def _llguidance():
@@ -58,12 +63,21 @@ class _ByteTokenizer:
         self._tokenizer = tokenizer
         self._ids = {data: _preferred(tokenizer, ids) for data, ids in vocab.items()}
         self._longest = max(map(len, vocab), default=1)
+        self._cache: dict[bytes, list[int]] = {}  # a grammar's forced texts recur at every completion
 
     def __call__(self, data: bytes) -> list[int]:
         """Ids spelling exactly `data`: the tokenizer's own encoding where it does (a SentencePiece one adds a
         leading "▁", a word-level one may give <unk>), else the longest tokens left to right. Never raises:
         llguidance calls it from Rust, where a Python exception is a panic."""
         data = data.encode() if isinstance(data, str) else bytes(data)
+        ids = self._cache.get(data)
+        if ids is None:
+            ids = self._spell(data)
+            if len(self._cache) < CALLBACK_CACHE_SIZE:
+                self._cache[data] = ids
+        return list(ids)
+
+    def _spell(self, data: bytes) -> list[int]:
         try:
             ids = list(self._tokenizer.encode(data.decode("utf-8"), add_special_tokens=False))
             if b"".join(self.tokens[i] for i in ids) == data:
@@ -123,6 +137,7 @@ class GrammarVocabulary:
         eos = list(eos_token_ids) or [num_ids]  # where the model has no EOS: an id past the logits, never sampled
         num_ids = max(num_ids, *(i + 1 for i in eos))
         self.bytes = _ByteTokenizer(tokenizer, vocab, num_ids, eos[0])
+        self.special_names = frozenset(_special_names(tokenizer, self.bytes.special_token_ids).values())
         self.llg = llg.LLTokenizer(llg.TokenizerWrapper(self.bytes), n_vocab=num_ids, eos_token=eos)
         self.num_words = -(-num_ids // 32)
         self.logits_W = pack_token_ids(np.arange(vocab_size), -(-vocab_size // 32))  # the ids the model has
@@ -134,14 +149,16 @@ class GrammarVocabulary:
         return self.bytes.spells_a_start(data)
 
 
-def serialize(guided) -> str:
+def serialize(guided, special_names: frozenset = frozenset()) -> str:
     """llguidance's grammar for a GuidedDecodingParams: a `grammar` (EBNF or Lark text), a `structural_tag`
     (vLLM's JSON: {"type": "structural_tag", "structures": [{"begin", "schema", "end"}], "triggers": [...]}),
     `json_object`, or a `json` schema that outlines-core cannot enforce (guided_regex.needs_llguidance);
-    ValueError on a bad one."""
+    ValueError on a bad one. `special_names`: the vocabulary's special tokens ("<|im_start|>"): a trigger written
+    "<...>" is that token where it is one, else text ("<tool_call>" in a vocabulary that spells it)."""
     llg = _llguidance()
     if guided.kind == "grammar":  # GBNF is converted to Lark; Lark passes as it is
-        return llg.grammar_from("grammar", guided.grammar if _is_lark(guided.grammar) else _gbnf_escapes(guided.grammar))
+        text = guided.grammar if _is_lark(guided.grammar) else _gbnf_escapes(guided.grammar)
+        return llg.grammar_from("grammar", text)
     if guided.kind in ("json", "json_object"):
         schema = json.loads(guided.json) if guided.kind == "json" else {"type": "object"}  # any object, any depth
         return json_grammar(schema, guided.whitespace)
@@ -162,7 +179,8 @@ def serialize(guided) -> str:
     except (KeyError, TypeError, AttributeError, json.JSONDecodeError) as e:
         raise ValueError(f"structural_tag must be JSON {{\"structures\": [{{\"begin\", \"schema\", \"end\"}}], "
                          f"\"triggers\": [...]}}: {type(e).__name__}: {e}") from e
-    return llg.StructTag.to_grammar(tags)
+    tagged = [t.trigger for t in tags if t.trigger.startswith("<") and t.trigger.endswith(">")]
+    return llg.StructTag.to_grammar(tags, assume_special=bool(tagged) and all(t in special_names for t in tagged))
 
 
 def _is_lark(grammar: str) -> bool:
@@ -194,22 +212,28 @@ def json_grammar(schema, whitespace: str | None) -> str:
     the same whitespace between tokens (`whitespace`: None is outlines' one optional space, "" none) and only
     the properties the schema names (additionalProperties false where it does not say)."""
     check_keywords(schema)
-    for node in schema_nodes(schema):
-        if ("properties" in node or "patternProperties" in node) and "additionalProperties" not in node:
+    nodes = list(schema_nodes(schema))
+    # an allOf branch (or a `not`) describes part of an object: closing it would forbid its siblings' properties
+    parts = {id(n) for node in nodes for key in ("allOf", "not") for n in _as_list(node.get(key))
+             if isinstance(n, dict)}
+    for node in nodes:
+        closes = "properties" in node or "patternProperties" in node
+        composed = id(node) in parts or any(k in node for k in ("allOf", "anyOf", "oneOf", "$ref"))
+        if closes and not composed and "additionalProperties" not in node:
             node["additionalProperties"] = False
     options = {"whitespace_flexible": False} if whitespace == "" else \
         {"whitespace_pattern": OUTLINES_WHITESPACE if whitespace is None else whitespace}
     return _llguidance().LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=options)
 
 
+def _as_list(value) -> list:
+    return value if isinstance(value, list) else [value]
+
+
 def compile_matcher(llg_tokenizer, grammar: str):
     """A matcher at the grammar's start (the guide's "index": each completion walks a deep copy of it);
     ValueError with llguidance's message when the grammar does not compile."""
-    llg = _llguidance()
-    error = llg.LLMatcher.validate_grammar(grammar, llg_tokenizer)
-    if error:
-        raise ValueError(error)
-    matcher = llg.LLMatcher(llg_tokenizer, grammar, log_level=0)
+    matcher = _llguidance().LLMatcher(llg_tokenizer, grammar, log_level=0)  # (it never raises: errors are a state)
     if matcher.is_error():
         raise ValueError(matcher.get_error())
     return matcher
@@ -217,7 +241,7 @@ def compile_matcher(llg_tokenizer, grammar: str):
 
 def is_matcher(index) -> bool:
     """Whether a compiled guide is llguidance's (walked by GrammarState) rather than outlines-core's."""
-    return type(index).__name__ == "LLMatcher"
+    return isinstance(index, _llguidance().LLMatcher)
 
 
 class GrammarState:
@@ -253,9 +277,9 @@ class GrammarState:
     def advance(self, token: int) -> str | None:
         """GuideState.advance: "stop" when nothing but EOS may follow a complete output, "error" (with
         `self.error`) when the token was not allowed or nothing may follow, else None."""
-        if not self._matcher.consume_token(token):
+        if not self._matcher.consume_token(token):  # a token the grammar refuses, or a parser limit reached
             reason = (self._matcher.get_error().strip().splitlines() or ["refused"])[0][:300]  # (a state dump follows)
-            self.error = f"guided decoding: sampled token {token} is not allowed here ({reason})"
+            self.error = f"guided decoding stopped at sampled token {token}: {reason}"
             return "error"
         self._mask_W = None
         mask_W = self.mask_W()

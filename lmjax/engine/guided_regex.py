@@ -164,6 +164,8 @@ def needs_llguidance(schema) -> bool:
             return True
         types = node.get("type")
         types = [types] if isinstance(types, str) else types
+        if types is not None and not (isinstance(types, list) and all(isinstance(t, str) for t in types)):
+            raise ValueError(f"JSON schema \"type\" must be a string or a list of strings, got {node['type']!r}")
         if _BOUNDS & node.keys() and not (types and set(types) <= {"integer", "null"}):
             return True
     return False

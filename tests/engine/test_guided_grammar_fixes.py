@@ -1,4 +1,4 @@
-"""Grammar-guide fixes found by probe 28: a grammar or structural tag may name a special token (`<|im_end|>`,
+"""Grammar-guide fixes found by probe and review 28: a grammar or structural tag may name a special token (`<|im_end|>`,
 a `<|im_start|>` trigger) as vLLM's guidance backend lets it; a model without any EOS id runs grammars; GBNF's
 \\uXXXX / \\UXXXXXXXX escapes mean their characters (llguidance's converter dropped the leading zeros); vLLM's
 guided_options_request carries structural_tag."""
@@ -85,3 +85,37 @@ def test_guided_options_request_carries_structural_tag():
                       "structures": [{"begin": "<f=a>", "schema": {"type": "object"}, "end": "</f>"}]})
     for options in ({"structural_tag": tag}, GuidedDecodingRequest(structural_tag=tag)):
         assert _guide_from_options(options).structural_tag == tag  # was: TypeError / dropped
+
+
+def test_a_structural_tag_trigger_written_like_a_tag_is_text_where_no_special_token_has_its_name(smollm2):
+    # review 28: llguidance read every "<...>" trigger as a special token ("unknown special token: <tool_call>")
+    tok, guided = smollm2
+    tag = {"type": "structural_tag", "triggers": ["<tool_call>"],
+           "structures": [{"begin": "<tool_call>", "schema": {"type": "object"}, "end": "</tool_call>"}]}
+    state = guided.new_state(_params(structural_tag=tag), None)
+    for token in tok.encode("Sure. <tool_call>", add_special_tokens=False):
+        assert state.advance(token) is None
+    assert not state.complete and {tok.decode([i]).lstrip()[:1] for i in _ids(state)} == {"{"}
+    for token in tok.encode('{"a": 1}</tool_call> Done.', add_special_tokens=False):
+        assert state.advance(token) is None
+    assert state.complete
+
+
+def test_an_all_of_schema_keeps_each_branch_open_to_the_others_properties():
+    # review 28: additionalProperties false on each allOf branch made {"a": .., "b": ..} unsatisfiable
+    from char_tokenizer import CharTokenizer
+
+    chars = list('0123456789{}":,ab')
+    guided = GuidedDecoding(CharTokenizer(chars), len(chars) + 1, [0])
+    schema = {"allOf": [{"type": "object", "properties": {"a": {"type": "number", "minimum": 0}}, "required": ["a"]},
+                        {"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["b"]}]}
+    state = guided.new_state(_params(json=schema, disable_any_whitespace=True), None)
+    for c in '{"a":1,"b":2}':
+        assert state.advance(chars.index(c) + 1) in (None, "stop"), c
+    assert state.complete
+
+
+@pytest.mark.parametrize("schema", [{"type": 5, "minimum": 1}, {"type": ["number", {"x": 1}], "maximum": 3}])
+def test_a_malformed_type_beside_a_bound_is_a_value_error_naming_it(smollm2, schema):
+    with pytest.raises(ValueError, match=r'"type" must be a string or a list of strings, got'):
+        smollm2[1].check(_params(json=schema))
