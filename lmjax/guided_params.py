@@ -12,9 +12,8 @@ import json
 from dataclasses import dataclass
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
-# vLLM's backend names: lmjax guides regexes, choices and most JSON schemas with outlines-core, and grammars,
-# structural tags, json_object and the schemas outlines cannot enforce with llguidance (lmjax.engine.guided),
-# whichever backend a request names.
+# vLLM's backend names: lmjax guides JSON, grammars and structural tags with llguidance and regexes and choices
+# with outlines-core (lmjax.engine.guided), whichever backend a request names.
 BACKENDS = (None, "auto", "outlines", "xgrammar", "guidance", "lm-format-enforcer")
 
 
@@ -29,7 +28,7 @@ class GuidedDecodingParams:
     xgrammar examples, or in Lark syntax), json_object (any JSON object), structural_tag (vLLM's JSON text:
     {"type": "structural_tag", "structures": [{"begin", "schema", "end"}], "triggers": [...]}: free text in
     which each structure's JSON arguments are guided once its trigger appears) must be set.
-    whitespace_pattern: the regex of the whitespace allowed between JSON tokens (outlines' default: one
+    whitespace_pattern: the regex of the whitespace allowed between JSON tokens (lmjax's default: one
     optional space); disable_any_whitespace: none at all (both for json and json_object)."""
     json: str | dict | type | None = None
     regex: str | None = None
@@ -104,7 +103,7 @@ def _schema_text(schema) -> str:
             _fail(f"guided json schema is not valid JSON ({e}): {schema!r}")
     if not isinstance(schema, (dict, bool)):
         _fail(f"guided json schema must be a dict, a JSON string or a pydantic model, got {schema!r}")
-    return json.dumps(schema)  # key order kept: outlines writes the properties in the schema's order
+    return json.dumps(schema)  # key order kept: the guide writes the properties in the schema's order
 
 
 def as_guided(guided_decoding, structured_outputs=None) -> GuidedDecodingParams | None:

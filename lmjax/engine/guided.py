@@ -1,16 +1,15 @@
-"""Guided decoding (structured outputs) on the host, with outlines-core's automata and llguidance's grammars.
+"""Guided decoding (structured outputs) on the host: JSON schemas, json_object, grammars and structural tags
+with llguidance (lmjax.engine.guided_grammar, vLLM's "guidance" backend), regexes and choices with outlines-core.
 
-Data flow: a request's GuidedDecodingParams (lmjax.guided_params) becomes a regex (a JSON schema through
-outlines-core's build_regex_from_schema, a choice as an alternation of escaped strings), and the regex plus
-the tokenizer's vocabulary (token id -> the bytes it stands for) an outlines-core `Index`: a token-level
-automaton, compiled when the request is submitted (so a bad schema is a ValueError naming it, and no other
-request ever sees it) and kept in an LRU per (kind, spec). Grammars, structural tags, json_object and the JSON
-schemas outlines-core cannot enforce compile to an llguidance matcher instead (lmjax.engine.guided_grammar),
-over the same vocabulary bytes, with the same per-completion interface.
-Each completion walks it with its own `GuideState`. Before a step, the engine puts the packed mask of the
-tokens the state allows into the completion's SamplingRow (outlines writes it straight into numpy: about
-2-5 us for a 49k vocabulary; llguidance's costs more: lmjax.engine.guided_grammar); the sampler sets every
-other logit to -inf, greedy rows included (lmjax.layers.sampler.apply_allowed). After the step, the state advances by the sampled token; where the
+Data flow: a request's GuidedDecodingParams (lmjax.guided_params) is compiled when the request is submitted (so
+a bad schema is a ValueError naming it, and no other request ever sees it) and kept in an LRU per (kind, spec):
+a regex or choice as an outlines-core `Index` over the tokenizer's vocabulary (token id -> the bytes it stands
+for), a token-level automaton; anything else as an llguidance matcher over the same bytes. Each completion
+walks it with its own state (`GuideState` or guided_grammar.GrammarState: the same interface). Before a step,
+the engine puts the packed mask of the tokens the state allows into the completion's SamplingRow (outlines
+writes it straight into numpy: 2-5 us for a 49k vocabulary; llguidance ~10-15 us for JSON, more for some
+grammars: lmjax.engine.guided_grammar); the sampler sets every other logit to -inf, greedy rows included
+(lmjax.layers.sampler.apply_allowed). After the step, the state advances by the sampled token; where the
 output is a whole match, EOS may end it (and the model may go on where the guide lets it); when only EOS
 could follow, the request ends right there, with finish reason "stop".
 With byte-level BPE and SentencePiece vocabularies the text is the bytes the guide walked: it continues
@@ -34,7 +33,7 @@ import numpy as np
 
 from lmjax.config import SamplingParams
 from lmjax.engine import guided_grammar
-from lmjax.engine.guided_regex import guide_regex, needs_llguidance
+from lmjax.engine.guided_regex import guide_regex
 from lmjax.guided_params import GuidedDecodingParams
 from lmjax.layers.sampler import pack_token_ids
 from lmjax.loader.tokenizer import byte_level_decoder, sentencepiece_byte
@@ -46,8 +45,7 @@ INDEX_CACHE_SIZE = 32  # compiled guides kept per engine (a JSON schema's: milli
 # byte late) drops the tokens that go on past a shorter match, so without it choice=["Paris", "Paris, France"]
 # could only give "Paris", and a number "3.14" or an integer 42 not at all.
 END = b"\x00"
-# guided by llguidance (lmjax.engine.guided_grammar), as are JSON schemas outlines-core cannot enforce
-LLGUIDANCE_KINDS = ("grammar", "structural_tag", "json_object")
+LLGUIDANCE_KINDS = ("json", "json_object", "grammar", "structural_tag")  # lmjax.engine.guided_grammar's
 
 
 def _outlines():
@@ -170,7 +168,7 @@ class GuidedDecoding:
             if key in self._indexes:
                 self._indexes.move_to_end(key)
                 return self._indexes[key]
-        if guided.kind in LLGUIDANCE_KINDS or (guided.kind == "json" and needs_llguidance(json.loads(guided.json))):
+        if guided.kind in LLGUIDANCE_KINDS:
             index = self._compile_grammar(guided)
         else:
             index = self._compile_regex(guided)

@@ -1,10 +1,8 @@
-"""Grammar guides (vLLM's `grammar` and `structural_tag`) with llguidance, the library behind vLLM's "guidance"
-backend: a context-free grammar in EBNF (llama.cpp's GBNF, which vLLM's xgrammar examples use) or in Lark
-syntax, or structural tags (JSON arguments constrained between a begin and end string once a trigger appears in
-free text: tool calls), `json_object` (any JSON object, nested to any depth: a regex cannot), and the JSON
-schemas that ask what outlines-core cannot enforce (number bounds, multipleOf, patternProperties,
-min/maxProperties: guided_regex.needs_llguidance). Other JSON schemas, regexes and choices stay with
-outlines-core (lmjax.engine.guided); both give the engine the same per-completion state (`mask_W`, `advance`).
+"""Guides with llguidance, the library behind vLLM's "guidance" backend: a context-free grammar in EBNF
+(llama.cpp's GBNF, which vLLM's xgrammar examples use) or in Lark syntax, structural tags (JSON arguments
+constrained between a begin and end string once a trigger appears in free text: tool calls), and JSON schemas
+and json_object (lmjax.engine.guided_json). Regexes and choices stay with outlines-core (lmjax.engine.guided);
+both give the engine the same per-completion state (`mask_W`, `advance`).
 A grammar's mask costs more host time than outlines' (SmolLM2, 49k vocabulary, one row: ~10-15 us a step for
 JSON, ~0.1 ms for a GBNF grammar and 1-2 ms inside a GBNF character-class repeat such as [A-Za-z ]+, which
 llguidance's converter turns into a repeat of one-character rules; the same in Lark as a terminal /[A-Za-z ]+/
@@ -24,11 +22,10 @@ import re
 
 import numpy as np
 
-from lmjax.engine.guided_regex import check_keywords, schema_nodes
+from lmjax.engine.guided_json import json_grammar
 from lmjax.layers.sampler import pack_token_ids
 from lmjax.loader.tokenizer import sentencepiece_byte
 
-OUTLINES_WHITESPACE = r"[ ]?"  # outlines-core's default whitespace between JSON tokens (its json_schema.WHITESPACE)
 
 # llguidance marks a special token's bytes with this first byte (no UTF-8 text holds it), so a grammar's text
 # never matches one; `<|name|>` in a Lark grammar names it.
@@ -151,17 +148,17 @@ class GrammarVocabulary:
 
 def serialize(guided, special_names: frozenset = frozenset()) -> str:
     """llguidance's grammar for a GuidedDecodingParams: a `grammar` (EBNF or Lark text), a `structural_tag`
-    (vLLM's JSON: {"type": "structural_tag", "structures": [{"begin", "schema", "end"}], "triggers": [...]}),
-    `json_object`, or a `json` schema that outlines-core cannot enforce (guided_regex.needs_llguidance);
-    ValueError on a bad one. `special_names`: the vocabulary's special tokens ("<|im_start|>"): a trigger written
-    "<...>" is that token where it is one, else text ("<tool_call>" in a vocabulary that spells it)."""
+    (vLLM's JSON: {"type": "structural_tag", "structures": [{"begin", "schema", "end"}], "triggers": [...]}), a
+    `json` schema or `json_object`; ValueError on a bad one. `special_names`: the vocabulary's special tokens
+    ("<|im_start|>"): a trigger written "<...>" is that token where it is one, else text ("<tool_call>" in a
+    vocabulary that spells it)."""
     llg = _llguidance()
     if guided.kind == "grammar":  # GBNF is converted to Lark; Lark passes as it is
         text = guided.grammar if _is_lark(guided.grammar) else _gbnf_escapes(guided.grammar)
         return llg.grammar_from("grammar", text)
     if guided.kind in ("json", "json_object"):
         schema = json.loads(guided.json) if guided.kind == "json" else {"type": "object"}  # any object, any depth
-        return json_grammar(schema, guided.whitespace)
+        return json_grammar(llg, schema, guided.whitespace)
     try:
         tag = json.loads(guided.structural_tag)
         triggers, structures = tag["triggers"], tag["structures"]
@@ -205,29 +202,6 @@ def _gbnf_escapes(grammar: str) -> str:
             return f"\\x{code:02x}"
         return match.group(0) if 0xD800 <= code < 0xE000 or code > 0x10FFFF else chr(code)
     return _GBNF_ESCAPE.sub(spell, grammar)
-
-
-def json_grammar(schema, whitespace: str | None) -> str:
-    """A JSON schema as llguidance's grammar, written as outlines-core writes JSON (lmjax.engine.guided_regex):
-    the same whitespace between tokens (`whitespace`: None is outlines' one optional space, "" none) and only
-    the properties the schema names (additionalProperties false where it does not say)."""
-    check_keywords(schema)
-    nodes = list(schema_nodes(schema))
-    # an allOf branch (or a `not`) describes part of an object: closing it would forbid its siblings' properties
-    parts = {id(n) for node in nodes for key in ("allOf", "not") for n in _as_list(node.get(key))
-             if isinstance(n, dict)}
-    for node in nodes:
-        closes = "properties" in node or "patternProperties" in node
-        composed = id(node) in parts or any(k in node for k in ("allOf", "anyOf", "oneOf", "$ref"))
-        if closes and not composed and "additionalProperties" not in node:
-            node["additionalProperties"] = False
-    options = {"whitespace_flexible": False} if whitespace == "" else \
-        {"whitespace_pattern": OUTLINES_WHITESPACE if whitespace is None else whitespace}
-    return _llguidance().LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=options)
-
-
-def _as_list(value) -> list:
-    return value if isinstance(value, list) else [value]
 
 
 def compile_matcher(llg_tokenizer, grammar: str):

@@ -67,7 +67,8 @@ ANSWER = 'start: "The answer is " NUMBER "."\nNUMBER: /[1-9][0-9]{0,3}/'  # Lark
 
 def test_grammar_outputs_follow_their_grammar_in_one_batch_with_other_guides(pipe):
     greedy = SamplingParams(temperature=0, max_tokens=60, guided_decoding=GuidedDecodingParams(grammar=SQL))
-    sampled = SamplingParams(temperature=1.0, seed=3, max_tokens=60, guided_decoding=GuidedDecodingParams(grammar=ANSWER))
+    sampled = SamplingParams(temperature=1.0, seed=3, max_tokens=60,
+                             guided_decoding=GuidedDecodingParams(grammar=ANSWER))
     regex = SamplingParams(temperature=0, max_tokens=20, guided_decoding=GuidedDecodingParams(regex=r"\d{3}-\d{4}"))
     prompts = ["Write an SQL query.", "What is 6 times 7?", "Give me a phone number."]
     sql, answer, phone = pipe([[{"role": "user", "content": p}] for p in prompts], gen_config=[greedy, sampled, regex])

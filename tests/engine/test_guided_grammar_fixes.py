@@ -24,7 +24,8 @@ def _params(**guide) -> SamplingParams:
 
 @pytest.fixture(scope="module")
 def smollm2(smollm2_tokenizer):
-    return smollm2_tokenizer, GuidedDecoding(smollm2_tokenizer, len(smollm2_tokenizer), [smollm2_tokenizer.eos_token_id])
+    tok = smollm2_tokenizer
+    return tok, GuidedDecoding(tok, len(tok), [tok.eos_token_id])
 
 
 def test_a_grammar_may_name_a_special_token(smollm2):

@@ -1,14 +1,12 @@
-"""Guided-decoding fixes found by probing (no model: a character vocabulary, outlines' automaton walked by
-hand): a regex anchored with ^ / $ compiles (outlines' Index rejects a leading ^), a JSON schema's integer
-minimum / maximum (and the exclusive forms) bound the output (outlines-core ignores them), and
+"""Guided-decoding fixes found by probing (no model: a character vocabulary, the guides walked by hand): a regex
+anchored with ^ / $ compiles (outlines' Index rejects a leading ^), a JSON schema's integer minimum / maximum
+(and the exclusive forms) bound the output (outlines-core ignored them; JSON is llguidance's now), and
 allowed_token_ids that leave a guide no first token are a ValueError at submission."""
-import re
-
 import pytest
 
 from lmjax import GuidedDecodingParams, SamplingParams
 from lmjax.engine.guided import GuidedDecoding
-from lmjax.engine.guided_regex import guide_regex, integer_range_regex, strip_anchors
+from lmjax.engine.guided_regex import strip_anchors
 from char_tokenizer import CharTokenizer
 
 CHARS = list('0123456789-+.eE{}[]":, abcdefghijklmnopqrstuvwxyz\n')
@@ -40,26 +38,39 @@ def test_anchored_regex_compiles_and_matches_the_whole_output(guided):
         guided.check(SamplingParams(guided_decoding=GuidedDecodingParams(regex="a|^b")))
 
 
-def test_integer_bounds_constrain_the_json():
+def _whole(guided, params, text) -> bool:
+    """Whether the guide lets `text` be written in full and then end (EOS, id 0, allowed or nothing else left)."""
+    state = guided.new_state(params, None)
+    for c in text:
+        token = CHARS.index(c) + 1
+        if not (state.mask_W()[token >> 5] >> (token & 31)) & 1 or state.advance(token) == "error":
+            return False
+    return state.complete and bool(state.mask_W()[0] & 1 or not state.mask_W().any())
+
+
+def test_integer_bounds_constrain_the_json(guided):
     schema = {"type": "object", "properties": {
         "n": {"type": "integer", "minimum": 1, "maximum": 9},
         "t": {"type": "integer", "exclusiveMinimum": -10, "exclusiveMaximum": 10},
         "xs": {"type": "array", "items": {"$ref": "#/$defs/pct"}}},
         "required": ["n", "t", "xs"], "$defs": {"pct": {"type": "integer", "minimum": 0, "maximum": 100}}}
-    regex = re.compile(guide_regex(GuidedDecodingParams(json=schema)))
-    assert regex.fullmatch('{"n": 5, "t": -9, "xs": [0, 100]}')
+    params = SamplingParams(guided_decoding=GuidedDecodingParams(json=schema))
+    assert _whole(guided, params, '{"n": 5, "t": -9, "xs": [0, 100]}')
     for bad in ('{"n": 10, "t": 0, "xs": []}', '{"n": 0, "t": 0, "xs": []}', '{"n": 1, "t": 10, "xs": []}',
-                '{"n": 1, "t": -10, "xs": []}', '{"n": 1, "t": 0, "xs": [101]}', '{"n": 1, "t": -0, "xs": []}'):
-        assert not regex.fullmatch(bad), bad
+                '{"n": 1, "t": -10, "xs": []}', '{"n": 1, "t": 0, "xs": [101]}'):
+        assert not _whole(guided, params, bad), bad
+    assert _whole(guided, params, '{"n": 1, "t": -0, "xs": []}')  # -0 is JSON's 0: valid (outlines' regex refused it)
 
 
 @pytest.mark.parametrize("lo, hi", [(1, 9), (-5, 5), (-120, -3), (None, 7), (None, -7), (3, None), (-3, None),
                                     (17, 2345), (0, 0), (99, 101), (None, 0)])
-def test_integer_range_regex(lo, hi):
-    regex = re.compile(integer_range_regex(lo, hi))
-    for v in range(-3000, 3000):
-        assert bool(regex.fullmatch(str(v))) == ((lo is None or v >= lo) and (hi is None or v <= hi)), v
-    assert not any(regex.fullmatch(s) for s in ("-0", "00", "01", "-01", "", "-"))
+def test_integer_ranges(guided, lo, hi):
+    bounds = {"minimum": lo, "maximum": hi}
+    schema = {"type": "integer", **{k: v for k, v in bounds.items() if v is not None}}
+    params = SamplingParams(guided_decoding=GuidedDecodingParams(json=schema))
+    for v in [*range(-150, 150), -3000, -2346, -2345, -121, 2344, 2345, 2346, 3000]:
+        assert _whole(guided, params, str(v)) == ((lo is None or v >= lo) and (hi is None or v <= hi)), v
+    assert not any(_whole(guided, params, s) for s in ("00", "01", "-01", "", "-", "1.0", "1e2"))
 
 
 def test_allowed_token_ids_that_exclude_the_guide_fail_at_submission(guided):
@@ -67,7 +78,7 @@ def test_allowed_token_ids_that_exclude_the_guide_fail_at_submission(guided):
     with pytest.raises(ValueError, match=r"allowed_token_ids \[1, 2\] leave no token.*choice"):
         guided.check(SamplingParams(guided_decoding=choice, allowed_token_ids=[1, 2]))
     guided.check(SamplingParams(guided_decoding=choice, allowed_token_ids=[CHARS.index("y") + 1]))  # one way in
-    with pytest.raises(ValueError, match="integer bounds leave no value"):
+    with pytest.raises(ValueError, match=r"minimum \(5\) is greater than maximum \(1\)"):
         guided.check(SamplingParams(guided_decoding=GuidedDecodingParams(json={"type": "integer", "minimum": 5,
                                                                                "maximum": 1})))
 

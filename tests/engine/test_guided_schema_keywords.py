@@ -1,7 +1,8 @@
-"""JSON schema keywords the guide cannot enforce (multipleOf, uniqueItems, contains, patternProperties,
-propertyNames, maxProperties, dependentRequired, if/then, ...) are refused by name (probe 24): the guide let
-JSON through that breaks them. Integer minimum / maximum hold also when `type` is a list (["integer",
-"null"])."""
+"""JSON schema keywords the guide cannot enforce (uniqueItems, contains, propertyNames, dependentRequired,
+if/then, not, ...) are refused by name (probe 24): the guide let JSON through that breaks them; those llguidance
+enforces (multipleOf, patternProperties, min/maxProperties, number bounds) hold. Integer minimum / maximum hold
+also when `type` is a list (["integer", "null"]). Schemas outlines-core (JSON's backend until session 28) got
+wrong are held to the schema (probe 28)."""
 import json
 import string
 
@@ -75,8 +76,10 @@ def test_integer_bounds_hold_when_type_is_a_list(guided):
      ['{"x":1.5}', '{"x":2.5}', '{"x":0.5}', '{"x":2}'], ['{"x":3}', '{"x":0.25}', '{"x":2.51}', '{"x":-1}']),
     ({"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1}, ["0.5", "0.999"], ["0", "1", "1.5"]),
     ({"type": "integer", "multipleOf": 5}, ["15", "0", "-5"], ["7", "16"]),
-    ({"type": "object", "patternProperties": {"^x": {"type": "integer"}}}, ['{"x1":2}', "{}"], ['{"x1":"s"}', '{"y":1}']),
-    ({"type": "object", "additionalProperties": {"type": "integer"}, "maxProperties": 1}, ['{"a":1}'], ['{"a":1,"b":2}']),
+    ({"type": "object", "patternProperties": {"^x": {"type": "integer"}}},
+     ['{"x1":2}', "{}"], ['{"x1":"s"}', '{"y":1}']),
+    ({"type": "object", "additionalProperties": {"type": "integer"}, "maxProperties": 1},
+     ['{"a":1}'], ['{"a":1,"b":2}']),
 ])
 def test_what_outlines_cannot_enforce_llguidance_does(guided, schema, valid, invalid):
     """Number bounds were silently not enforced; multipleOf, patternProperties, min/maxProperties were refused: a
@@ -98,3 +101,54 @@ def test_llguidance_json_keeps_outlines_whitespace_and_declared_properties(guide
     assert not _completes(guided, params, '{"x": 1, "y": 2}')  # no undeclared property, as outlines writes JSON
     lines = SamplingParams(guided_decoding=GuidedDecodingParams(json=schema, whitespace_pattern=r"[\n ]*"))
     assert _completes(guided, lines, '{\n  "x": 2\n}')
+
+
+def _tight(schema):
+    return SamplingParams(guided_decoding=GuidedDecodingParams(json=schema, disable_any_whitespace=True))
+
+
+BASE = {"$defs": {"Base": {"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"]}},
+        "allOf": [{"$ref": "#/$defs/Base"}, {"type": "object", "properties": {"x": {"type": "number"}},
+                                             "required": ["x"]}]}
+
+
+@pytest.mark.parametrize("schema, valid, invalid", [
+    # outlines-core wrote {} as an ungrouped alternation: the whole guide let bare values through (probe 28)
+    ({"type": "object", "properties": {"name": {"type": "string"}, "args": {}}, "required": ["name", "args"]},
+     ['{"name":"f","args":{"x":1}}', '{"name":"f","args":[1]}'], ["645", "null", "[true]", '{"name":"f"}']),
+    # outlines-core concatenated allOf's branches ({"id":1}{"x":2}); a $ref branch stays open to its siblings
+    (BASE, ['{"id":1,"x":2}'], ['{"id":1}{"x":2}', '{"id":1}']),
+    # a required property the schema does not declare: outlines-core dropped it
+    ({"type": "object", "properties": {"a": {"type": "number"}}, "required": ["a", "b"]},
+     ['{"a":1,"b":2}'], ['{"a":1}']),
+    # additionalProperties true beside properties is honoured (outlines-core refused the extras)
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": True},
+     ['{"a":1,"b":"x"}', '{"a":1}'], ['{"a":"x"}']),
+])
+def test_json_schemas_outlines_got_wrong_are_held_to_the_schema(guided, schema, valid, invalid):
+    for text in valid:
+        jsonschema.validate(json.loads(text), schema)
+        assert _completes(guided, _tight(schema), text), text
+    for text in invalid:
+        assert not _completes(guided, _tight(schema), text), text
+
+
+def test_a_pydantic_any_field_is_guided(guided):
+    from typing import Any
+
+    from pydantic import BaseModel
+
+    class M(BaseModel):
+        data: Any
+        n: int
+
+    params = _tight(M.model_json_schema())  # {"title": "Data"}: outlines-core refused it
+    guided.check(params)
+    assert _completes(guided, params, '{"data":[1,"a"],"n":2}') and not _completes(guided, params, '{"n":2}')
+
+
+@pytest.mark.parametrize("schema", [{"type": "integer", "not": {"const": 5}},
+                                    {"type": "object", "properties": {"s": {"not": {"enum": ["x"]}}}}])
+def test_not_is_refused_by_name(guided, schema):
+    with pytest.raises(ValueError, match=r"keywords \['not'\] are not supported"):
+        guided.check(_tight(schema))

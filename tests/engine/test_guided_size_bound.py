@@ -1,8 +1,7 @@
-"""guide_regex's size bound (lmjax/engine/guided_regex.py) is checked only after outlines-core built the whole
-regex and after CPython's re parser parsed all of it: nested objects with optional properties (not arrays, so
-check_nesting passes) grow the regex ~4x a level. A 1 KB schema costs seconds to minutes of parsing (and GBs)
-before the "too large" ValueError (20 levels: minutes); much deeper ones (~28+, estimated) would exhaust
-memory inside build_regex_from_schema itself."""
+"""Guides whose size grows fast with their spec compile in bounded time and memory. JSON schemas were outlines-core
+regexes until session 28: nested objects with optional properties grew the regex ~4x a level (a 1 KB schema cost
+minutes and GBs before a "too large" refusal); llguidance builds them lazily, so a deep schema now compiles at
+once and guides. A regex guide's size bound stays (outlines-core builds the automaton eagerly)."""
 import subprocess
 import sys
 import textwrap
@@ -10,8 +9,12 @@ import time
 
 import pytest
 
-from lmjax import GuidedDecodingParams
+from char_tokenizer import CharTokenizer
+from lmjax import GuidedDecodingParams, SamplingParams
+from lmjax.engine.guided import GuidedDecoding
 from lmjax.engine.guided_regex import guide_regex
+
+CHARS = list('0123456789-{}[]":, ab')
 
 
 def nested_objects(n):
@@ -21,35 +24,53 @@ def nested_objects(n):
     return s
 
 
-def test_oversized_schema_is_refused_quickly():
+def _params(**guide):
+    return SamplingParams(guided_decoding=GuidedDecodingParams(**guide))
+
+
+def _walks(guided, params, text) -> bool:
+    state = guided.new_state(params, None)
+    for c in text:
+        t = CHARS.index(c) + 1
+        if not (state.mask_W()[t >> 5] >> (t & 31)) & 1:
+            return False
+        state.advance(t)
+    return state.complete
+
+
+def test_a_deep_schema_compiles_at_once_and_guides():
+    guided = GuidedDecoding(CharTokenizer(CHARS), len(CHARS) + 1, [0])
     start = time.perf_counter()
-    with pytest.raises(ValueError, match="too large|nested"):
-        guide_regex(GuidedDecodingParams(json=nested_objects(13)))  # an 890-byte schema
-    assert time.perf_counter() - start < 1.5, f"refusal took {time.perf_counter() - start:.1f} s"
+    params = _params(json=nested_objects(20), disable_any_whitespace=True)
+    guided.check(params)
+    assert time.perf_counter() - start < 2.0, f"compiling took {time.perf_counter() - start:.1f} s"
+    deep = '{"a":' * 20 + "1" + "}" * 20
+    assert _walks(guided, params, deep) and _walks(guided, params, '{"b":2}')
+    assert not _walks(guided, params, '{"a":{"a":"x"}}')
 
 
-def test_deep_schema_is_refused_without_building_it():
-    """Under a 2 GB address-space limit the refusal must still be a ValueError (the regex is never built)."""
+def test_a_deep_schema_compiles_within_a_small_address_space():
+    """Under a 2 GB address-space limit the compile still ends, in a few seconds (outlines' regex did not)."""
     code = textwrap.dedent("""
         import resource, sys
-        def nested_objects(n):
-            s = {"type": "integer"}
-            for _ in range(n):
-                s = {"type": "object", "properties": {"a": s, "b": {"type": "integer"}}}
-            return s
-        from lmjax import GuidedDecodingParams
-        from lmjax.engine.guided_regex import guide_regex
+        sys.path.insert(0, "tests")
         resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
-        try:
-            guide_regex(GuidedDecodingParams(json=nested_objects(20)))
-        except ValueError as e:
-            print("REFUSED", str(e)[:80])
+        from char_tokenizer import CharTokenizer
+        from lmjax import GuidedDecodingParams, SamplingParams
+        from lmjax.engine.guided import GuidedDecoding
+        s = {"type": "integer"}
+        for _ in range(40):
+            s = {"type": "object", "properties": {"a": s, "b": {"type": "integer"}}}
+        chars = list('0123456789-{}[]":, ab')
+        GuidedDecoding(CharTokenizer(chars), len(chars) + 1, [0]).check(
+            SamplingParams(guided_decoding=GuidedDecodingParams(json=s)))
+        print("COMPILED")
     """)
     try:
-        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     except subprocess.TimeoutExpired:
-        pytest.fail("guide_regex still working after 30 s")
-    assert "REFUSED" in proc.stdout, (proc.returncode, proc.stderr[-500:])
+        pytest.fail("compiling a 40-deep schema still working after 60 s")
+    assert "COMPILED" in proc.stdout, (proc.returncode, proc.stderr[-500:])
 
 
 def test_rust_only_syntax_regex_is_not_refused():
@@ -59,7 +80,14 @@ def test_rust_only_syntax_regex_is_not_refused():
     assert guide_regex(GuidedDecodingParams(regex=regex))
 
 
+def test_an_oversized_regex_is_refused_quickly():
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match="too large"):
+        guide_regex(GuidedDecodingParams(regex="(ab){1000}{1000}"))
+    assert time.perf_counter() - start < 1.5
+
+
 def test_single_element_type_list_keeps_integer_bounds():
-    import re
-    regex = guide_regex(GuidedDecodingParams(json={"type": ["integer"], "minimum": 5, "maximum": 9}))
-    assert not re.fullmatch(regex, "12")
+    guided = GuidedDecoding(CharTokenizer(CHARS), len(CHARS) + 1, [0])
+    params = _params(json={"type": ["integer"], "minimum": 5, "maximum": 9})
+    assert _walks(guided, params, "7") and not _walks(guided, params, "12")
