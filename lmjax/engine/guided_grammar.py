@@ -206,11 +206,22 @@ def _gbnf_escapes(grammar: str) -> str:
 
 def compile_matcher(llg_tokenizer, grammar: str):
     """A matcher at the grammar's start (the guide's "index": each completion walks a deep copy of it);
-    ValueError with llguidance's message when the grammar does not compile."""
-    matcher = _llguidance().LLMatcher(llg_tokenizer, grammar, log_level=0)  # (it never raises: errors are a state)
+    ValueError with llguidance's message when the grammar does not compile (or llguidance panics on it)."""
+    try:
+        matcher = _llguidance().LLMatcher(llg_tokenizer, grammar, log_level=0)  # (errors are a state, not raised)
+    except BaseException as e:
+        if not is_panic(e):
+            raise
+        raise ValueError(f"llguidance failed on it: {e}") from None
     if matcher.is_error():
         raise ValueError(matcher.get_error())
     return matcher
+
+
+def is_panic(error: BaseException) -> bool:
+    """Whether `error` is a Rust panic surfacing from llguidance (pyo3's PanicException, a BaseException): one
+    request's guide fails with it, never the engine's thread or the server."""
+    return type(error).__name__ == "PanicException"
 
 
 def is_matcher(index) -> bool:
@@ -229,14 +240,20 @@ class GrammarState:
         self._buffer = np.zeros(self._vocab.num_words, np.int32)  # llguidance writes int32 words here
         self._mask_W: np.ndarray | None = None
         self._unspellable: bytes | None = None  # forced text no token spells (GrammarVocabulary.can_begin)
+        self._panic: str | None = None  # llguidance panicked (a Rust bug): this completion ends in an error
         self.complete = False
         self.error: str | None = None
 
     def mask_W(self) -> np.ndarray:
         if self._mask_W is None:
-            self._matcher.unsafe_compute_mask_ptr(self._buffer.ctypes.data, self._buffer.nbytes)
+            try:
+                self._matcher.unsafe_compute_mask_ptr(self._buffer.ctypes.data, self._buffer.nbytes)
+                forced = self._matcher.compute_ff_bytes()
+            except BaseException as e:  # a panic in llguidance: this completion's guide is broken, nothing else
+                if not is_panic(e):
+                    raise
+                self._buffer[:], forced, self._panic = 0, b"", f"guided decoding failed inside llguidance: {e}"
             mask_W = self._buffer.view(np.uint32)[:self._owner.num_words] & self._vocab.logits_W
-            forced = self._matcher.compute_ff_bytes()
             if forced and not self._vocab.can_begin(forced):
                 mask_W[:] = 0
                 self._unspellable = forced
@@ -251,9 +268,15 @@ class GrammarState:
     def advance(self, token: int) -> str | None:
         """GuideState.advance: "stop" when nothing but EOS may follow a complete output, "error" (with
         `self.error`) when the token was not allowed or nothing may follow, else None."""
-        if not self._matcher.consume_token(token):  # a token the grammar refuses, or a parser limit reached
+        try:
+            consumed = self._panic is None and self._matcher.consume_token(token)
+        except BaseException as e:
+            if not is_panic(e):
+                raise
+            consumed, self._panic = False, f"guided decoding failed inside llguidance: {e}"
+        if not consumed:  # a token the grammar refuses, a parser limit reached, or a panic
             reason = (self._matcher.get_error().strip().splitlines() or ["refused"])[0][:300]  # (a state dump follows)
-            self.error = f"guided decoding stopped at sampled token {token}: {reason}"
+            self.error = self._panic or f"guided decoding stopped at sampled token {token}: {reason}"
             return "error"
         self._mask_W = None
         mask_W = self.mask_W()

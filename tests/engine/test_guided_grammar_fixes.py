@@ -120,3 +120,43 @@ def test_an_all_of_schema_keeps_each_branch_open_to_the_others_properties():
 def test_a_malformed_type_beside_a_bound_is_a_value_error_naming_it(smollm2, schema):
     with pytest.raises(ValueError, match=r'"type" must be a string or a list of strings, got'):
         smollm2[1].check(_params(json=schema))
+
+
+class PanicException(BaseException):
+    """pyo3's exception for a Rust panic (llguidance's): a BaseException, which `except Exception` misses."""
+
+
+class _PanickingMatcher:
+    def __init__(self, where):
+        self.where = where
+
+    def deep_copy(self):
+        return self
+
+    def unsafe_compute_mask_ptr(self, address, size):
+        if self.where == "mask":
+            raise PanicException("range start index out of range")
+
+    def compute_ff_bytes(self):
+        return b""
+
+    def is_accepting(self):
+        return False
+
+    def is_stopped(self):
+        return False
+
+    def consume_token(self, token):
+        raise PanicException("index out of bounds")
+
+    def get_error(self):
+        return ""
+
+
+@pytest.mark.parametrize("where", ["mask", "advance"])
+def test_a_panic_inside_llguidance_ends_only_its_completion(smollm2, where):
+    from lmjax.engine.guided_grammar import GrammarState
+
+    state = GrammarState(smollm2[1], _PanickingMatcher(where), None, False)
+    assert not state.mask_W().any() if where == "mask" else state.mask_W() is not None
+    assert state.advance(5) == "error" and "failed inside llguidance" in state.error
