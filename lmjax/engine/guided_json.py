@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 
-_NOT_SCHEMAS = {"const", "enum", "default", "examples"}  # keys whose values are data, not subschemas
+# keys whose values are data, not subschemas ("discriminator": pydantic's tag -> $ref map, whose tags may be any
+# words, "not" and "if" among them); vendor extensions ("x-...") likewise
+_NOT_SCHEMAS = {"const", "enum", "default", "examples", "discriminator"}
 _SCHEMA_MAPS = {"properties", "patternProperties", "$defs", "definitions"}  # names (patterns) to subschemas
 # Keywords llguidance (1.9) does not enforce ("Unimplemented keys"): refused by name, as vLLM refuses what its
 # backend cannot enforce, not ignored (a guide would let JSON through that breaks them).
@@ -31,7 +33,7 @@ def schema_nodes(schema):
             if key in _SCHEMA_MAPS and isinstance(value, dict):
                 for sub in value.values():
                     yield from schema_nodes(sub)
-            elif key not in _NOT_SCHEMAS:
+            elif key not in _NOT_SCHEMAS and not key.startswith("x-"):
                 yield from schema_nodes(value)
 
 

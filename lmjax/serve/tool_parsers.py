@@ -239,16 +239,26 @@ class ForcedToolParser(ToolParser):
 
 def forced_tool_schema(tools: list[dict], function: str | None) -> dict:
     """The JSON schema a forced reply is guided by: the named function's parameters, or (tool_choice
-    "required") a non-empty array of {"name": one of the tools, "parameters": its parameters} (vLLM's)."""
+    "required") a non-empty array of {"name": one of the tools, "parameters": its parameters} (vLLM's), each
+    tool's $defs moved to the root, where its "#/$defs/..." references point (pydantic's and most SDKs'
+    nested argument models); one name defined two ways by two tools is a ValueError."""
     def params(tool):
         return tool["function"].get("parameters") or {"type": "object", "properties": {}}
 
     if function is not None:
         return params(next(t for t in tools if t["function"]["name"] == function))
-    options = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
-                                                 "parameters": params(t)},
-                "required": ["name", "parameters"]} for t in tools]
-    return {"type": "array", "minItems": 1, "items": options[0] if len(options) == 1 else {"anyOf": options}}
+    defs: dict = {}
+    options = []
+    for tool in tools:
+        parameters = dict(params(tool))
+        for name, schema in parameters.pop("$defs", {}).items():
+            if defs.setdefault(name, schema) != schema:
+                raise ValueError(f"tools define $defs[{name!r}] differently: the forced call's schema cannot hold both")
+        options.append({"type": "object", "properties": {"name": {"type": "string", "enum": [tool["function"]["name"]]},
+                                                        "parameters": parameters},
+                        "required": ["name", "parameters"]})
+    forced = {"type": "array", "minItems": 1, "items": options[0] if len(options) == 1 else {"anyOf": options}}
+    return {**forced, "$defs": defs} if defs else forced
 
 
 PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesParser, "qwen": HermesParser, "llama3": Llama3Parser,

@@ -152,3 +152,46 @@ def test_a_pydantic_any_field_is_guided(guided):
 def test_not_is_refused_by_name(guided, schema):
     with pytest.raises(ValueError, match=r"keywords \['not'\] are not supported"):
         guided.check(_tight(schema))
+
+
+def test_a_discriminator_mapping_is_data_not_keywords(guided):
+    """pydantic's discriminated union: its tags ("not", "contains") are mapping keys, not schema keywords
+    (probe 28: the schema was refused naming them)."""
+    from typing import Annotated, Literal, Union
+
+    from pydantic import BaseModel, Field
+
+    class Not(BaseModel):
+        op: Literal["not"]
+        arg: str
+
+    class Contains(BaseModel):
+        op: Literal["contains"]
+        arg: str
+
+    class Query(BaseModel):
+        filter: Annotated[Union[Not, Contains], Field(discriminator="op")]
+
+    params = _tight(Query.model_json_schema())
+    guided.check(params)
+    assert _completes(guided, params, '{"filter":{"op":"not","arg":"x"}}')
+    assert not _completes(guided, params, '{"filter":{"op":"if","arg":"x"}}')
+
+
+def test_tool_choice_required_keeps_the_tools_defs_reachable(guided):
+    """Each tool's parameters' $defs move to the forced schema's root, where "#/$defs/..." points (vLLM's); a name
+    two tools define differently is a ValueError (probe 28: "Pointer '/$defs/Loc' does not exist")."""
+    from lmjax.serve.tool_parsers import forced_tool_schema
+
+    loc = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    weather = {"$defs": {"Loc": loc}, "type": "object", "properties": {"loc": {"$ref": "#/$defs/Loc"}},
+               "required": ["loc"]}
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": weather}},
+             {"type": "function", "function": {"name": "time", "parameters": {"type": "object", "properties": {}}}}]
+    params = _tight(forced_tool_schema(tools, None))
+    guided.check(params)
+    assert _completes(guided, params, '[{"name":"weather","parameters":{"loc":{"city":"Paris"}}}]')
+    assert not _completes(guided, params, '[{"name":"weather","parameters":{"loc":{"town":"Paris"}}}]')
+    clash = {**weather, "$defs": {"Loc": {"type": "string"}}}
+    with pytest.raises(ValueError, match=r"\$defs\['Loc'\] differently"):
+        forced_tool_schema(tools + [{"type": "function", "function": {"name": "other", "parameters": clash}}], None)
