@@ -5,7 +5,9 @@ allOf, ignored `not` and number bounds, and grew exponentially with nesting and 
 lmjax writes JSON as it always has: between tokens the whitespace of `whitespace` (None: one optional space,
 outlines-core's default; "": none; else the given pattern), and an object only with the properties its schema
 names where the schema does not say otherwise (additionalProperties false where it is absent, as xgrammar's
-strict default and outlines-core do; an explicit additionalProperties true or schema is honoured). Keywords
+strict default and outlines-core do; an explicit additionalProperties true or schema is honoured; never on a
+subschema JSON Schema intersects with siblings: allOf parts, anyOf / oneOf branches beside properties, $ref
+targets). Keywords
 llguidance does not enforce are refused by name before it sees them."""
 from __future__ import annotations
 
@@ -64,18 +66,24 @@ def _local_ref(schema, ref) -> dict | None:
 
 
 def _open_parts(schema, nodes: list[dict]) -> set[int]:
-    """ids of the subschemas that describe part of an object (allOf branches, directly or through a $ref):
-    closing one to its own properties would forbid its siblings'."""
-    parts: set[int] = set()
+    """ids of the subschemas that describe part of an object, each intersected with others (JSON Schema's
+    reading of siblings): allOf branches, anyOf / oneOf branches of an object that has properties of its own,
+    the target of a $ref beside properties, and the $ref targets of all of these. Closing one to its own
+    properties would forbid the others'."""
+    parts: list = []
     for node in nodes:
-        branches = node.get("allOf") if isinstance(node.get("allOf"), list) else []
-        for branch in branches:
-            if isinstance(branch, dict):
-                parts.add(id(branch))
-                target = _local_ref(schema, branch.get("$ref"))
-                if target is not None:
-                    parts.add(id(target))
-    return parts
+        own = any(k in node for k in ("properties", "patternProperties", "required"))
+        for key in ("allOf", "anyOf", "oneOf") if own else ("allOf",):
+            parts += [b for b in _as_list(node.get(key)) if isinstance(b, dict)]
+        if own and "$ref" in node:
+            parts.append({"$ref": node["$ref"]})
+    ids = {id(part) for part in parts}
+    ids |= {id(target) for part in parts if (target := _local_ref(schema, part.get("$ref"))) is not None}
+    return ids
+
+
+def _as_list(value) -> list:
+    return value if isinstance(value, list) else []
 
 
 def close_objects(schema) -> None:

@@ -195,3 +195,23 @@ def test_tool_choice_required_keeps_the_tools_defs_reachable(guided):
     clash = {**weather, "$defs": {"Loc": {"type": "string"}}}
     with pytest.raises(ValueError, match=r"\$defs\['Loc'\] differently"):
         forced_tool_schema(tools + [{"type": "function", "function": {"name": "other", "parameters": clash}}], None)
+
+
+@pytest.mark.parametrize("schema, text", [
+    # "base + variants": the parent's property beside anyOf branches that add their own (probe 28: unsatisfiable)
+    ({"type": "object", "properties": {"kind": {"type": "string"}}, "required": ["kind"],
+      "anyOf": [{"properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                {"properties": {"b": {"type": "integer"}}, "required": ["b"]}]}, '{"kind":"x","a":1}'),
+    # the same with "kind" optional (probe 28: every object with "kind" silently refused)
+    ({"type": "object", "properties": {"kind": {"type": "string"}},
+      "anyOf": [{"properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                {"properties": {"b": {"type": "integer"}}, "required": ["b"]}]}, '{"kind":"x","b":2}'),
+    # $ref beside properties (draft 2019+): the referenced base and the node's own properties together
+    ({"$defs": {"Base": {"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"]}},
+      "$ref": "#/$defs/Base", "properties": {"note": {"type": "string"}}, "required": ["note"]}, '{"id":1,"note":"n"}'),
+])
+def test_an_object_composed_of_siblings_takes_all_their_properties(guided, schema, text):
+    jsonschema.validate(json.loads(text), schema)
+    params = _tight(schema)
+    guided.check(params)
+    assert _completes(guided, params, text)
