@@ -7,8 +7,7 @@ outlines-core's default; "": none; else the given pattern), and an object only w
 names where the schema does not say otherwise (additionalProperties false where it is absent, as xgrammar's
 strict default and outlines-core do; an explicit additionalProperties true or schema is honoured; never on a
 subschema JSON Schema intersects with siblings: allOf parts, anyOf / oneOf branches beside properties, $ref
-targets). Keywords
-llguidance does not enforce are refused by name before it sees them."""
+targets). Keywords llguidance does not enforce are refused by name before it sees them."""
 from __future__ import annotations
 
 import json
