@@ -216,7 +216,7 @@ class GuidedDecoding:
         if guided is None:
             return None
         index = self.index(guided)
-        state = guided_grammar.GrammarState if guided_grammar.is_matcher(index) else GuideState
+        state = guided_grammar.GrammarState if guided.kind in LLGUIDANCE_KINDS else GuideState
         return state(self, index, allowed_W, params.ignore_eos)
 
 

@@ -53,9 +53,9 @@ class _ByteTokenizer:
                 if i < num_ids:
                     self.tokens[i] = data
         self.special_token_ids = [i for i in range(num_ids) if not self.tokens[i]]
-        names = _special_names(tokenizer, self.special_token_ids)
+        self.special_names = _special_names(tokenizer, self.special_token_ids)  # {id: "<|im_end|>"}
         for i in self.special_token_ids:
-            self.tokens[i] = SPECIAL_PREFIX + names.get(i, f"<[{i}]>").encode()
+            self.tokens[i] = SPECIAL_PREFIX + self.special_names.get(i, f"<[{i}]>").encode()
         self.eos_token_id, self.bos_token_id = eos_id, getattr(tokenizer, "bos_token_id", None)
         self._tokenizer = tokenizer
         self._ids = {data: _preferred(tokenizer, ids) for data, ids in vocab.items()}
@@ -134,7 +134,7 @@ class GrammarVocabulary:
         eos = list(eos_token_ids) or [num_ids]  # where the model has no EOS: an id past the logits, never sampled
         num_ids = max(num_ids, *(i + 1 for i in eos))
         self.bytes = _ByteTokenizer(tokenizer, vocab, num_ids, eos[0])
-        self.special_names = frozenset(_special_names(tokenizer, self.bytes.special_token_ids).values())
+        self.special_names = frozenset(self.bytes.special_names.values())
         self.llg = llg.LLTokenizer(llg.TokenizerWrapper(self.bytes), n_vocab=num_ids, eos_token=eos)
         self.num_words = -(-num_ids // 32)
         self.logits_W = pack_token_ids(np.arange(vocab_size), -(-vocab_size // 32))  # the ids the model has
@@ -222,11 +222,6 @@ def is_panic(error: BaseException) -> bool:
     """Whether `error` is a Rust panic surfacing from llguidance (pyo3's PanicException, a BaseException): one
     request's guide fails with it, never the engine's thread or the server."""
     return type(error).__name__ == "PanicException"
-
-
-def is_matcher(index) -> bool:
-    """Whether a compiled guide is llguidance's (walked by GrammarState) rather than outlines-core's."""
-    return isinstance(index, _llguidance().LLMatcher)
 
 
 class GrammarState:
