@@ -53,8 +53,9 @@ class BackgroundCompiler:
     """Runs a jitted call through its compiled variants, compiling new non-basic ones on a worker thread."""
 
     def __init__(self, jitted: Callable, enabled: bool | None = None,
-                 context: Callable[[], ContextManager] = contextlib.nullcontext):
+                 context: Callable[[], ContextManager] = contextlib.nullcontext, name: str = "decode"):
         self.jitted = jitted
+        self.name = name  # what the log calls its variants
         self.enabled = background_compile_enabled() if enabled is None else enabled
         self.context = context  # entered around the worker's tracing (the mesh the calling thread runs under)
         self._in_jit: set[tuple] = set()  # variants the jitted function has compiled (its own cache)
@@ -70,9 +71,9 @@ class BackgroundCompiler:
         parameters, the cache), left out of the variant's key. `basic` or `now` (warm-up): compile now, as
         the jitted function does."""
         args = (*fixed, *varying)
-        if basic or not self.enabled:  # (the greedy decode loop's path: no key to build)
+        if (basic and not now) or not self.enabled:  # (the greedy decode loop's path: no key to build)
             return self.jitted(*args, **static)
-        key = variant_key(varying, static)
+        key = variant_key(varying, static)  # (warm-up's `now` records it: later calls may not be `basic`)
         if now or key in self._in_jit:
             self._in_jit.add(key)
             return self.jitted(*args, **static)
@@ -82,6 +83,29 @@ class BackgroundCompiler:
         if key not in self._compiling and key not in self._failed:
             self._submit(key, jax.tree_util.tree_map(_abstract, args), static)
         return None
+
+    def ready(self, key: tuple) -> bool:
+        """Whether the variant `key` runs without compiling (the jitted function's or the worker's program)."""
+        return key in self._in_jit or key in self._compiled or self._collect(key) is not None
+
+    def pending(self, key: tuple) -> bool:
+        """Whether `key` is with the worker (or failed there: it will not be ready)."""
+        return key in self._compiling or key in self._failed
+
+    def compile_later(self, key: tuple, args: tuple, static: dict) -> None:
+        """Hand `key`'s variant (these arguments' shapes, dtypes and shardings) to the worker, unless it is ready
+        or there already."""
+        if not self.ready(key) and not self.pending(key):
+            self._submit(key, jax.tree_util.tree_map(_abstract, args), static)
+
+    def run(self, key: tuple, args: tuple, static: dict):
+        """jitted(*args, **static) by the worker's program when it has one, else by the jitted function
+        (compiling now if new)."""
+        compiled = self._compiled.get(key)
+        if compiled is not None:
+            return self._call_compiled(key, compiled, args, static)
+        self._in_jit.add(key)
+        return self.jitted(*args, **static)
 
     def wait(self) -> None:
         """Block until every variant handed to the worker is compiled (tests; a benchmark's warm-up)."""
@@ -94,8 +118,8 @@ class BackgroundCompiler:
         try:
             return compiled(*args)
         except (TypeError, ValueError) as e:  # raised before running (nothing donated): arguments it was not
-            logger.warning("a background-compiled decode variant refused its arguments (%s); compiling it "
-                           "on the engine's thread", e)  # traced for, e.g. another sharding
+            logger.warning("a background-compiled %s variant refused its arguments (%s); compiling it "
+                           "on the engine's thread", self.name, e)  # traced for, e.g. another sharding
             del self._compiled[key]
             self._in_jit.add(key)
             return self.jitted(*args, **static)
@@ -114,9 +138,8 @@ class BackgroundCompiler:
         del self._compiling[key]
         error = None if future.cancelled() else future.exception()
         if future.cancelled() or error is not None or future.result() is None:
-            self._failed.add(key)  # its steps stay single steps: the engine keeps serving
-            logger.warning("background compilation of a decode variant failed (%r); its batches decode one step "
-                           "per call", error, exc_info=error)
+            self._failed.add(key)  # the engine keeps serving: single steps, or the step compiled when met
+            logger.warning("background compilation of a %s variant failed (%r)", self.name, error, exc_info=error)
             return None
         self._compiled[key] = future.result()
         return self._compiled[key]
@@ -127,14 +150,15 @@ def _compile_job(compiler_ref: weakref.ref, abstract_args: tuple, static: dict):
     compiler = compiler_ref()
     if compiler is None or _exiting.is_set():
         return None
+    name = compiler.name
     start = time.perf_counter()
     with compiler.context():
         lowered = compiler.jitted.lower(*abstract_args, **static)
     del compiler
     traced = time.perf_counter()
     compiled = _compile(lowered)
-    logger.info("compiled a decode variant in the background: traced in %.1f s, compiled in %.1f s",
-                traced - start, time.perf_counter() - traced)
+    logger.info("compiled a %s variant in the background: traced in %.1f s, compiled in %.1f s",
+                name, traced - start, time.perf_counter() - traced)
     return compiled
 
 

@@ -34,6 +34,7 @@ from lmjax.engine.speculative import SpeculativeMixin, row_starts
 from lmjax.engine.step_failures import StepFailuresMixin
 from lmjax.engine.stop import StopStringMatcher
 from lmjax.engine.vllm_names import VLLMNamesMixin
+from lmjax.engine.warmup import warmup_decode, warmup_steps
 from lmjax.layers.sampler import NO_TOKEN, SamplingRow, row_banned_ids, seed32, tokenize_bad_words
 from lmjax.loader.generation_config import generation_eos_ids, read_generation_config, sampling_defaults
 from lmjax.loader.model_loader import load_model
@@ -315,7 +316,10 @@ class LLMEngine(SessionsMixin, MultiStepMixin, HostOutputsMixin, SpeculativeMixi
         widths = [self.runner.max_M] if self.runner.fixed_M else \
             [1 << i for i in range(self.runner.max_M.bit_length())]
         for row in rows:
-            self.runner.warmup_decode(sizes, widths, [row], self.config.num_scheduler_steps)
+            warmup_decode(self.runner, sizes, widths, [row], self.config.num_scheduler_steps)
+            if self.runner.pad_to_compiled:
+                warmup_steps(self.runner, [row])
+        self.runner.pad_warmed = self.runner.pad_to_compiled
         stats = {"compilations": self.runner.num_compilations - compiled,
                  "seconds": round(time.perf_counter() - start, 3)}
         logger.info("warm-up: %d compilations in %.1f s (batch buckets %s, widths %s)", stats["compilations"],

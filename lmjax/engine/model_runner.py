@@ -26,13 +26,20 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from lmjax import parallel
-from lmjax.engine.background_compile import BackgroundCompiler
+from lmjax.engine.background_compile import BackgroundCompiler, variant_key
 from lmjax.engine.block_manager import BlockManager
 from lmjax.engine.followers import FollowersMixin, step_kind
 from lmjax.engine.decode_loop import DecodeInputs, PendingDecode, decode_steps, pending_ids
 from lmjax.engine.host_outputs import NO_EXTRAS, Extras
 from lmjax.engine.model_prep import decode_batch_floor, merge_projections
 from lmjax.engine.scheduler import ScheduledBatch
+from lmjax.engine.step_shapes import (
+    CompiledShapes,
+    pad_step_inputs,
+    pad_to_compiled_enabled,
+    shape_family,
+    step_dims,
+)
 from lmjax.layers.attention import AttentionMetadata, cost_follows_context
 from lmjax.layers.sampler import (
     SamplerOutput,
@@ -166,6 +173,16 @@ class ModelRunner(FollowersMixin):
         self.leading = False  # process 0 driving follower processes (see lead / follow)
         self._step = jax.jit(self._step_fn, donate_argnums=(1,),
                              static_argnames=("flags", "num_prompt_logprobs", "extras"))
+        # Engine steps go through the compile worker where a step may run at a larger compiled shape while its
+        # own compiles (lmjax.engine.step_shapes; off: straight to the jitted step, as before).
+        self.pad_to_compiled = pad_to_compiled_enabled()
+        self._steps = BackgroundCompiler(self._step, enabled=True, context=lambda: parallel.use_mesh(self.mesh),
+                                         name="step")
+        self._shapes = CompiledShapes()
+        self.num_padded_steps = 0  # steps run by a larger shape's program while theirs compiled
+        # Set by warm-up once large one-step shapes are compiled: then a decode call's new basic variant (plain
+        # temperature sampling after a greedy warm-up) compiles on the worker too, its batch stepping once a call.
+        self.pad_warmed = False
         self._sample = jax.jit(_sample, static_argnames=("flags",))
         self._sample_rows = jax.jit(_sample_rows, static_argnames=("flags",))
         self._decode = BackgroundCompiler(
@@ -241,7 +258,7 @@ class ModelRunner(FollowersMixin):
         (lmjax.engine.background_compile); `now`: compile it now."""
         with parallel.use_mesh(self.mesh):
             result = self._decode((self.params, self.caches), (inputs, smeta), {"flags": flags, "num_steps": num_steps},
-                                  basic=is_basic(flags, smeta), now=now)
+                                  basic=is_basic(flags, smeta) and not self.pad_warmed, now=now)
         if result is None:
             return None
         out, self.caches = result
@@ -255,35 +272,13 @@ class ModelRunner(FollowersMixin):
                 for k in range(pending.num_steps)]
 
     def wait_for_compiles(self) -> None:
-        """Block until the decode variants compiling in the background are ready (a benchmark's warm-up)."""
+        """Block until the variants compiling in the background are ready (a benchmark's warm-up)."""
         self._decode.wait()
+        self._steps.wait()
 
     def table_width(self, num_blocks: int) -> int:
         """Block-table width M of a step whose longest sequence holds `num_blocks` blocks."""
         return self.max_M if self.fixed_M else bucket(num_blocks, 1)
-
-    def warmup_decode(self, batch_sizes: list[int], widths: list[int], rows: list[SamplingRow],
-                      num_steps: int) -> None:
-        """Compile the decode step of each (batch bucket B, table width M) for the sampling flags of
-        `rows`, by running it on padding rows only (num_valid = 0: every write lands in the sink
-        block 0, so no sequence's cache changes)."""
-        for B in batch_sizes:
-            smeta, flags = build_sampling_metadata(rows, pad_to=B)
-            for M in widths:
-                zeros_B = np.zeros(B, np.int32)
-                if num_steps > 1:
-                    inputs = DecodeInputs(zeros_B, zeros_B, np.zeros((B, M), np.int32), np.int32(0))
-                    args = parallel.replicate((inputs, smeta), self.mesh) if self.mesh is not None \
-                        else (inputs, smeta)
-                    out = self._run_decode(*args, flags, num_steps, now=True)
-                else:
-                    T = bucket(B, 16)
-                    attn = AttentionMetadata(np.zeros(T, np.int32), np.ones(T, np.int32), zeros_B,
-                                             np.zeros((B, M), np.int32), np.zeros(B + 1, np.int32))
-                    inputs = StepInputs(np.zeros(T, np.int32), np.zeros(T, np.int32), attn, zeros_B,
-                                        np.full(T, -1, np.int32))
-                    out, _, _ = self._run(inputs, smeta, flags, -1)
-                jax.block_until_ready(out)
 
     def _logits(self, model, hidden_XD):
         logits_XV = model.compute_logits(hidden_XD)
@@ -340,7 +335,8 @@ class ModelRunner(FollowersMixin):
         smeta, flags = _sampling_inputs(rows, pad_to=inputs.last_rows_B.shape[0])
         if self.leading:  # followers run NO_EXTRAS steps only: the engine refuses host outputs across hosts
             parallel.send_step((inputs, smeta), [*map(int, flags), num_prompt_logprobs], kind=step_kind(smeta))
-        out, prompt, extra = self._run(inputs, smeta, flags, num_prompt_logprobs, extras)
+        out, prompt, extra = self._run(inputs, smeta, flags, num_prompt_logprobs, extras,
+                                       rows=None if self.leading else rows)
         return PendingStep(out, prompt, len(rows), extra, None if extras.sample else (smeta, flags))
 
     def sample_processed(self, pending: PendingStep, rows_R: list[int], logits_RV: list) -> None:
@@ -364,19 +360,56 @@ class ModelRunner(FollowersMixin):
         return StepOutput(tokens[:n], logprobs[:n], top_ids[:n], top_lp[:n], prompt, ranks[:n])
 
     def _run(self, inputs: StepInputs, smeta, flags: SamplingFlags, num_prompt_logprobs: int,
-             extras: Extras = NO_EXTRAS):
-        if self.mesh is not None:
-            inputs, smeta = parallel.replicate((inputs, smeta), self.mesh)
+             extras: Extras = NO_EXTRAS, rows: list[SamplingRow] | None = None):
+        """One step. `rows` (the engine's steps, never warm-up's or a follower's): the step may run at a larger
+        compiled shape while its own compiles (lmjax.engine.step_shapes); its outputs keep the padding rows."""
         # Only basic sampling is fused into the step; any other variant samples the step's logits in a small
         # program of its own, so the model step compiles once for them all (lmjax.engine.background_compile),
         # as it does for steps the host samples.
         fused = extras.sample and is_basic(flags, smeta)
+        if rows is not None and self.pad_to_compiled and num_prompt_logprobs < 0 and extras == NO_EXTRAS:
+            inputs, smeta, fused = self._padded(inputs, smeta, flags, fused, rows)
         apart = extras.sample and not fused
+        if self.mesh is not None:
+            inputs, smeta = parallel.replicate((inputs, smeta), self.mesh)
+        static = dict(flags=flags if fused else None, num_prompt_logprobs=num_prompt_logprobs,
+                      extras=extras._replace(sample=False) if apart else extras)
+        varying = (inputs, smeta if fused else None)
         with parallel.use_mesh(self.mesh):
-            out, prompt, extra, self.caches = self._step(
-                self.params, self.caches, inputs, smeta if fused else None, flags=flags if fused else None,
-                num_prompt_logprobs=num_prompt_logprobs, extras=extras._replace(sample=False) if apart else extras)
+            if self.pad_to_compiled:  # through the compile worker's programs; each shape run is one compiled
+                self._shapes.add(shape_family(*varying, static), step_dims(inputs))
+                result = self._steps.run(variant_key(varying, static), (self.params, self.caches, *varying), static)
+            else:
+                result = self._step(self.params, self.caches, *varying, **static)
+            out, prompt, extra, self.caches = result
             if apart:
                 logits_BV = extra["last_logits"] if extras.last_logits else extra.pop("last_logits")
                 out = self._sample(logits_BV, smeta, flags=flags)
         return out, prompt, extra
+
+    def _padded(self, inputs: StepInputs, smeta, flags: SamplingFlags, fused: bool, rows: list[SamplingRow]):
+        """(inputs, smeta, fused) to run the step with: as given when its program is compiled (or none larger
+        is); else padded to the smallest compiled shape that holds it, fused or (a fused variant without one)
+        sampled apart, while its own program compiles on the worker."""
+        dims = step_dims(inputs)
+        own = (inputs, smeta if fused else None)
+        own_static = _step_static(flags, fused)
+        own_key = variant_key(own, own_static)
+        if self._steps.ready(own_key):
+            return inputs, smeta, fused
+        for as_fused in [True, False] if fused else [False]:  # a fused variant may run as the shared step + sampler
+            static = _step_static(flags, as_fused)
+            larger = self._shapes.smallest_holding(shape_family(inputs, smeta if as_fused else None, static), dims)
+            if larger is not None:
+                args = (self.params, self.caches, *(parallel.replicate(own, self.mesh) if self.mesh else own))
+                self._steps.compile_later(own_key, args, own_static)
+                self.num_padded_steps += 1
+                meta = smeta if larger.R == dims.R else _sampling_inputs(rows, pad_to=larger.R)[0]
+                return pad_step_inputs(inputs, larger), meta, as_fused
+        return inputs, smeta, fused
+
+
+def _step_static(flags: SamplingFlags, fused: bool) -> dict:
+    """The step's static arguments for an engine step without host outputs: sampling fused or apart."""
+    return dict(flags=flags if fused else None, num_prompt_logprobs=-1,
+                extras=NO_EXTRAS if fused else NO_EXTRAS._replace(sample=False))

@@ -1,0 +1,66 @@
+"""Warm-up: compile at start-up what a run would otherwise compile in its middle, by running each program on
+padding only (no valid sequence: every KV write lands in the sink block 0, so no sequence's cache changes).
+
+The decode call of every (batch bucket, block-table width) for the warm-up's sampling variants (vLLM captures a
+CUDA graph per batch size likewise), and, where one-step calls may run at a larger compiled shape
+(lmjax.engine.step_shapes), a few large one-step shapes so that every later step has one to run at while its
+own compiles: the largest (max tokens, sequences, rows and width) and one of 1/MAX_T_RATIO of its tokens, each
+fused with the warm-up's sampling and sampled apart (the shared step every other variant runs)."""
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from lmjax import parallel
+from lmjax.config import SamplingParams
+from lmjax.engine.decode_loop import DecodeInputs
+from lmjax.engine.model_runner import ModelRunner, StepInputs, bucket
+from lmjax.engine.step_shapes import MAX_T_RATIO, StepDims
+from lmjax.layers.attention import AttentionMetadata
+from lmjax.layers.sampler import SamplingRow, build_sampling_metadata
+
+# Any non-basic variant: its step is the shared one (sampled apart), and top-p's sampler program is compiled too.
+_APART_ROW = SamplingRow(SamplingParams(temperature=1.0, top_p=0.9), seed=0)
+
+
+def padding_step(dims: StepDims) -> StepInputs:
+    """One-step inputs of `dims` holding no token of any sequence."""
+    T, B, R, M = dims
+    attn = AttentionMetadata(slot_mapping_T=np.zeros(T, np.int32), seq_lens_T=np.ones(T, np.int32),
+                             kv_lens_B=np.zeros(B, np.int32), block_tables_BM=np.zeros((B, M), np.int32),
+                             cu_q_lens_B1=np.zeros(B + 1, np.int32))
+    return StepInputs(ids_T=np.zeros(T, np.int32), positions_T=np.zeros(T, np.int32), attn=attn,
+                      last_rows_B=np.zeros(R, np.int32), next_ids_T=np.full(T, -1, np.int32))
+
+
+def warmup_decode(runner: ModelRunner, batch_sizes: list[int], widths: list[int], rows: list[SamplingRow],
+                  num_steps: int) -> None:
+    """Compile the decode call of each (batch bucket B, table width M) for the sampling flags of `rows`."""
+    for B in batch_sizes:
+        smeta, flags = build_sampling_metadata(rows, pad_to=B)
+        for M in widths:
+            if num_steps > 1:
+                zeros_B = np.zeros(B, np.int32)
+                inputs = DecodeInputs(zeros_B, zeros_B, np.zeros((B, M), np.int32), np.int32(0))
+                args = parallel.replicate((inputs, smeta), runner.mesh) if runner.mesh is not None \
+                    else (inputs, smeta)
+                out = runner._run_decode(*args, flags, num_steps, now=True)
+            else:
+                out, _, _ = runner._run(padding_step(StepDims(bucket(B, 16), B, B, M)), smeta, flags, -1)
+            jax.block_until_ready(out)
+
+
+def large_step_dims(runner: ModelRunner) -> list[StepDims]:
+    """The one-step shapes warm-up compiles for padding: every dimension at its largest, and the same with
+    1/MAX_T_RATIO of the tokens (so a step of 16 tokens pads to at most 16x, not 1,000x)."""
+    tokens = sorted({runner.max_T, max(16, runner.max_T // MAX_T_RATIO)})
+    return [StepDims(T, runner.max_B, runner.max_B, runner.max_M) for T in tokens]
+
+
+def warmup_steps(runner: ModelRunner, rows: list[SamplingRow]) -> None:
+    """Compile large_step_dims' shapes, fused with `rows`' sampling and sampled apart."""
+    for dims in large_step_dims(runner):
+        for row_set in (rows, [_APART_ROW]):
+            smeta, flags = build_sampling_metadata(row_set, pad_to=dims.R)
+            out, _, _ = runner._run(padding_step(dims), smeta, flags, -1)
+            jax.block_until_ready(out)
