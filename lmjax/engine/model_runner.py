@@ -26,20 +26,14 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from lmjax import parallel
-from lmjax.engine.background_compile import BackgroundCompiler, variant_key
+from lmjax.engine.background_compile import BackgroundCompiler
 from lmjax.engine.block_manager import BlockManager
 from lmjax.engine.followers import FollowersMixin, step_kind
 from lmjax.engine.decode_loop import DecodeInputs, PendingDecode, decode_steps, pending_ids
 from lmjax.engine.host_outputs import NO_EXTRAS, Extras
 from lmjax.engine.model_prep import decode_batch_floor, merge_projections
 from lmjax.engine.scheduler import ScheduledBatch
-from lmjax.engine.step_shapes import (
-    CompiledShapes,
-    pad_step_inputs,
-    pad_to_compiled_enabled,
-    shape_family,
-    step_dims,
-)
+from lmjax.engine.padded_steps import PaddedStepsMixin
 from lmjax.layers.attention import AttentionMetadata, cost_follows_context
 from lmjax.layers.sampler import (
     SamplerOutput,
@@ -148,7 +142,7 @@ def _last_token_ids(items, B: int) -> np.ndarray:
     return ids_B
 
 
-class ModelRunner(FollowersMixin):
+class ModelRunner(FollowersMixin, PaddedStepsMixin):
     def __init__(self, model: nnx.Module, num_blocks: int, block_size: int, max_tokens_per_step: int,
                  max_batch_size: int, max_blocks_per_seq: int, kv_dtype, quant_policy: int = 0, kv_maps=None):
         mesh = parallel.mesh_of(nnx.state(model))  # None on one device
@@ -173,17 +167,8 @@ class ModelRunner(FollowersMixin):
         self.leading = False  # process 0 driving follower processes (see lead / follow)
         self._step = jax.jit(self._step_fn, donate_argnums=(1,),
                              static_argnames=("flags", "num_prompt_logprobs", "extras"))
-        # Engine steps go through the compile worker where a step may run at a larger compiled shape while its
-        # own compiles (lmjax.engine.step_shapes; off: straight to the jitted step, as before).
-        self.pad_to_compiled = pad_to_compiled_enabled()
-        self._steps = BackgroundCompiler(self._step, enabled=True, context=lambda: parallel.use_mesh(self.mesh),
-                                         name="step")
-        self._shapes = CompiledShapes()
-        self.num_padded_steps = 0  # steps run by a larger shape's program while theirs compiled
-        # Set by warm-up once large one-step shapes are compiled: then a decode call's new basic variant (plain
-        # temperature sampling after a greedy warm-up) compiles on the worker too, its batch stepping once a call.
-        self.pad_warmed = False
         self._sample = jax.jit(_sample, static_argnames=("flags",))
+        self._init_padded_steps()
         self._sample_rows = jax.jit(_sample_rows, static_argnames=("flags",))
         self._decode = BackgroundCompiler(
             jax.jit(self._decode_fn, donate_argnums=(1,), static_argnames=("flags", "num_steps")),
@@ -376,40 +361,13 @@ class ModelRunner(FollowersMixin):
                       extras=extras._replace(sample=False) if apart else extras)
         varying = (inputs, smeta if fused else None)
         with parallel.use_mesh(self.mesh):
-            if self.pad_to_compiled:  # through the compile worker's programs; each shape run is one compiled
-                self._shapes.add(shape_family(*varying, static), step_dims(inputs))
-                result = self._steps.run(variant_key(varying, static), (self.params, self.caches, *varying), static)
+            if self.pad_to_compiled:  # through the compile worker's programs
+                result = self._run_step(varying, static)
             else:
                 result = self._step(self.params, self.caches, *varying, **static)
             out, prompt, extra, self.caches = result
             if apart:
                 logits_BV = extra["last_logits"] if extras.last_logits else extra.pop("last_logits")
-                out = self._sample(logits_BV, smeta, flags=flags)
+                out = self._run_sampler(logits_BV, smeta, flags) if self.pad_to_compiled else \
+                    self._sample(logits_BV, smeta, flags=flags)
         return out, prompt, extra
-
-    def _padded(self, inputs: StepInputs, smeta, flags: SamplingFlags, fused: bool, rows: list[SamplingRow]):
-        """(inputs, smeta, fused) to run the step with: as given when its program is compiled (or none larger
-        is); else padded to the smallest compiled shape that holds it, fused or (a fused variant without one)
-        sampled apart, while its own program compiles on the worker."""
-        dims = step_dims(inputs)
-        own = (inputs, smeta if fused else None)
-        own_static = _step_static(flags, fused)
-        own_key = variant_key(own, own_static)
-        if self._steps.ready(own_key):
-            return inputs, smeta, fused
-        for as_fused in [True, False] if fused else [False]:  # a fused variant may run as the shared step + sampler
-            static = _step_static(flags, as_fused)
-            larger = self._shapes.smallest_holding(shape_family(inputs, smeta if as_fused else None, static), dims)
-            if larger is not None:
-                args = (self.params, self.caches, *(parallel.replicate(own, self.mesh) if self.mesh else own))
-                self._steps.compile_later(own_key, args, own_static)
-                self.num_padded_steps += 1
-                meta = smeta if larger.R == dims.R else _sampling_inputs(rows, pad_to=larger.R)[0]
-                return pad_step_inputs(inputs, larger), meta, as_fused
-        return inputs, smeta, fused
-
-
-def _step_static(flags: SamplingFlags, fused: bool) -> dict:
-    """The step's static arguments for an engine step without host outputs: sampling fused or apart."""
-    return dict(flags=flags if fused else None, num_prompt_logprobs=-1,
-                extras=NO_EXTRAS if fused else NO_EXTRAS._replace(sample=False))

@@ -16,7 +16,7 @@ shape when met instead, for runs that must repeat bit for bit.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import numpy as np
@@ -72,10 +72,12 @@ class CompiledShapes:
     def has(self, family: tuple, dims: StepDims) -> bool:
         return dims in self._dims.get(family, ())
 
-    def smallest_holding(self, family: tuple, dims: StepDims) -> StepDims | None:
+    def smallest_holding(self, family: tuple, dims: StepDims,
+                         usable: Callable[[StepDims], bool] = lambda d: True) -> StepDims | None:
         """The compiled shape of `family` that holds `dims` at the least padding (tokens first), within
-        MAX_T_RATIO of its tokens; None when there is none."""
-        fits = [d for d in self._dims.get(family, ()) if d.holds(dims) and d.T <= MAX_T_RATIO * dims.T]
+        MAX_T_RATIO of its tokens, and `usable`; None when there is none."""
+        fits = [d for d in self._dims.get(family, ())
+                if d.holds(dims) and d.T <= MAX_T_RATIO * dims.T and usable(d)]
         return min(fits, default=None, key=lambda d: (d.T, d.R, d.B, d.M))
 
 

@@ -1,0 +1,108 @@
+"""ModelRunner's one-step calls through the compile worker: a call whose program is not compiled yet runs at the
+smallest larger compiled shape while its own compiles (lmjax.engine.step_shapes says why and when). The same
+holds for the small sampler program of a variant sampled apart from the step (top-p, logprobs, ...): its rows R
+are one more bucket, so a step whose sampler at R is not compiled runs at a shape whose sampler is."""
+from __future__ import annotations
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from lmjax import parallel
+from lmjax.engine.background_compile import BackgroundCompiler, variant_key
+from lmjax.engine.host_outputs import NO_EXTRAS
+from lmjax.engine.step_shapes import (
+    CompiledShapes,
+    StepDims,
+    pad_step_inputs,
+    pad_to_compiled_enabled,
+    shape_family,
+    step_dims,
+)
+from lmjax.layers.sampler import SamplingFlags, SamplingRow, build_sampling_metadata
+
+
+def step_static(flags: SamplingFlags, fused: bool) -> dict:
+    """The step's static arguments for an engine step without host outputs: sampling fused or apart."""
+    return dict(flags=flags if fused else None, num_prompt_logprobs=-1,
+                extras=NO_EXTRAS if fused else NO_EXTRAS._replace(sample=False))
+
+
+class PaddedStepsMixin:
+    """Mixed into ModelRunner (its params, caches, mesh, _step and _sample)."""
+
+    def _init_padded_steps(self) -> None:
+        self.pad_to_compiled = pad_to_compiled_enabled()  # off: steps go straight to the jitted step, as before
+        context = lambda: parallel.use_mesh(self.mesh)  # noqa: E731
+        self._steps = BackgroundCompiler(self._step, enabled=True, context=context, name="step")
+        self._samplers = BackgroundCompiler(self._sample, enabled=True, context=context, name="sampler")
+        self._shapes = CompiledShapes()
+        self._logits_aval: tuple | None = None  # (V, dtype) of the logits sampled apart, once one step has run
+        self.num_padded_steps = 0  # steps run by a larger shape's program while theirs compiled
+        # Set by warm-up once large one-step shapes are compiled: then a decode call's new basic variant (plain
+        # temperature sampling after a greedy warm-up) compiles on the worker too, its batch stepping once a call.
+        self.pad_warmed = False
+
+    def _run_step(self, varying: tuple, static: dict):
+        """The step by its compiled program (the worker's, or the jitted function's, compiling now if new)."""
+        self._shapes.add(shape_family(*varying, static), step_dims(varying[0]))
+        return self._steps.run(variant_key(varying, static), (self.params, self.caches, *varying), static)
+
+    def _run_sampler(self, logits_BV, smeta, flags: SamplingFlags):
+        self._logits_aval = (logits_BV.shape[1], logits_BV.dtype)
+        static = {"flags": flags}
+        return self._samplers.run(variant_key((logits_BV, smeta), static), (logits_BV, smeta), static)
+
+    def _sampler_args(self, smeta, R: int) -> tuple | None:
+        """Abstract (logits, smeta) of the sampler at R rows; None before any step was sampled apart."""
+        if self._logits_aval is None:
+            return None
+        V, dtype = self._logits_aval
+        sharding = NamedSharding(self.mesh, PartitionSpec()) if self.mesh is not None else None
+        logits = jax.ShapeDtypeStruct((R, V), dtype, sharding=sharding)
+        meta = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct((R, *x.shape[1:]), x.dtype, sharding=sharding), smeta)
+        return logits, meta
+
+    def _sampler_ready(self, smeta, flags: SamplingFlags, R: int) -> bool:
+        args = self._sampler_args(smeta, R)
+        return args is not None and self._samplers.ready(variant_key(args, {"flags": flags}))
+
+    def _padded(self, inputs, smeta, flags: SamplingFlags, fused: bool, rows: list[SamplingRow]):
+        """(inputs, smeta, fused) to run the step with: as given when its programs are compiled (or none larger
+        is); else padded to the smallest compiled shape that holds it, fused or sampled apart (a fused variant
+        without a larger shape of its own runs as the shared step + its sampler), while its own programs
+        compile on the workers."""
+        dims = step_dims(inputs)
+        own = (inputs, smeta if fused else None)
+        own_static = step_static(flags, fused)
+        own_key = variant_key(own, own_static)
+        step_ready = self._steps.ready(own_key)
+        if step_ready and (fused or self._sampler_ready(smeta, flags, dims.R)):
+            return inputs, smeta, fused
+        larger = None
+        for as_fused in [True, False] if fused else [False]:
+            family = shape_family(inputs, smeta if as_fused else None, step_static(flags, as_fused))
+            if as_fused:
+                larger = self._shapes.smallest_holding(family, dims)
+            else:  # preferably a shape whose sampler is compiled; else any (its sampler is a small compilation)
+                larger = self._shapes.smallest_holding(family, dims, lambda d: self._sampler_ready(smeta, flags, d.R))
+                if larger is None and not step_ready:
+                    larger = self._shapes.smallest_holding(family, dims)
+            if larger is not None:
+                break
+        if larger is None:
+            return inputs, smeta, fused  # compiled now, as without padding
+        self._compile_own(own_key, own, own_static, smeta, flags, fused, dims)
+        if larger == dims:
+            return inputs, smeta, as_fused
+        self.num_padded_steps += 1
+        meta = build_sampling_metadata(rows, pad_to=larger.R)[0]
+        return pad_step_inputs(inputs, larger), meta, as_fused
+
+    def _compile_own(self, key: tuple, own: tuple, static: dict, smeta, flags: SamplingFlags, fused: bool,
+                     dims: StepDims) -> None:
+        """Hand the step's own programs to the workers: its step, and its sampler when sampled apart."""
+        replicated = parallel.replicate(own, self.mesh) if self.mesh is not None else own
+        self._steps.compile_later(key, (self.params, self.caches, *replicated), static)
+        sampler = None if fused else self._sampler_args(smeta, dims.R)
+        if sampler is not None:
+            self._samplers.compile_later(variant_key(sampler, {"flags": flags}), sampler, {"flags": flags})
