@@ -53,9 +53,13 @@ class BackgroundCompiler:
     """Runs a jitted call through its compiled variants, compiling new non-basic ones on a worker thread."""
 
     def __init__(self, jitted: Callable, enabled: bool | None = None,
-                 context: Callable[[], ContextManager] = contextlib.nullcontext, name: str = "decode"):
+                 context: Callable[[], ContextManager] = contextlib.nullcontext, name: str = "decode",
+                 lower_here: bool = False):
         self.jitted = jitted
         self.name = name  # what the log calls its variants
+        # Trace and lower on the calling thread, compile on the worker: a worker tracing in Python takes the GIL
+        # from a busy engine thread in 5 ms slices for the whole trace (set by the one-step call's compilers).
+        self.lower_here = lower_here
         self.enabled = background_compile_enabled() if enabled is None else enabled
         self.context = context  # entered around the worker's tracing (the mesh the calling thread runs under)
         self._in_jit: set[tuple] = set()  # variants the jitted function has compiled (its own cache)
@@ -129,7 +133,23 @@ class BackgroundCompiler:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmjax-compile")
             weakref.finalize(self, self._pool.shutdown, wait=False, cancel_futures=True)
         self.num_background += 1
-        self._compiling[key] = self._pool.submit(_compile_job, weakref.ref(self), abstract_args, static)
+        if self.lower_here:
+            self._compiling[key] = self._pool.submit(_compile_lowered, self._lower(abstract_args, static), self.name)
+        else:
+            self._compiling[key] = self._pool.submit(_compile_job, weakref.ref(self), abstract_args, static)
+
+    def _lower(self, abstract_args: tuple, static: dict):
+        """Trace and lower on the calling thread (the worker only compiles); a failure is the compilation's."""
+        start = time.perf_counter()
+        try:
+            with self.context():
+                lowered = self.jitted.lower(*abstract_args, **static)
+        except Exception as e:  # noqa: BLE001  (the variant compiles when met instead)
+            failed: Future = Future()
+            failed.set_exception(e)
+            return failed
+        logger.info("traced a %s variant in %.1f s for the background", self.name, time.perf_counter() - start)
+        return lowered
 
     def _collect(self, key: tuple):
         future = self._compiling.get(key)
@@ -143,6 +163,15 @@ class BackgroundCompiler:
             return None
         self._compiled[key] = future.result()
         return self._compiled[key]
+
+
+def _compile_lowered(lowered, name: str):
+    if isinstance(lowered, Future):
+        return lowered.result()  # raises the tracing's error: the variant is marked failed
+    start = time.perf_counter()
+    compiled = _compile(lowered)
+    logger.info("compiled a %s variant in the background in %.1f s", name, time.perf_counter() - start)
+    return compiled
 
 
 def _compile_job(compiler_ref: weakref.ref, abstract_args: tuple, static: dict):

@@ -33,8 +33,9 @@ class PaddedStepsMixin:
     def _init_padded_steps(self) -> None:
         self.pad_to_compiled = pad_to_compiled_enabled()  # off: steps go straight to the jitted step, as before
         context = lambda: parallel.use_mesh(self.mesh)  # noqa: E731
-        self._steps = BackgroundCompiler(self._step, enabled=True, context=context, name="step")
-        self._samplers = BackgroundCompiler(self._sample, enabled=True, context=context, name="sampler")
+        self._steps = BackgroundCompiler(self._step, enabled=True, context=context, name="step", lower_here=True)
+        self._samplers = BackgroundCompiler(self._sample, enabled=True, context=context, name="sampler",
+                                            lower_here=True)
         self._shapes = CompiledShapes()
         self._logits_aval: tuple | None = None  # (V, dtype) of the logits sampled apart, once one step has run
         self.num_padded_steps = 0  # steps run by a larger shape's program while theirs compiled

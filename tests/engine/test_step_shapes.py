@@ -1,6 +1,6 @@
 """After warm-up, a one-step call whose shape is not compiled yet runs at a larger compiled shape while its own
-compiles on the worker thread (lmjax.engine.step_shapes): no step compiles on the engine's thread, and the
-tokens and logprobs are those of the engine compiling each shape when met."""
+compiles on a worker thread (lmjax.engine.step_shapes): no step compiles on the engine's thread (it traces them),
+and the tokens and logprobs are those of the engine compiling each shape when met."""
 import logging
 
 import numpy as np
@@ -47,13 +47,16 @@ def test_padded_steps_match_and_never_compile_on_the_engine_thread(tiny, monkeyp
     llm = _llm(tiny, monkeypatch, "1")
     runner = llm.llm_engine.runner
     assert runner.pad_to_compiled and runner.pad_warmed
+    warm_steps, warm_decodes = set(runner._steps._in_jit), set(runner._decode._in_jit)
     with caplog.at_level(logging.INFO, logger="lmjax.engine"):
         got = _run(llm)
     assert got == want  # tokens and logprobs, exactly on the CPU
     assert runner.num_padded_steps > 0
-    compiles = [r for r in caplog.records if r.getMessage().startswith("compiling ")]
-    assert compiles and all(r.threadName.startswith("lmjax-compile") for r in compiles), \
-        [(r.threadName, r.getMessage()[:60]) for r in compiles]
+    # Every step and decode program after warm-up was compiled by the workers, none by the engine's jit.
+    assert runner._steps._in_jit == warm_steps and runner._decode._in_jit == warm_decodes
+    assert runner._steps.num_background > 0 and runner._decode.num_background > 0
+    compiled = [r for r in caplog.records if r.getMessage().startswith("compiled a step variant in the background")]
+    assert compiled and all(r.threadName.startswith("lmjax-compile") for r in compiled)
     # Once the worker is done, each step runs at its own shape.
     runner.wait_for_compiles()
     padded = runner.num_padded_steps
