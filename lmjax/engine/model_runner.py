@@ -155,8 +155,9 @@ class ModelRunner(FollowersMixin, PaddedStepsMixin):
         self.block_size = block_size
         self.mesh = mesh
         self.caches = make_kv_caches(model.config, num_blocks, block_size, kv_dtype, self.mesh, quant_policy, kv_maps)
+        self.caches_device = jax.devices()[0]
         if self.mesh is None:  # committed (aliased, no copy), as the step's donated outputs are: else
-            self.caches = jax.device_put(self.caches, jax.devices()[0])  # the second step compiles again
+            self.caches = jax.device_put(self.caches, self.caches_device)  # the second step compiles again
         self.max_T = bucket(max_tokens_per_step, 16)
         self.min_decode_B = decode_batch_floor(model)
         self.max_B = bucket(max_batch_size, 4)
@@ -229,13 +230,22 @@ class ModelRunner(FollowersMixin, PaddedStepsMixin):
             tables_BM[b, :len(it.seq.block_table)] = it.seq.block_table
         # Chained, the input tokens are the previous call's last ones, on the device: the host's
         # last_token_id is behind, so only an unchained call reads it.
-        ids_B = pending_ids(after.out.token_ids_B, rows=B) if after is not None else _last_token_ids(items, B)
+        ids_B = pending_ids(after.out.token_ids_B, rows=B) if after is not None else \
+            self.decode_ids(_last_token_ids(items, B))
         inputs = DecodeInputs(ids_B, positions_B, tables_BM, np.int32(n))
         smeta, flags = _sampling_inputs(rows, pad_to=B)
         if self.mesh is not None:
             inputs, smeta = parallel.replicate((inputs, smeta), self.mesh)
         result = self._run_decode(inputs, smeta, flags, num_steps)
         return None if result is None else PendingDecode(result, n, num_steps)
+
+    def decode_ids(self, ids_B: np.ndarray):
+        """A decode call's input tokens from the host, as a device array like a chained call's (pending_ids'
+        output): jit compiles a committed device array and a numpy array as different programs, so warm-up's
+        calls and unchained ones would otherwise leave each chained call's first run a full compilation
+        (measured: ~4 s on the CPU per batch bucket, in the middle of serving). Under a mesh the call's inputs
+        are all replicated onto it anyway."""
+        return ids_B if self.mesh is not None else jax.device_put(ids_B, self.caches_device)
 
     def _run_decode(self, inputs: DecodeInputs, smeta: SamplingMetadata, flags: SamplingFlags, num_steps: int,
                     now: bool = False):

@@ -41,7 +41,7 @@ def warmup_decode(runner: ModelRunner, batch_sizes: list[int], widths: list[int]
         for M in widths:
             if num_steps > 1:
                 zeros_B = np.zeros(B, np.int32)
-                inputs = DecodeInputs(zeros_B, zeros_B, np.zeros((B, M), np.int32), np.int32(0))
+                inputs = DecodeInputs(runner.decode_ids(zeros_B), zeros_B, np.zeros((B, M), np.int32), np.int32(0))
                 args = parallel.replicate((inputs, smeta), runner.mesh) if runner.mesh is not None \
                     else (inputs, smeta)
                 out = runner._run_decode(*args, flags, num_steps, now=True)

@@ -1,0 +1,25 @@
+"""Warm-up compiles what serving runs: a warmed engine's decode calls, chained or not, reuse warm-up's programs."""
+import pytest
+
+from conftest import write_tiny_llama
+from lmjax import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny"), eos_token_id=3)
+
+
+def test_chained_decode_calls_reuse_the_warmed_programs(tiny):
+    """A chained call's input tokens are a device array (the previous call's output); warm-up's and unchained
+    calls' were numpy, which jit compiles as another program: each batch bucket's first chained call compiled the
+    whole decode loop again in the middle of serving (~4 s on the CPU, seconds on a GPU)."""
+    llm = LLM(tiny, max_model_len=128, block_size=8, enforce_eager=False, max_num_seqs=8, num_scheduler_steps=4)
+    runner = llm.llm_engine.runner
+    warmed = runner._decode.jitted._cache_size()
+    loops = llm.llm_engine.num_decode_loops
+    greedy = SamplingParams(max_tokens=20, ignore_eos=True, temperature=0)  # the variant warm-up compiles
+    for n in (1, 3, 6):
+        llm.generate([[5, 9, 12, 30, 41 + i] for i in range(n)], greedy, use_tqdm=False)
+    assert llm.llm_engine.num_decode_loops >= loops + 6  # chained K-step calls ran
+    assert runner._decode.jitted._cache_size() == warmed
