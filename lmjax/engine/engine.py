@@ -307,7 +307,8 @@ class LLMEngine(SessionsMixin, MultiStepMixin, HostOutputsMixin, SpeculativeMixi
         vLLM captures its CUDA graphs at start-up: without it each bucket a shrinking batch reaches
         compiles when first reached (seconds on a CPU). One compilation per (batch bucket, block-table
         width bucket; one width off GPU) per distinct SamplingFlags of `sampling_params` (default:
-        greedy). Returns the compilations and seconds spent."""
+        greedy). Where one-step calls may run at a larger compiled shape (lmjax.engine.step_shapes: on a GPU),
+        also the largest one-step shapes (lmjax.engine.warmup). Returns the compilations and seconds spent."""
         start, compiled = time.perf_counter(), self.runner.num_compilations
         rows = [SamplingRow(p, seed=0) for p in (sampling_params or [SamplingParams(temperature=0.0)])]
         top = bucket(min(max_batch_size or self.config.max_batch_size, self.config.max_batch_size), 4)
