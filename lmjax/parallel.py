@@ -246,7 +246,10 @@ def per_device_bytes(tree) -> dict[jax.Device, int]:
 
 # ---------------------------------------------------------------- KV cache
 def kv_cache_sharding(mesh: Mesh, rules: Rules = DEFAULT_RULES) -> NamedSharding:
-    return NamedSharding(mesh, PartitionSpec(*(rules.get(a) if a else None for a in KV_CACHE_AXES)))
+    spec = [rules.get(a) if a else None for a in KV_CACHE_AXES]
+    while spec and spec[-1] is None:  # as a step's donated output cache comes back: jit keys on the spelling, so
+        spec.pop()  # P(.., 'tp', None) made warm-up's first program compile again in the middle of serving
+    return NamedSharding(mesh, PartitionSpec(*spec))
 
 
 def make_kv_caches(cfg, num_blocks: int, block_size: int, dtype, mesh: Mesh | None = None,

@@ -96,6 +96,10 @@ class BackgroundCompiler:
         """Whether `key` is with the worker (or failed there: it will not be ready)."""
         return key in self._compiling or key in self._failed
 
+    def failed(self, key: tuple) -> bool:
+        """Whether the worker failed to compile `key` (it compiles when met instead)."""
+        return key in self._failed
+
     def compile_later(self, key: tuple, args: tuple, static: dict) -> None:
         """Hand `key`'s variant (these arguments' shapes, dtypes and shardings) to the worker, unless it is ready
         or there already."""
@@ -166,6 +170,8 @@ class BackgroundCompiler:
 
 
 def _compile_lowered(lowered, name: str):
+    if _exiting.is_set():
+        return None  # skipped at interpreter exit, as _compile_job's
     if isinstance(lowered, Future):
         return lowered.result()  # raises the tracing's error: the variant is marked failed
     start = time.perf_counter()

@@ -26,7 +26,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from lmjax import parallel
-from lmjax.engine.background_compile import BackgroundCompiler
+from lmjax.engine.background_compile import BackgroundCompiler, background_compile_enabled
 from lmjax.engine.block_manager import BlockManager
 from lmjax.engine.followers import FollowersMixin, step_kind
 from lmjax.engine.decode_loop import DecodeInputs, PendingDecode, decode_steps, pending_ids
@@ -171,8 +171,11 @@ class ModelRunner(FollowersMixin, PaddedStepsMixin):
         self._sample = jax.jit(_sample, static_argnames=("flags",))
         self._init_padded_steps()
         self._sample_rows = jax.jit(_sample_rows, static_argnames=("flags",))
+        # Not where several processes make the same calls without a leader (a leader decodes one step a call):
+        # each one's worker finishes at its own time, and their collectives must run the same program.
         self._decode = BackgroundCompiler(
             jax.jit(self._decode_fn, donate_argnums=(1,), static_argnames=("flags", "num_steps")),
+            enabled=background_compile_enabled() and jax.process_count() == 1,
             context=lambda: parallel.use_mesh(self.mesh))
 
     def _count_compilation(self) -> int:
@@ -268,8 +271,8 @@ class ModelRunner(FollowersMixin, PaddedStepsMixin):
 
     def wait_for_compiles(self) -> None:
         """Block until the variants compiling in the background are ready (a benchmark's warm-up)."""
-        self._decode.wait()
-        self._steps.wait()
+        for compiler in (self._decode, self._steps, self._samplers):
+            compiler.wait()
 
     def table_width(self, num_blocks: int) -> int:
         """Block-table width M of a step whose longest sequence holds `num_blocks` blocks."""

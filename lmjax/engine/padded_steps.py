@@ -31,7 +31,10 @@ class PaddedStepsMixin:
     """Mixed into ModelRunner (its params, caches, mesh, _step and _sample)."""
 
     def _init_padded_steps(self) -> None:
-        self.pad_to_compiled = pad_to_compiled_enabled()  # off: steps go straight to the jitted step, as before
+        # Off: steps go straight to the jitted step, as before. Off where several processes make the same calls
+        # without a leader: each one's worker finishes at its own time, so they would run different programs for
+        # one step and their collectives would not match (a leader never pads: it passes no rows).
+        self.pad_to_compiled = pad_to_compiled_enabled() and jax.process_count() == 1
         context = lambda: parallel.use_mesh(self.mesh)  # noqa: E731
         self._steps = BackgroundCompiler(self._step, enabled=True, context=context, name="step", lower_here=True)
         self._samplers = BackgroundCompiler(self._sample, enabled=True, context=context, name="sampler",
@@ -77,8 +80,9 @@ class PaddedStepsMixin:
         own_static = step_static(flags, fused)
         own_key = variant_key(own, own_static)
         step_ready = self._steps.ready(own_key)
-        if step_ready and (fused or self._sampler_ready(smeta, flags, dims.R)):
-            return inputs, smeta, fused
+        ready = step_ready and (fused or self._sampler_ready(smeta, flags, dims.R))
+        if ready or self._compile_failed(own_key, smeta, flags, fused, dims.R):
+            return inputs, smeta, fused  # (a program the worker failed to compile is compiled when met)
         larger = None
         for as_fused in [True, False] if fused else [False]:
             family = shape_family(inputs, smeta if as_fused else None, step_static(flags, as_fused))
@@ -98,6 +102,11 @@ class PaddedStepsMixin:
         self.num_padded_steps += 1
         meta = build_sampling_metadata(rows, pad_to=larger.R)[0]
         return pad_step_inputs(inputs, larger), meta, as_fused
+
+    def _compile_failed(self, key: tuple, smeta, flags: SamplingFlags, fused: bool, R: int) -> bool:
+        sampler = None if fused else self._sampler_args(smeta, R)
+        return self._steps.failed(key) or (
+            sampler is not None and self._samplers.failed(variant_key(sampler, {"flags": flags})))
 
     def _compile_own(self, key: tuple, own: tuple, static: dict, smeta, flags: SamplingFlags, fused: bool,
                      dims: StepDims) -> None:

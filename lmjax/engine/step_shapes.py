@@ -28,10 +28,12 @@ MAX_T_RATIO = 64  # a padded call computes at most this many times its own token
 
 
 def pad_to_compiled_enabled() -> bool:
+    """LMJAX_PAD_TO_COMPILED: "auto" (the default) on a GPU, "1" anywhere, "0" never; LMJAX_BACKGROUND_COMPILE=0
+    turns it off too."""
     choice = env_choice("LMJAX_PAD_TO_COMPILED", ("auto", "1", "0"), "auto")
-    if choice == "auto":
-        return background_compile_enabled() and jax.default_backend() == "gpu"
-    return choice == "1"
+    if choice == "0" or not background_compile_enabled():
+        return False
+    return choice == "1" or jax.default_backend() == "gpu"
 
 
 class StepDims(NamedTuple):

@@ -94,6 +94,8 @@ def test_switch(monkeypatch):
     assert pad_to_compiled_enabled() == (jax.default_backend() == "gpu")
     monkeypatch.setenv("LMJAX_PAD_TO_COMPILED", "1")
     assert pad_to_compiled_enabled()
+    monkeypatch.setenv("LMJAX_BACKGROUND_COMPILE", "0")  # runs that must repeat bit for bit: off too
+    assert not pad_to_compiled_enabled()
     monkeypatch.setenv("LMJAX_PAD_TO_COMPILED", "yes")
     with pytest.raises(ValueError, match="LMJAX_PAD_TO_COMPILED='yes'"):
         pad_to_compiled_enabled()
