@@ -319,7 +319,7 @@ class LLMEngine(SessionsMixin, MultiStepMixin, HostOutputsMixin, SpeculativeMixi
         for row in rows:
             warmup_decode(self.runner, sizes, widths, [row], self.config.num_scheduler_steps)
             if self.runner.pad_to_compiled:
-                warmup_steps(self.runner, [row])
+                warmup_steps(self.runner, [row], sizes)
         self.runner.pad_warmed = self.runner.pad_to_compiled
         stats = {"compilations": self.runner.num_compilations - compiled,
                  "seconds": round(time.perf_counter() - start, 3)}

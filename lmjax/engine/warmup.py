@@ -13,7 +13,7 @@ import numpy as np
 
 from lmjax import parallel
 from lmjax.config import SamplingParams
-from lmjax.engine.decode_loop import DecodeInputs
+from lmjax.engine.decode_loop import DecodeInputs, pending_ids
 from lmjax.engine.model_runner import ModelRunner, StepInputs, bucket
 from lmjax.engine.step_shapes import MAX_T_RATIO, StepDims
 from lmjax.layers.attention import AttentionMetadata
@@ -45,6 +45,7 @@ def warmup_decode(runner: ModelRunner, batch_sizes: list[int], widths: list[int]
                 args = parallel.replicate((inputs, smeta), runner.mesh) if runner.mesh is not None \
                     else (inputs, smeta)
                 out = runner._run_decode(*args, flags, num_steps, now=True)
+                jax.block_until_ready(pending_ids(out.token_ids_B, rows=B))  # a chained call's input tokens
             else:
                 out, _, _ = runner._run(padding_step(StepDims(bucket(B, 16), B, B, M)), smeta, flags, -1)
             jax.block_until_ready(out)
@@ -57,10 +58,14 @@ def large_step_dims(runner: ModelRunner) -> list[StepDims]:
     return [StepDims(T, runner.max_B, runner.max_B, runner.max_M) for T in tokens]
 
 
-def warmup_steps(runner: ModelRunner, rows: list[SamplingRow]) -> None:
-    """Compile large_step_dims' shapes, fused with `rows`' sampling and sampled apart."""
+def warmup_steps(runner: ModelRunner, rows: list[SamplingRow], batch_sizes: list[int]) -> None:
+    """Compile large_step_dims' shapes, fused with `rows`' sampling and sampled apart, and the tiny programs
+    that hand a one-step call's tokens (its R rows, padded or not) to a decode call of B rows chained after it."""
     for dims in large_step_dims(runner):
         for row_set in (rows, [_APART_ROW]):
             smeta, flags = build_sampling_metadata(row_set, pad_to=dims.R)
             out, _, _ = runner._run(padding_step(dims), smeta, flags, -1)
             jax.block_until_ready(out)
+    for B in batch_sizes:
+        for R in {runner.max_B, bucket(B, 4)}:
+            jax.block_until_ready(pending_ids(out.token_ids_B[:R], rows=B))
