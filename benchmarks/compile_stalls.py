@@ -1,5 +1,6 @@
 """What compiling in the middle of serving costs a warmed-up engine, with and without running new one-step
-shapes at a larger compiled shape while theirs compile on a worker (LMJAX_PAD_TO_COMPILED, lmjax/engine/step_shapes.py):
+shapes at a larger compiled shape while theirs compile on a worker (LMJAX_PAD_TO_COMPILED,
+lmjax/engine/step_shapes.py):
 
     python benchmarks/compile_stalls.py --shape llama-3.2-1b     # GPU: random bf16 weights of the shape
     python benchmarks/compile_stalls.py --shape tiny --scale 0.1  # CPU smoke run

@@ -63,7 +63,8 @@ class PaddedStepsMixin:
         V, dtype = self._logits_aval
         sharding = NamedSharding(self.mesh, PartitionSpec()) if self.mesh is not None else None
         logits = jax.ShapeDtypeStruct((R, V), dtype, sharding=sharding)
-        meta = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct((R, *x.shape[1:]), x.dtype, sharding=sharding), smeta)
+        meta = jax.tree_util.tree_map(
+            lambda x: jax.ShapeDtypeStruct((R, *x.shape[1:]), x.dtype, sharding=sharding), smeta)
         return logits, meta
 
     def _sampler_ready(self, smeta, flags: SamplingFlags, R: int) -> bool:

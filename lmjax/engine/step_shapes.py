@@ -95,7 +95,8 @@ def pad_step_inputs(inputs, dims: StepDims):
     tables_BM = np.zeros((dims.B, dims.M), np.int32)
     tables_BM[:B, :M] = attn.block_tables_BM
     cu_B1 = np.asarray(attn.cu_q_lens_B1)
-    new_attn = type(attn)(slot_mapping_T=pad(attn.slot_mapping_T, dims.T, 0), seq_lens_T=pad(attn.seq_lens_T, dims.T, 1),
+    new_attn = type(attn)(slot_mapping_T=pad(attn.slot_mapping_T, dims.T, 0),
+                          seq_lens_T=pad(attn.seq_lens_T, dims.T, 1),
                           kv_lens_B=pad(attn.kv_lens_B, dims.B, 0), block_tables_BM=tables_BM,
                           cu_q_lens_B1=pad(cu_B1, dims.B + 1, cu_B1[-1]))
     return type(inputs)(ids_T=pad(inputs.ids_T, dims.T, 0), positions_T=pad(inputs.positions_T, dims.T, 0),
