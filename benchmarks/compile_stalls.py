@@ -9,7 +9,8 @@ lmjax/engine/step_shapes.py):
 shapes) with an empty persistent compilation cache, then rounds of requests as a server meets them: batches of
 other sizes and prompt lengths (new token / sequence / block-table buckets of the one-step call) and other
 sampling variants, each round timed; then, the worker's compilations waited for, the same rounds three times
-more (the steady state: each round's median). Each setting runs in a child process of its own, one after the other, and the table compares them.
+more (the steady state: each round's median). Each setting runs in a child process of its own, one after the
+other, and the table compares them.
 """
 from __future__ import annotations
 
