@@ -57,8 +57,9 @@ class BackgroundCompiler:
                  lower_here: bool = False):
         self.jitted = jitted
         self.name = name  # what the log calls its variants
-        # Trace and lower on the calling thread, compile on the worker: a worker tracing in Python takes the GIL
-        # from a busy engine thread in 5 ms slices for the whole trace (set by the one-step call's compilers).
+        # Trace and lower on the calling thread, compile on the worker (the one-step call's compilers): a trace on
+        # the worker shares the GIL with the engine thread for its whole length, here it stalls that thread once;
+        # first-round totals measured no different either way (BENCHMARKS.md, session 29).
         self.lower_here = lower_here
         self.enabled = background_compile_enabled() if enabled is None else enabled
         self.context = context  # entered around the worker's tracing (the mesh the calling thread runs under)
@@ -77,15 +78,12 @@ class BackgroundCompiler:
         args = (*fixed, *varying)
         if (basic and not now) or not self.enabled:  # (the greedy decode loop's path: no key to build)
             return self.jitted(*args, **static)
-        key = variant_key(varying, static)  # (warm-up's `now` records it: later calls may not be `basic`)
-        if now or key in self._in_jit:
+        key = variant_key(varying, static)
+        if now:  # warm-up records it: later calls may not be `basic`
             self._in_jit.add(key)
-            return self.jitted(*args, **static)
-        compiled = self._compiled.get(key) or self._collect(key)
-        if compiled is not None:
-            return self._call_compiled(key, compiled, args, static)
-        if key not in self._compiling and key not in self._failed:
-            self._submit(key, jax.tree_util.tree_map(_abstract, args), static)
+        if self.ready(key):
+            return self.run(key, args, static)
+        self.compile_later(key, args, static)
         return None
 
     def ready(self, key: tuple) -> bool:

@@ -303,12 +303,11 @@ class LLMEngine(SessionsMixin, MultiStepMixin, HostOutputsMixin, SpeculativeMixi
         return list(changed.values())
 
     def warmup(self, sampling_params: list[SamplingParams] | None = None, max_batch_size: int | None = None) -> dict:
-        """Compile the decode step of every batch-size bucket now rather than in the middle of a run, as
-        vLLM captures its CUDA graphs at start-up: without it each bucket a shrinking batch reaches
-        compiles when first reached (seconds on a CPU). One compilation per (batch bucket, block-table
-        width bucket; one width off GPU) per distinct SamplingFlags of `sampling_params` (default:
-        greedy). Where one-step calls may run at a larger compiled shape (lmjax.engine.step_shapes: on a GPU),
-        also the largest one-step shapes (lmjax.engine.warmup). Returns the compilations and seconds spent."""
+        """Compile the decode step of every batch-size bucket now rather than in the middle of a run, as vLLM
+        captures its CUDA graphs at start-up (else each bucket compiles when first reached: seconds on a CPU).
+        One compilation per (batch bucket, block-table width bucket; one width off GPU) per distinct SamplingFlags
+        of `sampling_params` (default: greedy); on a GPU also the largest one-step shapes (lmjax.engine.warmup).
+        Returns the compilations and seconds spent."""
         start, compiled = time.perf_counter(), self.runner.num_compilations
         rows = [SamplingRow(p, seed=0) for p in (sampling_params or [SamplingParams(temperature=0.0)])]
         top = bucket(min(max_batch_size or self.config.max_batch_size, self.config.max_batch_size), 4)
@@ -320,7 +319,6 @@ class LLMEngine(SessionsMixin, MultiStepMixin, HostOutputsMixin, SpeculativeMixi
             warmup_decode(self.runner, sizes, widths, [row], self.config.num_scheduler_steps)
             if self.runner.pad_to_compiled:
                 warmup_steps(self.runner, [row], sizes)
-        self.runner.pad_warmed = self.runner.pad_to_compiled
         stats = {"compilations": self.runner.num_compilations - compiled,
                  "seconds": round(time.perf_counter() - start, 3)}
         logger.info("warm-up: %d compilations in %.1f s (batch buckets %s, widths %s)", stats["compilations"],

@@ -33,7 +33,7 @@ from lmjax.engine.decode_loop import DecodeInputs, PendingDecode, decode_steps, 
 from lmjax.engine.host_outputs import NO_EXTRAS, Extras
 from lmjax.engine.model_prep import decode_batch_floor, merge_projections
 from lmjax.engine.scheduler import ScheduledBatch
-from lmjax.engine.padded_steps import PaddedStepsMixin
+from lmjax.engine.padded_steps import PaddedStepsMixin, step_static
 from lmjax.layers.attention import AttentionMetadata, cost_follows_context
 from lmjax.layers.sampler import (
     SamplerOutput,
@@ -370,8 +370,7 @@ class ModelRunner(FollowersMixin, PaddedStepsMixin):
         apart = extras.sample and not fused
         if self.mesh is not None:
             inputs, smeta = parallel.replicate((inputs, smeta), self.mesh)
-        static = dict(flags=flags if fused else None, num_prompt_logprobs=num_prompt_logprobs,
-                      extras=extras._replace(sample=False) if apart else extras)
+        static = step_static(flags, fused, num_prompt_logprobs, extras)
         varying = (inputs, smeta if fused else None)
         with parallel.use_mesh(self.mesh):
             if self.pad_to_compiled:  # through the compile worker's programs

@@ -21,10 +21,11 @@ from lmjax.engine.step_shapes import (
 from lmjax.layers.sampler import SamplingFlags, SamplingRow, build_sampling_metadata
 
 
-def step_static(flags: SamplingFlags, fused: bool) -> dict:
-    """The step's static arguments for an engine step without host outputs: sampling fused or apart."""
-    return dict(flags=flags if fused else None, num_prompt_logprobs=-1,
-                extras=NO_EXTRAS if fused else NO_EXTRAS._replace(sample=False))
+def step_static(flags: SamplingFlags, fused: bool, num_prompt_logprobs: int = -1, extras=NO_EXTRAS) -> dict:
+    """The jitted step's static arguments: sampling fused into it (basic variants) or not (sampled apart from its
+    logits, or on the host when extras.sample is off)."""
+    return dict(flags=flags if fused else None, num_prompt_logprobs=num_prompt_logprobs,
+                extras=extras if fused or not extras.sample else extras._replace(sample=False))
 
 
 class PaddedStepsMixin:

@@ -69,3 +69,4 @@ def warmup_steps(runner: ModelRunner, rows: list[SamplingRow], batch_sizes: list
     for B in batch_sizes:
         for R in {runner.max_B, bucket(B, 4)}:
             jax.block_until_ready(pending_ids(out.token_ids_B[:R], rows=B))
+    runner.pad_warmed = True  # now a new basic decode variant may compile on the worker too
