@@ -23,3 +23,19 @@ def test_chained_decode_calls_reuse_the_warmed_programs(tiny):
         llm.generate([[5, 9, 12, 30, 41 + i] for i in range(n)], greedy, use_tqdm=False)
     assert llm.llm_engine.num_decode_loops >= loops + 6  # chained K-step calls ran
     assert runner._decode.jitted._cache_size() == warmed
+
+
+def test_warmup_compiles_the_chaining_programs(tiny, monkeypatch):
+    """With padded steps (forced here), warm-up also compiles the tiny programs that pass a call's tokens to a
+    chained decode call (pending_ids: a one-step call's R rows, padded or not, and a K-step call's [K, B])."""
+    from lmjax.engine.decode_loop import pending_ids
+
+    monkeypatch.setenv("LMJAX_BACKGROUND_COMPILE", "1")
+    monkeypatch.setenv("LMJAX_PAD_TO_COMPILED", "1")
+    llm = LLM(tiny, max_model_len=128, block_size=8, enforce_eager=False, max_num_seqs=8, num_scheduler_steps=4,
+              max_num_batched_tokens=256)
+    warmed = pending_ids._cache_size()
+    greedy = SamplingParams(max_tokens=20, ignore_eos=True, temperature=0)
+    for n in (1, 3, 6, 8):
+        llm.generate([[5, 9, 12, 30, 41 + i] * 3 for i in range(n)], greedy, use_tqdm=False)
+    assert llm.llm_engine.num_chained_loops > 0 and pending_ids._cache_size() == warmed
