@@ -34,7 +34,7 @@ from lmjax.engine.speculative import SpeculativeMixin, row_starts
 from lmjax.engine.step_failures import StepFailuresMixin
 from lmjax.engine.stop import StopStringMatcher
 from lmjax.engine.vllm_names import VLLMNamesMixin
-from lmjax.engine.warmup import warmup_decode, warmup_steps
+from lmjax.engine.warmup import decode_programs, run_warmup, step_programs
 from lmjax.layers.sampler import NO_TOKEN, SamplingRow, row_banned_ids, seed32, tokenize_bad_words
 from lmjax.loader.generation_config import generation_eos_ids, read_generation_config, sampling_defaults
 from lmjax.loader.model_loader import load_model
@@ -306,8 +306,8 @@ class LLMEngine(SessionsMixin, MultiStepMixin, HostOutputsMixin, SpeculativeMixi
         """Compile the decode step of every batch-size bucket now rather than in the middle of a run, as vLLM
         captures its CUDA graphs at start-up (else each bucket compiles when first reached: seconds on a CPU).
         One compilation per (batch bucket, block-table width bucket; one width off GPU) per distinct SamplingFlags
-        of `sampling_params` (default: greedy); on a GPU also the largest one-step shapes (lmjax.engine.warmup).
-        Returns the compilations and seconds spent."""
+        of `sampling_params` (default: greedy); on a GPU also the largest one-step shapes (lmjax.engine.warmup),
+        compiled on several threads. Returns the compilations and seconds spent, and the compile pool's figures."""
         start, compiled = time.perf_counter(), self.runner.num_compilations
         rows = [SamplingRow(p, seed=0) for p in (sampling_params or [SamplingParams(temperature=0.0)])]
         top = bucket(min(max_batch_size or self.config.max_batch_size, self.config.max_batch_size), 4)
@@ -315,14 +315,14 @@ class LLMEngine(SessionsMixin, MultiStepMixin, HostOutputsMixin, SpeculativeMixi
         sizes = [1 << i for i in range(floor.bit_length() - 1, top.bit_length())]
         widths = [self.runner.max_M] if self.runner.fixed_M else \
             [1 << i for i in range(self.runner.max_M.bit_length())]
-        for row in rows:
-            warmup_decode(self.runner, sizes, widths, [row], self.config.num_scheduler_steps)
-            if self.runner.pad_to_compiled:
-                warmup_steps(self.runner, [row], sizes)
+        pad = self.runner.pad_to_compiled
+        programs = [program for row in rows for program in (
+            decode_programs(self.runner, sizes, widths, [row], self.config.num_scheduler_steps)
+            + (step_programs(self.runner, [row]) if pad else []))]
+        pool = run_warmup(self.runner, programs, sizes if pad else None)  # (the precompile pool's figures)
         stats = {"compilations": self.runner.num_compilations - compiled,
-                 "seconds": round(time.perf_counter() - start, 3)}
-        logger.info("warm-up: %d compilations in %.1f s (batch buckets %s, widths %s)", stats["compilations"],
-                    stats["seconds"], sizes, widths)
+                 "seconds": round(time.perf_counter() - start, 3), **pool}
+        logger.info("warm-up: %s (batch buckets %s, widths %s)", stats, sizes, widths)
         return stats
 
     def _row(self, item, ahead: int = 0) -> SamplingRow:

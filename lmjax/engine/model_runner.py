@@ -368,10 +368,7 @@ class ModelRunner(FollowersMixin, PaddedStepsMixin):
         if rows is not None and self.pad_to_compiled and num_prompt_logprobs < 0 and extras == NO_EXTRAS:
             inputs, smeta, fused = self._padded(inputs, smeta, flags, fused, rows)
         apart = extras.sample and not fused
-        if self.mesh is not None:
-            inputs, smeta = parallel.replicate((inputs, smeta), self.mesh)
-        static = step_static(flags, fused, num_prompt_logprobs, extras)
-        varying = (inputs, smeta if fused else None)
+        varying, static, smeta = self._step_args(inputs, smeta, flags, fused, num_prompt_logprobs, extras)
         with parallel.use_mesh(self.mesh):
             if self.pad_to_compiled:  # through the compile worker's programs
                 result = self._run_step(varying, static)
@@ -383,3 +380,21 @@ class ModelRunner(FollowersMixin, PaddedStepsMixin):
                 out = self._run_sampler(logits_BV, smeta, flags) if self.pad_to_compiled else \
                     self._sample(logits_BV, smeta, flags=flags)
         return out, prompt, extra
+
+    def _step_args(self, inputs: StepInputs, smeta, flags: SamplingFlags, fused: bool, num_prompt_logprobs: int = -1,
+                   extras: Extras = NO_EXTRAS):
+        """The jitted step's varying and static arguments, and smeta (replicated over the mesh, if any)."""
+        if self.mesh is not None:
+            inputs, smeta = parallel.replicate((inputs, smeta), self.mesh)
+        return (inputs, smeta if fused else None), step_static(flags, fused, num_prompt_logprobs, extras), smeta
+
+    def lower_step(self, inputs: StepInputs, smeta, flags: SamplingFlags):
+        """The one-step program `_run` runs for these (no prompt logprobs, no host outputs), lowered (warm-up)."""
+        varying, static, _ = self._step_args(inputs, smeta, flags, is_basic(flags, smeta))
+        with parallel.use_mesh(self.mesh):
+            return self._step.lower(self.params, self.caches, *varying, **static)
+
+    def lower_decode(self, inputs: DecodeInputs, smeta: SamplingMetadata, flags: SamplingFlags, num_steps: int):
+        """The decode program `_run_decode` runs for these, lowered (warm-up)."""
+        with parallel.use_mesh(self.mesh):
+            return self._decode.jitted.lower(self.params, self.caches, inputs, smeta, flags=flags, num_steps=num_steps)

@@ -5,8 +5,14 @@ The decode call of every (batch bucket, block-table width) for the warm-up's sam
 CUDA graph per batch size likewise), and, where one-step calls may run at a larger compiled shape
 (lmjax.engine.step_shapes), a few large one-step shapes so that every later step has one to run at while its
 own compiles: the largest (max tokens, sequences, rows and width) and one of 1/MAX_T_RATIO of its tokens, each
-fused with the warm-up's sampling and sampled apart (the shared step every other variant runs)."""
+fused with the warm-up's sampling and sampled apart (the shared step every other variant runs).
+
+Every program is first lowered here and compiled on a pool of threads (lmjax.engine.parallel_compile), then run
+once, one after another, as before."""
 from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -15,12 +21,19 @@ from lmjax import parallel
 from lmjax.config import SamplingParams
 from lmjax.engine.decode_loop import DecodeInputs, pending_ids
 from lmjax.engine.model_runner import ModelRunner, StepInputs, bucket
+from lmjax.engine.parallel_compile import Precompiler
 from lmjax.engine.step_shapes import MAX_T_RATIO, StepDims
 from lmjax.layers.attention import AttentionMetadata
-from lmjax.layers.sampler import SamplingRow, build_sampling_metadata
+from lmjax.layers.sampler import SamplingFlags, SamplingMetadata, SamplingRow, build_sampling_metadata
 
 # Any non-basic variant: its step is the shared one (sampled apart), and top-p's sampler program is compiled too.
 _APART_ROW = SamplingRow(SamplingParams(temperature=1.0, top_p=0.9), seed=0)
+
+
+@dataclasses.dataclass
+class WarmupProgram:
+    lower: Callable[[], Any]  # the program lowered as its run calls it (jax's Lowered)
+    run: Callable[[], Any]  # runs it on padding; what to block on
 
 
 def padding_step(dims: StepDims) -> StepInputs:
@@ -33,22 +46,36 @@ def padding_step(dims: StepDims) -> StepInputs:
                       last_rows_B=np.zeros(R, np.int32), next_ids_T=np.full(T, -1, np.int32))
 
 
-def warmup_decode(runner: ModelRunner, batch_sizes: list[int], widths: list[int], rows: list[SamplingRow],
-                  num_steps: int) -> None:
-    """Compile the decode call of each (batch bucket B, table width M) for the sampling flags of `rows`."""
+def _step_program(runner: ModelRunner, dims: StepDims, smeta: SamplingMetadata, flags: SamplingFlags):
+    return WarmupProgram(lambda: runner.lower_step(padding_step(dims), smeta, flags),
+                         lambda: runner._run(padding_step(dims), smeta, flags, -1)[0])
+
+
+def _decode_program(runner: ModelRunner, B: int, M: int, smeta: SamplingMetadata, flags: SamplingFlags,
+                    num_steps: int):
+    def args():
+        zeros_B = np.zeros(B, np.int32)
+        inputs = DecodeInputs(runner.decode_ids(zeros_B), zeros_B, np.zeros((B, M), np.int32), np.int32(0))
+        return parallel.replicate((inputs, smeta), runner.mesh) if runner.mesh is not None else (inputs, smeta)
+
+    def run():
+        out = runner._run_decode(*args(), flags, num_steps, now=True)
+        jax.block_until_ready(pending_ids(out.token_ids_B, rows=B))  # a chained call's input tokens
+        return out
+
+    return WarmupProgram(lambda: runner.lower_decode(*args(), flags, num_steps), run)
+
+
+def decode_programs(runner: ModelRunner, batch_sizes: list[int], widths: list[int], rows: list[SamplingRow],
+                    num_steps: int) -> list[WarmupProgram]:
+    """The decode call of each (batch bucket B, table width M) for the sampling flags of `rows`."""
+    programs = []
     for B in batch_sizes:
         smeta, flags = build_sampling_metadata(rows, pad_to=B)
         for M in widths:
-            if num_steps > 1:
-                zeros_B = np.zeros(B, np.int32)
-                inputs = DecodeInputs(runner.decode_ids(zeros_B), zeros_B, np.zeros((B, M), np.int32), np.int32(0))
-                args = parallel.replicate((inputs, smeta), runner.mesh) if runner.mesh is not None \
-                    else (inputs, smeta)
-                out = runner._run_decode(*args, flags, num_steps, now=True)
-                jax.block_until_ready(pending_ids(out.token_ids_B, rows=B))  # a chained call's input tokens
-            else:
-                out, _, _ = runner._run(padding_step(StepDims(bucket(B, 16), B, B, M)), smeta, flags, -1)
-            jax.block_until_ready(out)
+            programs.append(_decode_program(runner, B, M, smeta, flags, num_steps) if num_steps > 1 else
+                            _step_program(runner, StepDims(bucket(B, 16), B, B, M), smeta, flags))
+    return programs
 
 
 def large_step_dims(runner: ModelRunner) -> list[StepDims]:
@@ -58,15 +85,26 @@ def large_step_dims(runner: ModelRunner) -> list[StepDims]:
     return [StepDims(T, runner.max_B, runner.max_B, runner.max_M) for T in tokens]
 
 
-def warmup_steps(runner: ModelRunner, rows: list[SamplingRow], batch_sizes: list[int]) -> None:
-    """Compile large_step_dims' shapes, fused with `rows`' sampling and sampled apart, and the tiny programs
-    that hand a one-step call's tokens (its R rows, padded or not) to a decode call of B rows chained after it."""
-    for dims in large_step_dims(runner):
-        for row_set in (rows, [_APART_ROW]):
-            smeta, flags = build_sampling_metadata(row_set, pad_to=dims.R)
-            out, _, _ = runner._run(padding_step(dims), smeta, flags, -1)
-            jax.block_until_ready(out)
-    for B in batch_sizes:
-        for R in {runner.max_B, bucket(B, 4)}:
-            jax.block_until_ready(pending_ids(out.token_ids_B[:R], rows=B))
-    runner.pad_warmed = True  # now a new basic decode variant may compile on the worker too
+def step_programs(runner: ModelRunner, rows: list[SamplingRow]) -> list[WarmupProgram]:
+    """large_step_dims' shapes, fused with `rows`' sampling and sampled apart."""
+    return [_step_program(runner, dims, *build_sampling_metadata(row_set, pad_to=dims.R))
+            for dims in large_step_dims(runner) for row_set in (rows, [_APART_ROW])]
+
+
+def run_warmup(runner: ModelRunner, programs: list[WarmupProgram], chain_batch_sizes: list[int] | None) -> dict:
+    """Lower and compile `programs` on the pool, then run each; with `chain_batch_sizes` (padded steps: the step
+    programs are among them) also the tiny programs that hand a one-step call's tokens (its R rows, padded or not)
+    to a decode call of B rows chained after it. Returns the pool's figures."""
+    precompiler = Precompiler()
+    for program in programs:
+        precompiler.add(program.lower)
+    stats = precompiler.wait()
+    out = None
+    for program in programs:
+        out = jax.block_until_ready(program.run())
+    if chain_batch_sizes is not None:
+        for B in chain_batch_sizes:
+            for R in {runner.max_B, bucket(B, 4)}:
+                jax.block_until_ready(pending_ids(out.token_ids_B[:R], rows=B))
+        runner.pad_warmed = True  # now a new basic decode variant may compile on the worker too
+    return stats
