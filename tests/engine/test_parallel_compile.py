@@ -49,7 +49,8 @@ def test_warmup_compiles_each_program_once(tiny, compiles, monkeypatch, threads)
     warm = [(name, thread) for name, thread in compiles.seen if not thread.startswith("lmjax-compile")]
     decode = [thread for name, thread in warm if name == "_decode_fn"]
     steps = [thread for name, thread in warm if name == "_step_fn"]
-    assert len(decode) == runner._decode.jitted._cache_size() == 2  # batch buckets 4 and 8 (one width on CPU)
+    # batch buckets 4 and 8 (and 1, 2 on a GPU) x the block-table widths (one on the CPU): each compiled once
+    assert len(decode) == runner._decode.jitted._cache_size() >= 2
     assert len(steps) == runner._step._cache_size() == 4  # 2 large shapes x (fused, sampled apart)
     pooled = {thread.startswith("lmjax-precompile") for thread in decode + steps}
     assert pooled == ({True} if threads != "1" else {False})
