@@ -30,6 +30,7 @@ from typing import Any, Callable, ContextManager
 
 import jax
 
+from lmjax.engine.parallel_compile import paused_gc
 from lmjax.env import env_choice
 
 logger = logging.getLogger("lmjax.engine")
@@ -144,7 +145,7 @@ class BackgroundCompiler:
         """Trace and lower on the calling thread (the worker only compiles); a failure is the compilation's."""
         start = time.perf_counter()
         try:
-            with self.context():
+            with self.context(), paused_gc():  # (a stall of the engine's thread: lmjax.engine.parallel_compile)
                 lowered = self.jitted.lower(*abstract_args, **static)
         except Exception as e:  # noqa: BLE001  (the variant compiles when met instead)
             failed: Future = Future()

@@ -93,8 +93,7 @@ class LLMEngine(SessionsMixin, MultiStepMixin, HostOutputsMixin, SpeculativeMixi
             logger.warning("the KV cache holds %d tokens, fewer than session_len=%d: requests without max_tokens "
                            "stop there; give the cache more memory or lower session_len", self.cache_tokens,
                            self.session_len)
-        if config.warmup:
-            self.warmup()
+        self.warmup_stats = self.warmup() if config.warmup else None  # (start-up benchmarks read it)
 
     def _kv_maps(self, model):
         """The int4 KV cache's per-layer K / q maps, calibrated on the built-in text (lmjax.models.kv_calibration)."""

@@ -21,7 +21,7 @@ from lmjax import parallel
 from lmjax.config import SamplingParams
 from lmjax.engine.decode_loop import DecodeInputs, pending_ids
 from lmjax.engine.model_runner import ModelRunner, StepInputs, bucket
-from lmjax.engine.parallel_compile import Precompiler
+from lmjax.engine.parallel_compile import Precompiler, paused_gc
 from lmjax.engine.step_shapes import MAX_T_RATIO, StepDims
 from lmjax.layers.attention import AttentionMetadata
 from lmjax.layers.sampler import SamplingFlags, SamplingMetadata, SamplingRow, build_sampling_metadata
@@ -95,13 +95,13 @@ def run_warmup(runner: ModelRunner, programs: list[WarmupProgram], chain_batch_s
     """Lower and compile `programs` on the pool, then run each; with `chain_batch_sizes` (padded steps: the step
     programs are among them) also the tiny programs that hand a one-step call's tokens (its R rows, padded or not)
     to a decode call of B rows chained after it. Returns the pool's figures."""
-    precompiler = Precompiler()
-    for program in programs:
-        precompiler.add(program.lower)
-    stats = precompiler.wait()
-    out = None
-    for program in programs:
-        out = jax.block_until_ready(program.run())
+    precompiler, out = Precompiler(), None
+    with paused_gc():  # (with one thread, runs trace)
+        for program in programs:
+            precompiler.add(program.lower)
+        stats = precompiler.wait()
+        for program in programs:
+            out = jax.block_until_ready(program.run())
     if chain_batch_sizes is not None:
         for B in chain_batch_sizes:
             for R in {runner.max_B, bucket(B, 4)}:

@@ -75,3 +75,21 @@ def test_precompiler_logs_a_failed_lowering_and_goes_on(caplog):
     assert stats["programs"] == 1 and stats["failed"] == 0
     assert "no such shape 7" in caplog.text
     assert Precompiler(threads=1).wait()["programs"] == 0  # one thread: the calls compile as they are made
+
+
+def test_paused_gc_restores_what_was():
+    import gc
+
+    from lmjax.engine.parallel_compile import paused_gc
+
+    assert gc.isenabled()
+    with paused_gc():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with paused_gc():
+            pass
+        assert not gc.isenabled()  # a caller's own pause is left alone
+    finally:
+        gc.enable()
