@@ -150,7 +150,7 @@ def _async_engine(args, log_level: str = "ERROR"):
                           max_prefill_token_num=args.max_prefill_token_num, block_size=args.cache_block_seq_len,
                           rope_scaling_factor=args.rope_scaling_factor, speculative_config=args.speculative_config,
                           seed=getattr(args, "seed", None),  # (chat's --seed is the sampling seed: the same use)
-                          warmup=args.warmup)
+                          warmup=bool(args.warmup))
     return AsyncEngine(args.model, model_name=args.model_name, backend_config=config, chat_template_config=template,
                        log_level=log_level)
 
@@ -189,6 +189,17 @@ def _chat(args) -> int:
     return 0
 
 
+def serve_warmup(flag: bool | None) -> bool:
+    """The server warms up unless told (--enforce-eager) on a GPU, as vLLM's does (about 1.5 minutes for a 1B
+    model's 81 programs on an H100 the first time, 1 minute after: BENCHMARKS.md, session 30); on a CPU each
+    program costs seconds and a server's first requests reach only a few of them."""
+    if flag is not None:
+        return flag
+    import jax
+
+    return jax.default_backend() == "gpu"
+
+
 def _serve(args) -> int:
     import logging
 
@@ -204,6 +215,7 @@ def _serve(args) -> int:
     from lmjax.serve.openai_server import run_server
 
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args.warmup = serve_warmup(args.warmup)
     engine = _async_engine(args, args.log_level)
     from lmjax.loader.resolve import DEFAULT_MODEL, SMOLLM2_ALIASES, smollm2_gguf
 

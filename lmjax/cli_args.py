@@ -58,15 +58,15 @@ def add_engine_args(p) -> None:
     p.add_argument("--backend", choices=["turbomind", "pytorch"], default=None, help="accepted for LMDeploy")
     p.add_argument("--model-format", choices=["hf", "awq"], default=None,
                    help="LMDeploy's: the format is read from the checkpoint; 'awq' checks that it is an AWQ one")
-    p.add_argument("--warmup", action="store_true",
+    p.add_argument("--warmup", action="store_true", default=None,
                    help="compile the decode call of every batch bucket (on a GPU also the largest step shapes) at "
                         "start-up, as vLLM captures CUDA graphs: a slower first start (the persistent compilation "
                         "cache keeps them for the next), no compilation stalling requests while serving (default: "
-                        "each compiles when first met)")
+                        "on for `serve api_server` on a GPU, as vLLM's server; else each compiles when first met)")
     p.add_argument("--no-enforce-eager", dest="warmup", action="store_true", default=argparse.SUPPRESS,
                    help="vLLM's spelling of --warmup")
     p.add_argument("--enforce-eager", dest="warmup", action="store_false", default=argparse.SUPPRESS,
-                   help="vLLM's: no warm-up (lmjax's default, unlike vLLM's)")
+                   help="vLLM's: no warm-up (lmjax's default but for `serve api_server` on a GPU)")
     p.add_argument("--model", dest="model_option", default=argparse.SUPPRESS, metavar="MODEL",
                    help="the model, as MODEL (vLLM's and `lmjax generate`'s spelling)")
     vllm_aliases(p, {"--max-model-len": ("session_len", "--session-len", bounded(int, "max-model-len", 1)),

@@ -226,14 +226,22 @@ def test_chat_and_generate_import_without_the_serve_extra():
     assert proc.stdout.strip() == "client needs httpx"
 
 
-@pytest.mark.parametrize("flags, warmup", [([], False), (["--warmup"], True), (["--no-enforce-eager"], True),
+@pytest.mark.parametrize("flags, warmup", [([], None), (["--warmup"], True), (["--no-enforce-eager"], True),
                                            (["--enforce-eager"], False), (["--warmup", "--enforce-eager"], False)])
 def test_warmup_flags_reach_the_engine(monkeypatch, flags, warmup):
-    """`--warmup` (vLLM: `--no-enforce-eager`) compiles at start-up what serving would compile in its middle."""
+    """`--warmup` (vLLM: `--no-enforce-eager`) compiles at start-up what serving would compile in its middle; the
+    server does by default on a GPU (as vLLM's), `lmjax chat` only when asked."""
+    import jax
+
     from lmjax.api import async_engine
 
     built = {}
     monkeypatch.setattr(async_engine, "AsyncEngine", lambda model, **kw: built.update(model=model, **kw))
-    cli._async_engine(cli.build_parser().parse_args(["serve", "api_server", "m", *flags]))
-    assert built["backend_config"].warmup is warmup
-    assert cli.build_parser().parse_args(["chat", *flags]).warmup is warmup
+    for command in (["chat"], ["serve", "api_server", "m"]):
+        args = cli.build_parser().parse_args([*command, *flags])
+        assert args.warmup is warmup
+        cli._async_engine(args)
+        assert built["backend_config"].warmup is bool(warmup)
+    for backend, auto in (("cpu", False), ("gpu", True)):
+        monkeypatch.setattr(jax, "default_backend", lambda: backend)
+        assert cli.serve_warmup(warmup) is (auto if warmup is None else warmup)
