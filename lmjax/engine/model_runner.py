@@ -26,14 +26,23 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from lmjax import parallel
-from lmjax.engine.background_compile import BackgroundCompiler, background_compile_enabled
+from lmjax.engine.background_compile import (
+    BackgroundCompiler,
+    background_compile_enabled,
+)
 from lmjax.engine.block_manager import BlockManager
+from lmjax.engine.decode_loop import (
+    DecodeInputs,
+    PendingDecode,
+    decode_steps,
+    pending_ids,
+)
 from lmjax.engine.followers import FollowersMixin, step_kind
-from lmjax.engine.decode_loop import DecodeInputs, PendingDecode, decode_steps, pending_ids
 from lmjax.engine.host_outputs import NO_EXTRAS, Extras
 from lmjax.engine.model_prep import decode_batch_floor, merge_projections
-from lmjax.engine.scheduler import ScheduledBatch
 from lmjax.engine.padded_steps import PaddedStepsMixin, step_static
+from lmjax.engine.scheduler import ScheduledBatch
+from lmjax.engine.step_fns import prompt_logprobs, sample_fused, sample_rows
 from lmjax.layers.attention import AttentionMetadata, cost_follows_context
 from lmjax.layers.sampler import (
     SamplerOutput,
@@ -43,9 +52,9 @@ from lmjax.layers.sampler import (
     build_sampling_metadata,
     is_basic,
     sample,
-    token_rank,
 )
 from lmjax.models.forward import make_kv_caches
+from lmjax.models.layer_trace import layer_tracer, shared_layer_traces
 
 logger = logging.getLogger("lmjax.engine")
 
@@ -118,23 +127,6 @@ class StepOutput:
     ranks: np.ndarray | None = None  # the sampled token's rank (with logprobs asked for)
 
 
-def _prompt_logprobs(logits_TV, next_ids_T, k: int):
-    logprobs_TV = jax.nn.log_softmax(logits_TV, axis=-1)
-    chosen_T = jnp.take_along_axis(logprobs_TV, jnp.maximum(next_ids_T, 0)[:, None], axis=-1)[:, 0]
-    top_lp_TK, top_ids_TK = jax.lax.top_k(logprobs_TV, k) if k else (logprobs_TV[:, :0], logprobs_TV[:, :0])
-    return chosen_T, top_ids_TK.astype(jnp.int32), top_lp_TK, token_rank(logprobs_TV, chosen_T)
-
-
-def _sample(logits_BV, smeta, *, flags: SamplingFlags) -> SamplerOutput:
-    return sample(logits_BV, smeta, **flags._asdict())
-
-
-def _sample_rows(raw_BV, idx_R, processed_RV, smeta, *, flags: SamplingFlags) -> SamplerOutput:
-    """Sample from the raw logits with rows idx_R (out of bounds: padding) replaced by processed ones."""
-    logits_BV = raw_BV.at[idx_R].set(processed_RV, mode="drop")
-    return sample(logits_BV, smeta, **flags._asdict(), raw_BV=raw_BV)
-
-
 def _last_token_ids(items, B: int) -> np.ndarray:
     """Each item's last token id, padded with 0 to B rows."""
     ids_B = np.zeros(B, np.int32)
@@ -166,11 +158,12 @@ class ModelRunner(FollowersMixin, PaddedStepsMixin):
         self.num_compilations = 0
         self._count_lock = threading.Lock()  # traces run on the engine's thread and the compile worker's
         self.leading = False  # process 0 driving follower processes (see lead / follow)
+        self._layers = layer_tracer()  # (one per engine: its traces hold this engine's trace-time settings)
         self._step = jax.jit(self._step_fn, donate_argnums=(1,),
                              static_argnames=("flags", "num_prompt_logprobs", "extras"))
-        self._sample = jax.jit(_sample, static_argnames=("flags",))
+        self._sample = jax.jit(sample_fused, static_argnames=("flags",))
         self._init_padded_steps()
-        self._sample_rows = jax.jit(_sample_rows, static_argnames=("flags",))
+        self._sample_rows = jax.jit(sample_rows, static_argnames=("flags",))
         # Not where several processes make the same calls without a leader (a leader decodes one step a call):
         # each one's worker finishes at its own time, and their collectives must run the same program.
         self._decode = BackgroundCompiler(
@@ -193,14 +186,15 @@ class ModelRunner(FollowersMixin, PaddedStepsMixin):
                     inputs.ids_T.shape[0], inputs.last_rows_B.shape[0], inputs.attn.block_tables_BM.shape[1],
                     flags, num_prompt_logprobs, "" if extras == NO_EXTRAS else f" {extras}")
         model = self._model(params)
-        hidden_TD, caches = model(inputs.ids_T, inputs.positions_T, caches, inputs.attn)
+        with shared_layer_traces(self._layers):  # one trace for all the layers (lmjax.models.layer_trace)
+            hidden_TD, caches = model(inputs.ids_T, inputs.positions_T, caches, inputs.attn)
         last_BD = hidden_TD[inputs.last_rows_B]
         last_BV = self._logits(model, last_BD)
         out = sample(last_BV, smeta, **flags._asdict()) if extras.sample else None
         all_TV = self._logits(model, hidden_TD) if num_prompt_logprobs >= 0 or extras.all_logits else None
         prompt = None
         if num_prompt_logprobs >= 0:
-            prompt = _prompt_logprobs(all_TV, inputs.next_ids_T, num_prompt_logprobs)
+            prompt = prompt_logprobs(all_TV, inputs.next_ids_T, num_prompt_logprobs)
         extra = {name: x for name, x, wanted in (
             ("last_logits", last_BV, extras.last_logits or not extras.sample),
             ("last_hidden", last_BD.astype(jnp.float32), extras.last_hidden),
@@ -211,9 +205,9 @@ class ModelRunner(FollowersMixin, PaddedStepsMixin):
     def _decode_fn(self, params, caches, inputs: DecodeInputs, smeta, *, flags: SamplingFlags, num_steps: int):
         logger.info("compiling %d-step decode #%d: B=%d M=%d %s", num_steps, self._count_compilation(),
                     inputs.ids_B.shape[0], inputs.block_tables_BM.shape[1], flags)
-        model = self._model(params)
-        return decode_steps(model, self._logits, caches, inputs, smeta, num_steps=num_steps,
-                            block_size=self.block_size, flags=flags)
+        with shared_layer_traces(self._layers):
+            return decode_steps(self._model(params), self._logits, caches, inputs, smeta, num_steps=num_steps,
+                                block_size=self.block_size, flags=flags)
 
     def dispatch_decode(self, batch: ScheduledBatch, rows: list[SamplingRow], num_steps: int,
                         after: PendingDecode | PendingStep | None = None) -> PendingDecode | None:

@@ -34,6 +34,7 @@ from lmjax.layers.norm import RMSNorm
 from lmjax.layers.out_major import OutMajorLinear
 from lmjax.layers.rope import inv_freq_TF, logn_scale_T
 from lmjax.models.config import ModelConfig
+from lmjax.models.layer_trace import call_layer
 
 KVCache = tuple[jax.Array, jax.Array]  # (k_PSKH, v_PSKH) of one layer
 
@@ -208,7 +209,7 @@ class LlamaForCausalLM(nnx.Module):
         x_TD, residual_TD = self.embed_tokens(ids_T), None
         new_caches = []
         for layer, cache in zip(self.layers, caches):
-            x_TD, residual_TD, cache = layer(x_TD, residual_TD, positions_T, cache, meta)
+            x_TD, residual_TD, cache = call_layer(layer, x_TD, residual_TD, positions_T, cache, meta)
             new_caches.append(cache)
         hidden_TD, _ = self.norm.add_and_norm(x_TD, residual_TD)
         return hidden_TD, new_caches
