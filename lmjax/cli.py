@@ -190,13 +190,16 @@ def _chat(args) -> int:
 
 
 def serve_warmup(flag: bool | None) -> bool:
-    """The server warms up unless told (--enforce-eager) on a GPU, as vLLM's does (about 1.5 minutes for a 1B
-    model's 81 programs on an H100 the first time, 1 minute after: BENCHMARKS.md, session 30); on a CPU each
-    program costs seconds and a server's first requests reach only a few of them."""
+    """The server warms up unless told (--enforce-eager) on a GPU, as vLLM's does (81 s for a 1B model's 81 programs
+    on an H100 the first time, ~1 minute after: BENCHMARKS.md, session 30); on a CPU each program costs seconds and a
+    server's first requests reach only a few of them."""
     if flag is not None:
         return flag
     import jax
 
+    from lmjax import parallel
+
+    parallel.initialize_distributed()  # (as the loader would: a process joins the others before the backend starts)
     return jax.default_backend() == "gpu"
 
 
