@@ -21,6 +21,7 @@ import contextlib
 import gc
 import logging
 import os
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
@@ -30,16 +31,28 @@ from lmjax.env import env_int
 logger = logging.getLogger("lmjax.engine")
 
 
+_gc_lock = threading.Lock()
+_gc_pauses = 0  # paused_gc blocks open, over all threads (two engines' threads may overlap)
+_gc_was_enabled = False  # as the first of them found it
+
+
 @contextlib.contextmanager
 def paused_gc():
-    """No cyclic garbage collection inside (reference counting still frees the rest); as it was after."""
-    was_enabled = gc.isenabled()
-    gc.disable()
+    """No cyclic garbage collection inside (reference counting still frees the rest); when the last overlapping
+    pause ends (any thread), as it was before the first."""
+    global _gc_pauses, _gc_was_enabled
+    with _gc_lock:
+        if _gc_pauses == 0:
+            _gc_was_enabled = gc.isenabled()
+            gc.disable()
+        _gc_pauses += 1
     try:
         yield
     finally:
-        if was_enabled:
-            gc.enable()
+        with _gc_lock:
+            _gc_pauses -= 1
+            if _gc_pauses == 0 and _gc_was_enabled:
+                gc.enable()
 
 
 def compile_threads() -> int:

@@ -30,8 +30,14 @@ def _run_layer(graphdef, state, *args):
 
 
 def layer_tracer() -> Callable:
-    """A jitted layer call (graphdef static): its cache holds one trace per layer structure and input shapes."""
-    return jax.jit(_run_layer, static_argnums=0)
+    """A jitted layer call (graphdef static): its cache holds one trace per layer structure and input shapes.
+    A function of its own per tracer: jax's jaxpr cache is keyed by the traced function (process-wide), so a
+    shared module-level function would hand one engine's layer traces to the next engine of the same shapes,
+    whatever that engine's trace-time settings (LMJAX_ATTENTION_IMPL, ...)."""
+    def run_layer(graphdef, state, *args):
+        return _run_layer(graphdef, state, *args)
+
+    return jax.jit(run_layer, static_argnums=0)
 
 
 @contextlib.contextmanager

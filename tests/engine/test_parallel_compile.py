@@ -93,3 +93,33 @@ def test_paused_gc_restores_what_was():
         assert not gc.isenabled()  # a caller's own pause is left alone
     finally:
         gc.enable()
+
+
+def test_paused_gc_from_two_threads_leaves_gc_enabled():
+    """Two engines' threads may pause at once: the one that read `disabled` inside the other's pause must not
+    leave GC off for good (review 30)."""
+    import gc
+    import sys
+    import threading
+
+    from lmjax.engine.parallel_compile import paused_gc
+
+    assert gc.isenabled()
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        def work():
+            for _ in range(50000):
+                with paused_gc():
+                    pass
+
+        threads = [threading.Thread(target=work) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        stuck = not gc.isenabled()
+    finally:
+        sys.setswitchinterval(old)
+        gc.enable()
+    assert not stuck, "cyclic GC left disabled after every paused_gc() exited"

@@ -77,3 +77,30 @@ def test_the_engine_traces_each_layer_shape_once(tmp_path, traces):
     out = llm.generate([[5, 9, 12, 30]], SamplingParams(max_tokens=9, temperature=0, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 9
     assert 0 < traces[0] <= 2 * llm.llm_engine.runner.num_compilations
+
+
+def test_a_second_engine_traces_its_layers_with_its_own_settings(tmp_path, monkeypatch):
+    """jax's jaxpr cache is keyed by the traced function, process-wide: with one module-level layer function, an
+    engine of the same shapes reused the first engine's layer traces, whatever its LMJAX_* switches (review 30)."""
+    from lmjax.layers import attention
+
+    path = write_tiny_llama(tmp_path, eos_token_id=3)
+    kw = dict(max_model_len=32, block_size=8, num_scheduler_steps=1)
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    monkeypatch.delenv("LMJAX_ATTENTION_IMPL", raising=False)  # CPU "auto": the tiled XLA op
+    a = LLM(path, **kw)
+    max_M = a.llm_engine.runner.max_M
+    prompt = list(range(5, 5 + (max_M - 1) * 8 + 1))  # fills max_M blocks: same widths under both impls
+    want = a.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+
+    impls = []
+    real = attention.ragged_paged_attention
+    monkeypatch.setattr(attention, "ragged_paged_attention",
+                        lambda *args, **k: impls.append(k.get("impl")) or real(*args, **k))
+    monkeypatch.setenv("LMJAX_ATTENTION_IMPL", "reference")
+    b = LLM(path, **kw)
+    assert not b.llm_engine.runner.fixed_M  # B did read the switch (width buckets)
+    got = b.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert got == want
+    # B's programs must run the attention B's setting asks for: traced with impl="reference"
+    assert "reference" in impls, f"engine B traced no attention at all: impls={impls}"
