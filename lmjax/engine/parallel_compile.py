@@ -56,7 +56,8 @@ def paused_gc():
 
 
 def compile_threads() -> int:
-    return env_int("LMJAX_COMPILE_THREADS", min(8, os.cpu_count() or 1), minimum=1)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return env_int("LMJAX_COMPILE_THREADS", min(8, cpus), minimum=1)  # (the CPUs this process may run on)
 
 
 class Precompiler:
