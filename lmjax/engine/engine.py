@@ -315,9 +315,9 @@ class LLMEngine(SessionsMixin, MultiStepMixin, HostOutputsMixin, SpeculativeMixi
         widths = [self.runner.max_M] if self.runner.fixed_M else \
             [1 << i for i in range(self.runner.max_M.bit_length())]
         pad = self.runner.pad_to_compiled
-        programs = [program for row in rows for program in (
-            decode_programs(self.runner, sizes, widths, [row], self.config.num_scheduler_steps)
-            + (step_programs(self.runner, [row]) if pad else []))]
+        programs = [program for row in rows for program in
+                    decode_programs(self.runner, sizes, widths, [row], self.config.num_scheduler_steps)]
+        programs += step_programs(self.runner, rows) if pad else []  # (duplicates lowered and run once)
         pool = run_warmup(self.runner, programs, sizes if pad else None)  # (the precompile pool's figures)
         stats = {"compilations": self.runner.num_compilations - compiled,
                  "seconds": round(time.perf_counter() - start, 3), **pool}

@@ -19,12 +19,14 @@ import numpy as np
 
 from lmjax import parallel
 from lmjax.config import SamplingParams
+from lmjax.engine.background_compile import variant_key
 from lmjax.engine.decode_loop import DecodeInputs, pending_ids
 from lmjax.engine.model_runner import ModelRunner, StepInputs, bucket
+from lmjax.engine.padded_steps import step_static
 from lmjax.engine.parallel_compile import Precompiler, paused_gc
 from lmjax.engine.step_shapes import MAX_T_RATIO, StepDims
 from lmjax.layers.attention import AttentionMetadata
-from lmjax.layers.sampler import SamplingFlags, SamplingMetadata, SamplingRow, build_sampling_metadata
+from lmjax.layers.sampler import SamplingFlags, SamplingMetadata, SamplingRow, build_sampling_metadata, is_basic
 
 # Any non-basic variant: its step is the shared one (sampled apart), and top-p's sampler program is compiled too.
 _APART_ROW = SamplingRow(SamplingParams(temperature=1.0, top_p=0.9), seed=0)
@@ -34,6 +36,8 @@ _APART_ROW = SamplingRow(SamplingParams(temperature=1.0, top_p=0.9), seed=0)
 class WarmupProgram:
     lower: Callable[[], Any]  # the program lowered as its run calls it (jax's Lowered)
     run: Callable[[], Any]  # runs it on padding; what to block on
+    key: tuple  # what selects the lowered program: programs of one key are lowered and compiled once
+    run_key: tuple  # and what selects all its run compiles (a step sampled apart also compiles its sampler)
 
 
 def padding_step(dims: StepDims) -> StepInputs:
@@ -47,8 +51,11 @@ def padding_step(dims: StepDims) -> StepInputs:
 
 
 def _step_program(runner: ModelRunner, dims: StepDims, smeta: SamplingMetadata, flags: SamplingFlags):
+    fused = is_basic(flags, smeta)  # else every variant runs the one step sampled apart, then its own sampler
+    key = ("step", variant_key((padding_step(dims), smeta if fused else None), step_static(flags, fused)))
     return WarmupProgram(lambda: runner.lower_step(padding_step(dims), smeta, flags),
-                         lambda: runner._run(padding_step(dims), smeta, flags, -1)[0])
+                         lambda: runner._run(padding_step(dims), smeta, flags, -1)[0],
+                         key, key + (variant_key(smeta, {"flags": flags}),))
 
 
 def _decode_program(runner: ModelRunner, B: int, M: int, smeta: SamplingMetadata, flags: SamplingFlags,
@@ -63,7 +70,8 @@ def _decode_program(runner: ModelRunner, B: int, M: int, smeta: SamplingMetadata
         jax.block_until_ready(pending_ids(out.token_ids_B, rows=B))  # a chained call's input tokens
         return out
 
-    return WarmupProgram(lambda: runner.lower_decode(*args(), flags, num_steps), run)
+    key = ("decode", B, M, num_steps, variant_key(smeta, {"flags": flags}))
+    return WarmupProgram(lambda: runner.lower_decode(*args(), flags, num_steps), run, key, key)
 
 
 def decode_programs(runner: ModelRunner, batch_sizes: list[int], widths: list[int], rows: list[SamplingRow],
@@ -86,21 +94,24 @@ def large_step_dims(runner: ModelRunner) -> list[StepDims]:
 
 
 def step_programs(runner: ModelRunner, rows: list[SamplingRow]) -> list[WarmupProgram]:
-    """large_step_dims' shapes, fused with `rows`' sampling and sampled apart."""
-    return [_step_program(runner, dims, *build_sampling_metadata(row_set, pad_to=dims.R))
-            for dims in large_step_dims(runner) for row_set in (rows, [_APART_ROW])]
+    """large_step_dims' shapes with each of `rows`' sampling (fused, or sampled apart), and sampled apart."""
+    return [_step_program(runner, dims, *build_sampling_metadata([row], pad_to=dims.R))
+            for dims in large_step_dims(runner) for row in [*rows, _APART_ROW]]
 
 
 def run_warmup(runner: ModelRunner, programs: list[WarmupProgram], chain_batch_sizes: list[int] | None) -> dict:
-    """Lower and compile `programs` on the pool, then run each; with `chain_batch_sizes` (padded steps: the step
-    programs are among them) also the tiny programs that hand a one-step call's tokens (its R rows, padded or not)
-    to a decode call of B rows chained after it. Returns the pool's figures."""
+    """Lower and compile `programs` on the pool (once per key), then run each (once per run key); with
+    `chain_batch_sizes` (padded steps: the step programs are among them) also the tiny programs that hand a
+    one-step call's tokens (its R rows, padded or not) to a decode call of B rows chained after it. Returns the
+    pool's figures."""
     precompiler, out = Precompiler(), None
+    lowering = list({program.key: program for program in programs}.values())
+    running = list({program.run_key: program for program in programs}.values())
     with paused_gc():  # (with one thread, runs trace)
-        for program in programs:
+        for program in lowering:
             precompiler.add(program.lower)
         stats = precompiler.wait()
-        for program in programs:
+        for program in running:
             out = jax.block_until_ready(program.run())
     if chain_batch_sizes is not None:
         for B in chain_batch_sizes:

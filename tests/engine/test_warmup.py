@@ -39,3 +39,23 @@ def test_warmup_compiles_the_chaining_programs(tiny, monkeypatch):
     for n in (1, 3, 6, 8):
         llm.generate([[5, 9, 12, 30, 41 + i] * 3 for i in range(n)], greedy, use_tqdm=False)
     assert llm.llm_engine.num_chained_loops > 0 and pending_ids._cache_size() == warmed
+
+
+def test_warmup_lowers_and_compiles_each_program_once(tiny, monkeypatch):
+    """Warm-up rows that share a program (same sampling flags; or any non-basic variant, whose step is the one
+    sampled apart) lower and compile it once: each row added the sampled-apart step programs again, compiled
+    twice on the pool."""
+    from lmjax.engine.warmup import large_step_dims
+
+    monkeypatch.setenv("LMJAX_BACKGROUND_COMPILE", "1")
+    monkeypatch.setenv("LMJAX_PAD_TO_COMPILED", "1")
+    llm = LLM(tiny, max_model_len=64, block_size=8, enforce_eager=False, max_num_seqs=4, num_scheduler_steps=4,
+              max_num_batched_tokens=64)
+    engine = llm.llm_engine
+    steps = 2 * len(large_step_dims(engine.runner))  # greedy fused and sampled apart, per shape
+    decodes = engine.warmup_stats["programs"] - steps
+    assert decodes > 0 and steps > 0
+    rows = [SamplingParams(temperature=0), SamplingParams(temperature=0, seed=7), SamplingParams(top_p=0.5)]
+    stats = engine.warmup(rows)
+    assert stats["programs"] == 2 * decodes + steps  # top-p adds its decode calls only
+    assert stats["failed"] == 0
