@@ -24,7 +24,7 @@ from lmjax.engine.decode_loop import DecodeInputs, pending_ids
 from lmjax.engine.model_runner import ModelRunner, StepInputs, bucket
 from lmjax.engine.padded_steps import step_static
 from lmjax.engine.parallel_compile import Precompiler, paused_gc
-from lmjax.engine.step_shapes import MAX_T_RATIO, StepDims
+from lmjax.engine.step_shapes import MAX_T_RATIO, StepDims, pad_step_inputs
 from lmjax.layers.attention import AttentionMetadata
 from lmjax.layers.sampler import SamplingFlags, SamplingMetadata, SamplingRow, build_sampling_metadata, is_basic
 
@@ -41,13 +41,12 @@ class WarmupProgram:
 
 
 def padding_step(dims: StepDims) -> StepInputs:
-    """One-step inputs of `dims` holding no token of any sequence."""
-    T, B, R, M = dims
-    attn = AttentionMetadata(slot_mapping_T=np.zeros(T, np.int32), seq_lens_T=np.ones(T, np.int32),
-                             kv_lens_B=np.zeros(B, np.int32), block_tables_BM=np.zeros((B, M), np.int32),
-                             cu_q_lens_B1=np.zeros(B + 1, np.int32))
-    return StepInputs(ids_T=np.zeros(T, np.int32), positions_T=np.zeros(T, np.int32), attn=attn,
-                      last_rows_B=np.zeros(R, np.int32), next_ids_T=np.full(T, -1, np.int32))
+    """One-step inputs of `dims` holding no token of any sequence (an empty step padded as steps are)."""
+    none = np.zeros(0, np.int32)
+    attn = AttentionMetadata(slot_mapping_T=none, seq_lens_T=none, kv_lens_B=none,
+                             block_tables_BM=np.zeros((0, 0), np.int32), cu_q_lens_B1=np.zeros(1, np.int32))
+    empty = StepInputs(ids_T=none, positions_T=none, attn=attn, last_rows_B=none, next_ids_T=none)
+    return pad_step_inputs(empty, dims)
 
 
 def _step_program(runner: ModelRunner, dims: StepDims, smeta: SamplingMetadata, flags: SamplingFlags):
