@@ -249,7 +249,7 @@ class ModelRunner(FollowersMixin, PaddedStepsMixin):
         """The decode call's SamplerOutput (the cache updated), or None while its sampling variant compiles
         (lmjax.engine.background_compile); `now`: compile it now."""
         with parallel.use_mesh(self.mesh):
-            result = self._decode((self.params, self.caches), (inputs, smeta), {"flags": flags, "num_steps": num_steps},
+            result = self._decode(*self._decode_args(inputs, smeta, flags, num_steps),
                                   basic=is_basic(flags, smeta) and not self.pad_warmed, now=now)
         if result is None:
             return None
@@ -388,7 +388,12 @@ class ModelRunner(FollowersMixin, PaddedStepsMixin):
         with parallel.use_mesh(self.mesh):
             return self._step.lower(self.params, self.caches, *varying, **static)
 
+    def _decode_args(self, inputs: DecodeInputs, smeta: SamplingMetadata, flags: SamplingFlags, num_steps: int):
+        """The jitted decode call's fixed, varying and static arguments."""
+        return (self.params, self.caches), (inputs, smeta), {"flags": flags, "num_steps": num_steps}
+
     def lower_decode(self, inputs: DecodeInputs, smeta: SamplingMetadata, flags: SamplingFlags, num_steps: int):
         """The decode program `_run_decode` runs for these, lowered (warm-up)."""
+        fixed, varying, static = self._decode_args(inputs, smeta, flags, num_steps)
         with parallel.use_mesh(self.mesh):
-            return self._decode.jitted.lower(self.params, self.caches, inputs, smeta, flags=flags, num_steps=num_steps)
+            return self._decode.jitted.lower(*fixed, *varying, **static)
