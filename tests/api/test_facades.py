@@ -58,9 +58,16 @@ def test_single_prompt_gives_single_response_and_chat_session(pipe):
     assert len(session.history) == 2 and session.response.input_token_len > 20
 
 
-def test_lmdeploy_pipeline_methods(pipe):
+@pytest.fixture(scope="module")
+def pruned_pipe(smollm2_pruned):
+    return pipeline(smollm2_pruned, backend_config=TurbomindEngineConfig(session_len=1024))
+
+
+def test_lmdeploy_pipeline_methods(smollm2_pruned, pruned_pipe):
     """Response.index is the prompt's position (LMDeploy); stream pieces carry index and logprobs; chat with
-    stream_response yields the reply's pieces and records the turn; infer, get_ppl, close / with."""
+    stream_response yields the reply's pieces and records the turn; infer, get_ppl, close / with. (Plumbing:
+    the pruned SmolLM2, a fifth of the full model's compile time.)"""
+    pipe = pruned_pipe
     g = GenerationConfig(max_new_tokens=4, logprobs=2)
     whole = pipe.infer(["Hi", "Shanghai is"], gen_config=g)
     assert [r.index for r in whole] == [0, 1]
@@ -96,7 +103,7 @@ def test_lmdeploy_pipeline_methods(pipe):
     assert same.token_ids == pipe("Shanghai is", gen_config=GenerationConfig(max_new_tokens=4)).token_ids
     with pytest.raises(TypeError, match="gen_config must be a GenerationConfig"):
         pipe("Hi", gen_config={"max_new_tokens": 4})
-    with pipeline(MODEL, backend_config=TurbomindEngineConfig(session_len=256)) as short:
+    with pipeline(smollm2_pruned, backend_config=TurbomindEngineConfig(session_len=256)) as short:
         assert short("Hi", gen_config=GenerationConfig(max_new_tokens=2)).generate_token_len <= 2
 
 
