@@ -14,7 +14,6 @@ import pytest
 import torch
 import transformers
 
-from conftest import smollm2_gguf_path
 from processes import run_joined
 
 DRIVER = os.path.join(os.path.dirname(__file__), "tp_driver.py")
@@ -134,10 +133,11 @@ def test_pallas_kernel_in_shard_map_matches_reference():
     assert out["runs"]["4"]["max_abs_diff"] < 1e-5
 
 
-def test_smollm2_tp3_matches_tp1():
-    """9 q heads, 3 KV heads, tied 49152-token vocabulary: tp = 3 (real weights)."""
+def test_smollm2_tp3_matches_tp1(smollm2_pruned):
+    """9 q heads, 3 KV heads, tied 49152-token vocabulary: tp = 3 (real weights; six of SmolLM2's layers, as
+    the sharding of one is that of all)."""
     tokenizer_prompts = [[504, 3575, 282, 4649, 314], [1029, 28860, 30, 94, 46, 1]]
-    out = _drive({"model": smollm2_gguf_path(), "tp": [1, 3], "prompts": tokenizer_prompts, "max_tokens": 16,
+    out = _drive({"model": smollm2_pruned, "tp": [1, 3], "prompts": tokenizer_prompts, "max_tokens": 16,
                   "devices": 3})
     assert out["runs"]["3"]["tokens"] == out["runs"]["1"]["tokens"]
     _check_param_bytes(out["runs"]["3"], 3)
