@@ -228,6 +228,8 @@ class EngineThread:
     def _loop(self) -> None:
         while True:
             block = not self.engine.has_unfinished()
+            if block:  # idle: trace the one-step shapes the last steps met now, not in the next request's first step
+                self.engine.runner.lower_deferred()
             while True:
                 try:
                     command = self._commands.get(block=block)

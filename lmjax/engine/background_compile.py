@@ -60,8 +60,10 @@ class BackgroundCompiler:
         self.name = name  # what the log calls its variants
         # Trace and lower on the calling thread, compile on the worker (the one-step call's compilers): a trace on
         # the worker shares the GIL with the engine thread for its whole length, here it stalls that thread once;
-        # first-round totals measured no different either way (BENCHMARKS.md, session 29).
+        # first-round totals measured no different either way (BENCHMARKS.md, session 29). The trace waits for
+        # `lower_deferred` (the engine's next step), so the step that met the variant returns its tokens first.
         self.lower_here = lower_here
+        self._deferred: dict[tuple, tuple[tuple, dict]] = {}  # variants to lower here: (abstract args, static)
         self.enabled = background_compile_enabled() if enabled is None else enabled
         self.context = context  # entered around the worker's tracing (the mesh the calling thread runs under)
         self._in_jit: set[tuple] = set()  # variants the jitted function has compiled (its own cache)
@@ -92,8 +94,15 @@ class BackgroundCompiler:
         return key in self._in_jit or key in self._compiled or self._collect(key) is not None
 
     def pending(self, key: tuple) -> bool:
-        """Whether `key` is with the worker (or failed there: it will not be ready)."""
-        return key in self._compiling or key in self._failed
+        """Whether `key` is with the worker, or waits to be lowered for it (or failed: it will not be ready)."""
+        return key in self._compiling or key in self._failed or key in self._deferred
+
+    def lower_deferred(self) -> None:
+        """Trace and lower the variants handed over since the last call, here, and hand them to the worker."""
+        while self._deferred:
+            key, (abstract_args, static) = next(iter(self._deferred.items()))
+            del self._deferred[key]
+            self._compiling[key] = self._pool_submit(_compile_lowered, self._lower(abstract_args, static), self.name)
 
     def failed(self, key: tuple) -> bool:
         """Whether the worker failed to compile `key` (it compiles when met instead)."""
@@ -116,6 +125,7 @@ class BackgroundCompiler:
 
     def wait(self) -> None:
         """Block until every variant handed to the worker is compiled (tests; a benchmark's warm-up)."""
+        self.lower_deferred()
         for key, future in list(self._compiling.items()):
             if not future.cancelled():
                 future.exception()
@@ -132,14 +142,17 @@ class BackgroundCompiler:
             return self.jitted(*args, **static)
 
     def _submit(self, key: tuple, abstract_args: tuple, static: dict) -> None:
+        self.num_background += 1
+        if self.lower_here:
+            self._deferred[key] = (abstract_args, static)
+        else:
+            self._compiling[key] = self._pool_submit(_compile_job, weakref.ref(self), abstract_args, static)
+
+    def _pool_submit(self, fn: Callable, *args) -> Future:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmjax-compile")
             weakref.finalize(self, self._pool.shutdown, wait=False, cancel_futures=True)
-        self.num_background += 1
-        if self.lower_here:
-            self._compiling[key] = self._pool.submit(_compile_lowered, self._lower(abstract_args, static), self.name)
-        else:
-            self._compiling[key] = self._pool.submit(_compile_job, weakref.ref(self), abstract_args, static)
+        return self._pool.submit(fn, *args)
 
     def _lower(self, abstract_args: tuple, static: dict):
         """Trace and lower on the calling thread (the worker only compiles); a failure is the compilation's."""

@@ -233,6 +233,7 @@ class LLMEngine(SessionsMixin, MultiStepMixin, HostOutputsMixin, SpeculativeMixi
     def step(self) -> list[Request]:
         """Advance every running request by one step (K steps for a multi-step decode call); returns
         the requests that changed."""
+        self.runner.lower_deferred()  # (new one-step shapes the last step met; the device may be busy meanwhile)
         if self._pending is not None:
             return self._finish_pending({})
         self._propose_drafts()

@@ -47,6 +47,12 @@ class PaddedStepsMixin:
         # temperature sampling after a greedy warm-up) compiles on the worker too, its batch stepping once a call.
         self.pad_warmed = False
 
+    def lower_deferred(self) -> None:
+        """Trace the one-step programs that padded steps handed over since the last call, for the workers (the
+        engine calls this at the start of a step: the step that met a new shape returned its tokens first)."""
+        self._steps.lower_deferred()
+        self._samplers.lower_deferred()
+
     def _run_step(self, varying: tuple, static: dict):
         """The step by its compiled program (the worker's, or the jitted function's, compiling now if new)."""
         self._shapes.add(shape_family(*varying, static), step_dims(varying[0]))

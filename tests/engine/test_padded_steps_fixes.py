@@ -64,6 +64,7 @@ EXIT_SCRIPT = textwrap.dedent("""
     for n in range(1, 6):  # five variants queued on the one worker
         args = (jax.ShapeDtypeStruct((n,), jnp.float32),)
         compiler.compile_later(bc.variant_key(args, {}), args, {})
+    compiler.lower_deferred()  # (as the engine's next step does)
     time.sleep(0.2)  # the first is compiling, four are queued: the interpreter exits now
 """)
 

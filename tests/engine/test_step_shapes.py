@@ -2,6 +2,7 @@
 compiles on a worker thread (lmjax.engine.step_shapes): no step compiles on the engine's thread (it traces them),
 and the tokens and logprobs are those of the engine compiling each shape when met."""
 import logging
+import time
 
 import jax
 import numpy as np
@@ -130,3 +131,52 @@ def test_pad_step_inputs():
     assert a.cu_q_lens_B1.tolist() == [0, 2, 3, 3, 3] and padded.last_rows_B.tolist() == [1, 2, 0]
     assert padded.next_ids_T.tolist() == [6, -1, -1, -1, -1, -1]
     assert all(x.dtype == np.int32 for x in (padded.ids_T, a.cu_q_lens_B1, a.block_tables_BM, padded.last_rows_B))
+
+
+def test_a_new_shape_is_traced_at_the_next_step_not_the_one_that_met_it(tiny, monkeypatch):
+    """The step that meets a new one-step shape runs padded and returns its token before that shape is traced
+    for the worker (~0.9 s of the engine's thread on the 1B shape: it was a new server's first token's wait)."""
+    llm = _llm(tiny, monkeypatch, "1")
+    engine, runner = llm.llm_engine, llm.llm_engine.runner
+    traced = []
+    lower = runner._steps._lower
+    monkeypatch.setattr(runner._steps, "_lower", lambda *args: traced.append(args) or lower(*args))
+    req = engine.add_request(list(range(4, 24)), SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    engine.step()  # its prefill: a shape warm-up did not compile
+    assert runner.num_padded_steps == 1 and len(req.completions[0].token_ids) == 1 and not traced
+    engine.step()  # traces it first
+    assert len(traced) == 1 and not runner._steps._deferred
+    runner.wait_for_compiles()
+    assert runner._steps.num_background == 1 and len(traced) == 1
+    while not req.finished:
+        engine.step()
+    want = LLM(tiny, max_model_len=128, block_size=8, enable_prefix_caching=False).generate(
+        [{"prompt_token_ids": list(range(4, 24))}], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
+        use_tqdm=False)[0].outputs[0].token_ids
+    assert req.completions[0].token_ids == want
+
+
+def test_the_engine_thread_traces_new_shapes_when_idle(tiny, monkeypatch):
+    """Served through the engine thread, a new shape met by the last request is traced once the engine is idle,
+    not in the next request's first step."""
+    import asyncio
+
+    from lmjax.api.async_engine import AsyncEngine
+    from lmjax.config import GenerationConfig
+
+    llm = _llm(tiny, monkeypatch, "1")
+    runner = llm.llm_engine.runner
+    served = AsyncEngine.over(llm.llm_engine)
+
+    async def one():
+        return [o async for o in served.generate(None, 1, GenerationConfig(max_new_tokens=4), input_ids=list(range(4, 24)))]
+
+    try:
+        assert asyncio.run(one()) and runner.num_padded_steps == 1
+        for _ in range(200):  # the engine thread, idle now, lowers it for the worker
+            if not runner._steps._deferred and runner._steps._compiling:
+                break
+            time.sleep(0.05)
+        assert not runner._steps._deferred and runner._steps.num_background == 1
+    finally:
+        served.close()
