@@ -99,10 +99,10 @@ class BackgroundCompiler:
 
     def lower_deferred(self) -> None:
         """Trace and lower the variants handed over since the last call, here, and hand them to the worker."""
-        while self._deferred:
-            key, (abstract_args, static) = next(iter(self._deferred.items()))
-            del self._deferred[key]
-            self._compiling[key] = self._pool_submit(_compile_lowered, self._lower(abstract_args, static), self.name)
+        while (key := next(iter(self._deferred), None)) is not None:  # first met, first lowered
+            item = self._deferred.pop(key, None)  # (None: another thread took it, e.g. a benchmark's wait())
+            if item is not None:
+                self._compiling[key] = self._pool_submit(_compile_lowered, self._lower(*item), self.name)
 
     def failed(self, key: tuple) -> bool:
         """Whether the worker failed to compile `key` (it compiles when met instead)."""
