@@ -28,6 +28,13 @@ def step_static(flags: SamplingFlags, fused: bool, num_prompt_logprobs: int = -1
                 extras=extras if fused or not extras.sample else extras._replace(sample=False))
 
 
+def step_variant(inputs, smeta, flags: SamplingFlags, fused: bool) -> tuple[tuple, dict, tuple]:
+    """A one-step call's varying arguments, static arguments and their compiled variant's key (warm-up and
+    padded steps select programs by it alike)."""
+    varying, static = (inputs, smeta if fused else None), step_static(flags, fused)
+    return varying, static, variant_key(varying, static)
+
+
 class PaddedStepsMixin:
     """Mixed into ModelRunner (its params, caches, mesh, _step and _sample)."""
 
@@ -84,9 +91,7 @@ class PaddedStepsMixin:
         without a larger shape of its own runs as the shared step + its sampler), while its own programs
         compile on the workers."""
         dims = step_dims(inputs)
-        own = (inputs, smeta if fused else None)
-        own_static = step_static(flags, fused)
-        own_key = variant_key(own, own_static)
+        own, own_static, own_key = step_variant(inputs, smeta, flags, fused)
         step_ready = self._steps.ready(own_key)
         ready = step_ready and (fused or self._sampler_ready(smeta, flags, dims.R))
         if ready or self._compile_failed(own_key, smeta, flags, fused, dims.R):

@@ -22,7 +22,7 @@ from lmjax.config import SamplingParams
 from lmjax.engine.background_compile import variant_key
 from lmjax.engine.decode_loop import DecodeInputs, pending_ids
 from lmjax.engine.model_runner import ModelRunner, StepInputs, bucket
-from lmjax.engine.padded_steps import step_static
+from lmjax.engine.padded_steps import step_variant
 from lmjax.engine.parallel_compile import Precompiler, paused_gc
 from lmjax.engine.step_shapes import MAX_T_RATIO, StepDims, pad_step_inputs
 from lmjax.layers.attention import AttentionMetadata
@@ -51,7 +51,7 @@ def padding_step(dims: StepDims) -> StepInputs:
 
 def _step_program(runner: ModelRunner, dims: StepDims, smeta: SamplingMetadata, flags: SamplingFlags):
     fused = is_basic(flags, smeta)  # else every variant runs the one step sampled apart, then its own sampler
-    key = ("step", variant_key((padding_step(dims), smeta if fused else None), step_static(flags, fused)))
+    key = ("step", step_variant(padding_step(dims), smeta, flags, fused)[2])
     return WarmupProgram(lambda: runner.lower_step(padding_step(dims), smeta, flags),
                          lambda: runner._run(padding_step(dims), smeta, flags, -1)[0],
                          key, key + (variant_key(smeta, {"flags": flags}),))
