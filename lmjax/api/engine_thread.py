@@ -26,6 +26,7 @@ from lmjax.engine.engine import LLMEngine
 from lmjax.engine.request import ContextOverflowError, Request
 
 logger = logging.getLogger("lmjax.engine")
+_IDLE_POLL_S = 0.05  # how often an idle engine thread with idle work left looks for it (the worker's progress)
 Sink = Callable[[object], None]
 
 
@@ -228,11 +229,11 @@ class EngineThread:
     def _loop(self) -> None:
         while True:
             block = not self.engine.has_unfinished()
-            if block:  # idle: trace the one-step shapes the last steps met now, not in the next request's first step
-                self.engine.runner.lower_deferred()
+            # idle: the engine's idle work (traces, prefetched compilations); while some remains, poll for commands
+            timeout = _IDLE_POLL_S if block and self.engine.idle_work() else None
             while True:
                 try:
-                    command = self._commands.get(block=block)
+                    command = self._commands.get(block=block, timeout=timeout if block else None)
                 except queue.Empty:
                     break
                 if command is None:

@@ -97,6 +97,10 @@ class BackgroundCompiler:
         """Whether `key` is with the worker, or waits to be lowered for it (or failed: it will not be ready)."""
         return key in self._compiling or key in self._failed or key in self._deferred
 
+    def busy(self) -> bool:
+        """Whether the worker has a variant in hand, or one waits to be lowered for it."""
+        return bool(self._deferred) or any(not future.done() for future in self._compiling.values())
+
     def lower_deferred(self) -> None:
         """Trace and lower the variants handed over since the last call, here, and hand them to the worker."""
         while (key := next(iter(self._deferred), None)) is not None:  # first met, first lowered

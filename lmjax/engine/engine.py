@@ -22,7 +22,7 @@ from lmjax.engine.compile_cache import compile_stats, enable_compilation_cache
 from lmjax.engine.detokenizer import IncrementalDetokenizer
 from lmjax.engine.guided import advance_guide
 from lmjax.engine.host_outputs import NO_EXTRAS, HostOutputsMixin, HostRows, needs_host
-from lmjax.engine.model_runner import ModelRunner, StepInputError, StepOutput, bucket
+from lmjax.engine.model_runner import ModelRunner, StepInputError, StepOutput
 from lmjax.engine.request import (Completion, ContextOverflowError, Request, check_logprobs, check_n, check_prompt,
                                   check_sampling_ids, in_vocab_terms, new_request_id, truncated_prompt)
 from lmjax.engine.multistep import MultiStepMixin
@@ -34,7 +34,7 @@ from lmjax.engine.speculative import SpeculativeMixin, row_starts
 from lmjax.engine.step_failures import StepFailuresMixin
 from lmjax.engine.stop import StopStringMatcher
 from lmjax.engine.vllm_names import VLLMNamesMixin
-from lmjax.engine.warmup import decode_programs, run_warmup, step_programs
+from lmjax.engine.warmup import warm_up
 from lmjax.layers.sampler import NO_TOKEN, SamplingRow, row_banned_ids, seed32, tokenize_bad_words
 from lmjax.loader.generation_config import generation_eos_ids, read_generation_config, sampling_defaults
 from lmjax.loader.model_loader import load_model
@@ -93,6 +93,7 @@ class LLMEngine(SessionsMixin, MultiStepMixin, HostOutputsMixin, SpeculativeMixi
             logger.warning("the KV cache holds %d tokens, fewer than session_len=%d: requests without max_tokens "
                            "stop there; give the cache more memory or lower session_len", self.cache_tokens,
                            self.session_len)
+        self.prefetch = None  # (set by warm-up: lmjax.engine.prefetch)
         self.warmup_stats = self.warmup() if config.warmup else None  # (start-up benchmarks read it)
 
     def _kv_maps(self, model):
@@ -308,22 +309,15 @@ class LLMEngine(SessionsMixin, MultiStepMixin, HostOutputsMixin, SpeculativeMixi
         One compilation per (batch bucket, block-table width bucket; one width off GPU) per distinct SamplingFlags
         of `sampling_params` (default: greedy); on a GPU also the largest one-step shapes (lmjax.engine.warmup),
         compiled on several threads. Returns the compilations and seconds spent, and the compile pool's figures."""
-        start, compiled = time.perf_counter(), self.runner.num_compilations
-        rows = [SamplingRow(p, seed=0) for p in (sampling_params or [SamplingParams(temperature=0.0)])]
-        top = bucket(min(max_batch_size or self.config.max_batch_size, self.config.max_batch_size), 4)
-        floor = self.runner.min_decode_B if self.config.num_scheduler_steps > 1 else 4
-        sizes = [1 << i for i in range(floor.bit_length() - 1, top.bit_length())]
-        widths = [self.runner.max_M] if self.runner.fixed_M else \
-            [1 << i for i in range(self.runner.max_M.bit_length())]
-        pad = self.runner.pad_to_compiled
-        programs = [program for row in rows for program in
-                    decode_programs(self.runner, sizes, widths, [row], self.config.num_scheduler_steps)]
-        programs += step_programs(self.runner, rows) if pad else []  # (duplicates lowered and run once)
-        pool = run_warmup(self.runner, programs, sizes if pad else None)  # (the precompile pool's figures)
-        stats = {"compilations": self.runner.num_compilations - compiled,
-                 "seconds": round(time.perf_counter() - start, 3), **pool}
-        logger.info("warm-up: %s (batch buckets %s, widths %s)", stats, sizes, widths)
+        stats, self.prefetch = warm_up(self, sampling_params, max_batch_size)
         return stats
+
+    def idle_work(self) -> bool:
+        """An idle engine thread's work: trace the one-step shapes the last steps met (not in the next request's
+        first step), and hand the compile worker the next sampling program requests may soon need
+        (lmjax.engine.prefetch). Whether some remains (the thread then polls instead of blocking)."""
+        self.runner.lower_deferred()
+        return self.prefetch is not None and self.prefetch.step()
 
     def _row(self, item, ahead: int = 0) -> SamplingRow:
         """The sampler's view of an item; `ahead` tokens of it are still on the device (their step

@@ -12,6 +12,8 @@ once, one after another, as before."""
 from __future__ import annotations
 
 import dataclasses
+import logging
+import time
 from typing import Any, Callable
 
 import jax
@@ -24,10 +26,12 @@ from lmjax.engine.decode_loop import DecodeInputs, pending_ids
 from lmjax.engine.model_runner import ModelRunner, StepInputs, bucket
 from lmjax.engine.padded_steps import step_variant
 from lmjax.engine.parallel_compile import Precompiler, paused_gc
+from lmjax.engine.prefetch import SamplingPrefetch, prefetch_enabled, prefetch_rows
 from lmjax.engine.step_shapes import MAX_T_RATIO, StepDims, pad_step_inputs
 from lmjax.layers.attention import AttentionMetadata
 from lmjax.layers.sampler import SamplingFlags, SamplingMetadata, SamplingRow, build_sampling_metadata, is_basic
 
+logger = logging.getLogger("lmjax.engine")
 # Any non-basic variant: its step is the shared one (sampled apart), and top-p's sampler program is compiled too.
 _APART_ROW = SamplingRow(SamplingParams(temperature=1.0, top_p=0.9), seed=0)
 
@@ -118,3 +122,29 @@ def run_warmup(runner: ModelRunner, programs: list[WarmupProgram], chain_batch_s
                 jax.block_until_ready(pending_ids(out.token_ids_B[:R], rows=B))
         runner.pad_warmed = True  # now a new basic decode variant may compile on the worker too
     return stats
+
+
+def warm_up(engine, sampling_params: list[SamplingParams] | None, max_batch_size: int | None):
+    """LLMEngine.warmup's work (its docstring says what). Returns its figures, and what the engine's compile worker
+    may take while it idles (lmjax.engine.prefetch; None where it would not use them)."""
+    runner, config = engine.runner, engine.config
+    start, compiled = time.perf_counter(), runner.num_compilations
+    rows = [SamplingRow(p, seed=0) for p in (sampling_params or [SamplingParams(temperature=0.0)])]
+    top = bucket(min(max_batch_size or config.max_batch_size, config.max_batch_size), 4)
+    floor = runner.min_decode_B if config.num_scheduler_steps > 1 else 4
+    sizes = [1 << i for i in range(floor.bit_length() - 1, top.bit_length())]
+    widths = [runner.max_M] if runner.fixed_M else [1 << i for i in range(runner.max_M.bit_length())]
+    pad = runner.pad_to_compiled
+    programs = [program for row in rows for program in
+                decode_programs(runner, sizes, widths, [row], config.num_scheduler_steps)]
+    programs += step_programs(runner, rows) if pad else []  # (duplicates lowered and run once)
+    pool = run_warmup(runner, programs, sizes if pad else None)  # (the precompile pool's figures)
+    stats = {"compilations": runner.num_compilations - compiled, "seconds": round(time.perf_counter() - start, 3),
+             **pool}
+    logger.info("warm-up: %s (batch buckets %s, widths %s)", stats, sizes, widths)
+    # Only a padding engine uses the worker's programs of a basic variant (else jit compiles them when met).
+    prefetch = None
+    if pad and runner._decode.enabled and prefetch_enabled():
+        prefetch = SamplingPrefetch(runner, sizes, widths, prefetch_rows(engine.sampling_defaults),
+                                    config.num_scheduler_steps, sorted({d.R for d in large_step_dims(runner)}))
+    return stats, prefetch
