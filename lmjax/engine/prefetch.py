@@ -8,7 +8,7 @@ second one would double the start-up. A sampled request met after warm-up decode
 first step also compiled a small sampler program) while its decode variant compiled on the worker: a new 1B
 server's first temperature-0.8 request took 1.95 s against 0.28 s greedy (BENCHMARKS.md, session 30). Here
 those programs go to the worker one at a time, each when it is free (a variant a request meets in the meantime
-is handed over at once, as before, so it never queues behind them), smallest batch bucket first; the
+is handed over at once, as before, so it never queues behind them), narrowest block table first; the
 persistent compilation cache keeps them for the next start. `LMJAX_PREFETCH_SAMPLING=0` turns it off.
 """
 from __future__ import annotations
@@ -56,7 +56,8 @@ class SamplingPrefetch:
         self.runner = runner
         self._jobs: Iterator[Callable[[], None]] = iter([
             *(self._sampler_job(row, R) for row in rows for R in large_rows),
-            *(self._decode_job(B, M, row, num_steps) for B in batch_sizes for M in widths for row in rows
+            # narrow tables first (short contexts: what most requests meet), every batch bucket of each
+            *(self._decode_job(B, M, row, num_steps) for M in widths for B in batch_sizes for row in rows
               if num_steps > 1)])  # (one-step engines decode through the padded steps: no decode call of its own)
         self._next: Callable[[], None] | None = next(self._jobs, None)
         self.num_handed = 0
