@@ -32,11 +32,12 @@ def _llm(tiny, monkeypatch, prefetch: str) -> LLM:
                max_num_seqs=8, max_num_batched_tokens=256)
 
 
-def _idle_until_done(engine) -> None:
-    """What the idle engine thread does (lmjax.api.engine_thread), until no prefetch remains."""
-    for _ in range(2000):
-        if not engine.idle_work():
-            break
+def _idle_until_done(engine, timeout_s: float = 600) -> None:
+    """What the idle engine thread does (lmjax.api.engine_thread), until no prefetch remains (on a GPU: five table
+    widths for each batch bucket, a compilation of seconds each)."""
+    deadline = time.monotonic() + timeout_s
+    while engine.idle_work():
+        assert time.monotonic() < deadline, f"prefetch not done in {timeout_s} s"
         time.sleep(0.01)
     engine.runner.wait_for_compiles()
 
@@ -85,10 +86,9 @@ def test_the_engine_thread_prefetches_while_idle(tiny, monkeypatch):
                                                                            top_k=0, random_seed=3),
                                                  input_ids=list(range(4, 24)))]
     try:
-        for _ in range(600):  # no request: the idle thread hands the programs over, one when the worker is free
-            if llm.llm_engine.prefetch._next is None:
-                break
-            time.sleep(0.05)
+        deadline = time.monotonic() + 600
+        while llm.llm_engine.prefetch._next is not None and time.monotonic() < deadline:
+            time.sleep(0.05)  # no request: the idle thread hands the programs over, one when the worker is free
         assert llm.llm_engine.prefetch._next is None and runner._decode.num_background > 1
         assert asyncio.run(one())  # and it still serves
     finally:
