@@ -152,7 +152,7 @@ class AsyncEngine:
         elif stop is not None:
             legacy["stop_words"] = [stop] if isinstance(stop, str) else list(stop)
         params = self.sampling_params(gen_config, **legacy)
-        await self._settle(session_id)  # before encode: a later turn's text depends on how the last one ended
+        await self.settle(session_id)  # before encode: a later turn's text depends on how the last one ended
         if input_ids is not None:
             text, ids = None, token_ids_of(input_ids, "input_ids")
         else:
@@ -166,7 +166,7 @@ class AsyncEngine:
         finally:
             await run.aclose()  # now, with this generator's own close: not one more loop round later
 
-    async def _settle(self, session_id: int) -> None:
+    async def settle(self, session_id: int) -> None:
         """Before a turn is encoded: a stream of this session left by `break` is closed (its turn aborted) by a
         task that asyncio's finalizer hook creates a loop round later and runs the round after: let it run.
         Then wait until the engine thread has done the abort of any abandoned turn (broken off, cancelled,
@@ -177,8 +177,8 @@ class AsyncEngine:
                 break
             await asyncio.sleep(0)
         pending = self._aborting.get(session_id)
-        if pending is not None:
-            await asyncio.wrap_future(pending)
+        if pending is not None:  # (shielded: cancelling this waiter must not cancel the abort others wait for)
+            await asyncio.shield(asyncio.wrap_future(pending))
 
     async def _run(self, session_id, ids, params, text, sequence_start, sequence_end, stream,
                    step: int = 0) -> AsyncIterator[GenOut]:
@@ -206,19 +206,27 @@ class AsyncEngine:
                 self._note_abort(session_id, self._thread.abort(request_id))
 
     def _note_abort(self, session_id, done: concurrent.futures.Future) -> None:
-        """Keep the abort's Future for the session's next turn (`_settle`) until it is done."""
+        """Keep the abort's Future for the session's next turn (`settle`) until it is done."""
         self._aborting[session_id] = done
         done.add_done_callback(lambda f: self._aborting.pop(session_id, None) if self._aborting.get(session_id) is f
                                else None)
 
     def stop_session(self, session_id: int) -> _Done:
         """Stop the session's running turn (its history so far is kept). Await the result, or
-        `.result()` it, to wait until the engine has done it."""
-        return _Done.of(self._thread.call(lambda: self._thread.stop_session(session_id)))
+        `.result()` it, to wait until the engine has done it; the session's next turn waits for it anyway."""
+        return self._session_command(session_id, self._thread.stop_session)
 
     def end_session(self, session_id: int) -> _Done:
         """Stop the session's running turn and forget its history, freeing its KV cache."""
-        return _Done.of(self._thread.call(lambda: self._thread.end_session(session_id)))
+        return self._session_command(session_id, self._thread.end_session)
+
+    def _session_command(self, session_id: int, command) -> _Done:
+        """Run command(session_id) on the engine thread; the session's next turn is encoded only after it (an
+        un-awaited stop, or get_generator(stop=True)'s, would otherwise leave the turn's text to guess how the
+        stopped reply ended)."""
+        done = self._thread.call(lambda: command(session_id))
+        self._note_abort(session_id, done)
+        return _Done.of(done)
 
     def get_generator(self, stop: bool, session_id: int) -> SessionGenerator:
         """A handle bound to one session (`stop=True` first stops its running turn)."""
@@ -342,12 +350,20 @@ class _Done(concurrent.futures.Future):
     @classmethod
     def of(cls, future: concurrent.futures.Future) -> _Done:
         done = cls()
-        future.add_done_callback(lambda f: done.set_exception(f.exception()) if f.exception()
-                                 else done.set_result(f.result()))
+        future.add_done_callback(lambda f: _settle_done(done, f))
         return done
 
     def __await__(self):
         return asyncio.wrap_future(self).__await__()
+
+
+def _settle_done(done: concurrent.futures.Future, source: concurrent.futures.Future) -> None:
+    """`done` as `source` ended, unless its waiter cancelled it already (the engine still did the command)."""
+    if done.set_running_or_notify_cancel():
+        if source.exception() is not None:
+            done.set_exception(source.exception())
+        else:
+            done.set_result(source.result())
 
 
 def _response(out: GenOut, session_id: int | None = None, index: int | None = None) -> Response:

@@ -140,7 +140,8 @@ class EngineThread:
             try:
                 self._abort(request_id)
             finally:
-                done.set_result(None)
+                if done.set_running_or_notify_cancel():  # (False: a waiter cancelled it; the abort is done all the same)
+                    done.set_result(None)
         try:
             self._put(command)
         except RuntimeError:

@@ -313,6 +313,9 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
         if req.cancel and req.session_id == -1:  # as LMDeploy: a fresh id has nothing to cancel
             raise APIError(400, "please set a session_id to cancel a request")
         sid = req.session_id if req.session_id != -1 else new_session_id()
+        # A turn the client left (a closed stream) is aborted by the engine thread: wait for that before reading
+        # the history it keeps, or the next turn sent at once would start the session over.
+        await engine.settle(sid)
         history = engine.id2step.get(sid, 0)
         # LMDeploy's APIClient.end_session sends request_output_len=0: an end even of a session with no
         # history yet (its first turn may still be running)
