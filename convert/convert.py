@@ -43,8 +43,9 @@ from jax.sharding import Mesh, NamedSharding
 from lmjax import parallel
 from lmjax.layers.quant import QuantSpec, quantize_model
 from lmjax.loader.awq import awq_spec
-from lmjax.loader.model_loader import load_model
-from lmjax.loader.orbax_loader import CONFIG_KEY, FORMAT_VERSION, ORBAX_SUBDIR, is_converted, param_key
+from lmjax.loader.model_loader import load_model, read_model_config
+from lmjax.loader.orbax_loader import (CONFIG_KEY, FORMAT_VERSION, ORBAX_SUBDIR, is_converted, param_key,
+                                       require_orbax)
 from lmjax.loader.resolve import resolve_model_path
 from lmjax.loader.safetensors_loader import read_config
 
@@ -59,6 +60,7 @@ WRITER_WAIT_S = 60.0
 _SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
                "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
                "generation_config.json")
+_TEMPLATES_DIR = "additional_chat_templates"
 
 
 def convert_checkpoint(src: str, out: str, dtype: str = "bfloat16", tp: int = 1, quant: str | None = None,
@@ -78,10 +80,13 @@ def convert_checkpoint(src: str, out: str, dtype: str = "bfloat16", tp: int = 1,
     re-saved as it is. overwrite: replace an `out` that is a
     conversion or an empty directory."""
     spec, calibrated = _check_options(dtype, tp, quant, group_size, w4_method, calib_text, quant_lm_head)
+    require_orbax("lmjax convert")
     path = os.path.abspath(resolve_model_path(src))
+    if tp > 1:  # (from the config alone: before a load and a calibration of minutes)
+        parallel.check_tp(read_model_config(path), tp)
     out = os.path.abspath(os.path.expanduser(out))
     stored = _stored_quant(path, spec, w4_method, calib_text)
-    text = _read_text(calib_text) if calibrated else None
+    prompts = _calibration_prompts(path, _read_text(calib_text)) if calibrated and stored is None else None
     _check_out(path, out, overwrite)
     os.makedirs(os.path.dirname(out), exist_ok=True)
     _sweep_stale_tmp(out)
@@ -90,7 +95,7 @@ def convert_checkpoint(src: str, out: str, dtype: str = "bfloat16", tp: int = 1,
         params, loaded = _read(path, dtype, tp, None)
         quant_info = stored
     else:
-        params, loaded = _read(path, dtype, tp, spec, calibrated, text)
+        params, loaded = _read(path, dtype, tp, spec, calibrated, prompts)
         quant_info = _quant_info(spec, calibrated, calib_text)
     tmp = _make_tmp(out)
     try:
@@ -113,8 +118,10 @@ def _check_options(dtype: str, tp: int, quant: str | None, group_size: int | Non
     otherwise."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} is not supported; choose one of {DTYPES}")
-    if tp < 1:
-        raise ValueError(f"tp={tp} must be >= 1")
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tp={tp!r} must be an int >= 1")
+    if group_size is not None and (isinstance(group_size, bool) or not isinstance(group_size, int)):
+        raise ValueError(f"group_size={group_size!r} must be an int")
     if quant_lm_head and not quant:
         raise ValueError(f"quant_lm_head={quant_lm_head!r} needs quant (w8 or w4) for the rest of the model")
     if w4_method is not None and w4_method not in W4_METHODS:
@@ -280,19 +287,25 @@ def _quant_info(spec: QuantSpec | None, calibrated: str | None, calib_text: str 
     return {**spec.to_dict(), **how}
 
 
+def _calibration_prompts(path: str, text: str | None) -> list:
+    """The calibration text (None: the built-in one) as the model's token ids: a text too short fails here."""
+    from convert.calibrate import calibration_prompts
+    from lmjax.loader.tokenizer import load_tokenizer
+
+    return calibration_prompts(load_tokenizer(path), text)
+
+
 def _read(path: str, dtype: str, tp: int, spec: QuantSpec | None, calibrated: str | None = None,
-          text: str | None = None):
+          prompts: list | None = None):
     """({key: array}, LoadedModel): parameters on CPU devices, quantized (w4 calibrated by the method
-    `calibrated` over `text`, None: the built-in calibration text), laid out for tp."""
+    `calibrated` over `prompts`), laid out for tp."""
     cpu = jax.local_devices(backend="cpu")
     # Calibration runs its forward passes in float32 (bf16 matmuls are slow on CPU) and rounds the stored
     # scales to `dtype` itself; every float parameter is cast to `dtype` afterwards.
     loaded = load_model(path, "float32" if calibrated else dtype, placer=lambda p, a: jax.device_put(a, cpu[0]))
     if calibrated:
-        from convert.calibrate import calibrate_w4, calibration_prompts
-        from lmjax.loader.tokenizer import load_tokenizer
+        from convert.calibrate import calibrate_w4
 
-        prompts = calibration_prompts(load_tokenizer(path), text)
         calibrate_w4(loaded.model, spec, prompts, method=calibrated, param_dtype=jnp.dtype(dtype))
     else:
         quantize_model(loaded.model, spec)
@@ -364,6 +377,9 @@ def _write_tokenizer(directory: str, path: str) -> None:
         copied = [n for n in _SIDE_FILES if os.path.exists(os.path.join(path, n))]
         for name in copied:
             shutil.copy2(os.path.join(path, name), os.path.join(directory, name))
+        templates = os.path.join(path, _TEMPLATES_DIR)
+        if os.path.isdir(templates):  # named chat templates (tool_use, ...) that transformers saves apart
+            shutil.copytree(templates, os.path.join(directory, _TEMPLATES_DIR))
         if not any(n.startswith(("tokenizer", "vocab")) for n in copied):
             logger.warning("%s has no tokenizer files: the converted model needs a tokenizer path", path)
         return

@@ -32,15 +32,20 @@ _PARTS = ("qweight", "qzeros", "scales")
 def require_awq(model_path: str, declared: str) -> None:
     """`declared` (e.g. "LLM(quantization='awq')") says `model_path` is an AWQ checkpoint: a ValueError
     naming both unless its config.json says so too (vLLM's check; lmjax itself reads the format from
-    config.json, so the declaration only guards against loading a checkpoint one did not mean to)."""
+    config.json, so the declaration only guards against loading a checkpoint one did not mean to). An
+    `lmjax convert --quant w4` directory counts: its int4 groups are AWQ's layout (as `lmdeploy lite auto_awq`'s
+    output is loaded with model_format='awq')."""
     config = os.path.join(model_path, "config.json")
-    method = None
+    hf_config = {}
     if os.path.isfile(config):
         with open(config) as f:
-            method = (json.load(f).get("quantization_config") or {}).get("quant_method")
-    if str(method).lower() != "awq":
+            hf_config = json.load(f)
+    method = (hf_config.get("quantization_config") or {}).get("quant_method")
+    converted = ((hf_config.get("lmjax") or {}).get("quant") or {}).get("method")  # (orbax_loader.CONFIG_KEY)
+    if str(method).lower() != "awq" and converted != "w4":
         raise ValueError(f"{declared}, but {model_path!r} is not an AWQ checkpoint (its config.json's "
-                         f"quantization_config.quant_method is {method!r})")
+                         f"quantization_config.quant_method is {method!r}"
+                         + (f", and lmjax convert's quant is {converted!r}, not 'w4')" if converted else ")"))
 
 
 def awq_spec(hf_config: dict) -> QuantSpec | None:

@@ -59,6 +59,15 @@ def _target_dtype(var, dtype):
     return var.dtype if jnp.issubdtype(var.dtype, jnp.integer) else jnp.dtype(dtype)
 
 
+def require_orbax(what: str) -> None:
+    """A ValueError saying what to install, before any work, when the optional orbax-checkpoint is missing."""
+    try:
+        import orbax.checkpoint  # noqa: F401
+    except ImportError as e:
+        raise ValueError(f"{what} needs orbax-checkpoint, which is not installed ({e}): "
+                         "pip install 'lmjax[convert]'") from None
+
+
 def restore_params(path: str, targets: dict) -> dict:
     """Restore the flat {key: jax.ShapeDtypeStruct(..., sharding=...)} from `path`/lmjax_orbax."""
     import orbax.checkpoint as ocp  # optional dependency: `pip install lmjax[convert]`
@@ -86,6 +95,7 @@ def _host_sharding() -> SingleDeviceSharding | None:
 def load_converted(path: str, dtype: str = "auto", *, placer=None, tp: int = 1, mesh=None,
                    **overrides) -> "model_loader.LoadedModel":
     """`load_model` for a converted directory: same arguments, same result."""
+    require_orbax(f"{path} (an lmjax convert directory)")
     hf_config = read_config(path)
     info = hf_config.get(CONFIG_KEY) or {}
     if info.get("format", FORMAT_VERSION) > FORMAT_VERSION:
