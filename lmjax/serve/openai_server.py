@@ -322,8 +322,9 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
         ends = not req.interactive_mode and req.prompt == "" and (history or req.request_output_len == 0)
         if req.cancel or ends:
             await (engine.stop_session(sid) if req.cancel else engine.end_session(sid))
-            return {"text": "", "tokens": 0, "input_tokens": 0, "history_tokens": history,
-                    "finish_reason": "abort" if req.cancel else "stop", "session_id": sid}
+            # LMDeploy answers a cancel with these same fields: finish_reason "stop", history_tokens 0
+            return {"text": "", "tokens": 0, "input_tokens": 0, "history_tokens": 0 if req.cancel else history,
+                    "finish_reason": "stop", "session_id": sid}
         with api_errors():
             gen = engine.generate(req.prompt, sid, req.gen_config(), sequence_start=history == 0,
                                   sequence_end=not req.interactive_mode)

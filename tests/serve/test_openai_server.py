@@ -404,6 +404,9 @@ def test_interactive_cancel_needs_a_session_id(server):
     assert resp.status_code == 400 and "session_id" in resp.json()["error"]["message"], resp.text
     resp = _post(server, "/v1/chat/interactive", {"prompt": "", "cancel": True, "session_id": 31337})
     assert resp.status_code == 200 and resp.json()["session_id"] == 31337
+    # LMDeploy's answer to a cancel, field for field
+    assert {k: resp.json()[k] for k in ("text", "tokens", "history_tokens", "finish_reason")} == {
+        "text": "", "tokens": 0, "history_tokens": 0, "finish_reason": "stop"}
 
 
 @pytest.mark.parametrize("path, body, field", [
