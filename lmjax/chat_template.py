@@ -12,7 +12,8 @@ from lmjax.validation import as_list as _as_list, check as _check, strict_fields
 @dataclass
 class ChatTemplateConfig:
     """LMDeploy's chat-template fields. With only `model_name` set, the tokenizer's own chat
-    template is used (without one, LMDeploy's "base" template: the messages' text as is); with role
+    template is used (`meta_instruction` then its system message where the messages have none; without a
+    template, LMDeploy's "base" template: the messages' text as is); with role
     markers, the prompt is built from them:
     [system meta_instruction eosys] then per message `<role marker> content <role end>`, then
     `assistant` to open the reply (LMDeploy's BaseChatTemplate layout).
@@ -76,6 +77,10 @@ class ChatTemplateConfig:
         from lmjax.loader.tokenizer import render_chat  # config stays import-light for every layer
 
         extra = {"continue_final_message": True} if continue_final_message else {}  # older templates: not asked
+        if self.meta_instruction is not None and not (messages and isinstance(messages[0], dict)
+                                                      and messages[0].get("role") == "system"):
+            # LMDeploy's meta_instruction is the template's system prompt where the messages bring none
+            messages = [{"role": "system", "content": self.meta_instruction}, *messages]
         return render_chat(tokenizer, messages, tokenize=False, add_generation_prompt=add_generation_prompt, **extra,
                            **template_kwargs)
 

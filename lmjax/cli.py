@@ -15,7 +15,7 @@ import argparse
 import os
 import sys
 
-from lmjax.cli_args import add_engine_args, bounded, vllm_aliases
+from lmjax.cli_args import LOG_LEVELS, add_engine_args, add_vllm_serve_args, bounded, vllm_aliases
 from lmjax.config import DTYPE_ALIASES, DTYPES
 from lmjax.serve.cors import add_cors_args, cors_from_args
 
@@ -116,8 +116,9 @@ def _add_serve(subparsers) -> None:
                      help="accepted bearer keys (default: none needed)")
     vllm_aliases(api, {"--port": ("server_port", "--server-port", bounded(int, "port", 0, 65535)),
                         "--host": ("server_name", "--server-name", str)})
-    api.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
-                     help="log level (default: INFO)")
+    add_vllm_serve_args(api)
+    api.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, help="log level (default: INFO)")
+    api.add_argument("--disable-fastapi-docs", action="store_true", help="LMDeploy's: no Swagger page at /docs")
     api.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None, metavar="NAME",
                      help="parse chat replies for tool calls in this model family's format, one of "
                           f"{', '.join(TOOL_CALL_PARSERS)} (default: none; then tools with tool_choice 'auto' are a 400)")
@@ -144,13 +145,19 @@ def _async_engine(args, log_level: str = "ERROR"):
         from lmjax.loader.resolve import resolve_model_path
 
         require_awq(resolve_model_path(args.model), "--model-format awq")
+    if getattr(args, "max_model_len", None) is not None:  # vLLM's bound (--session-len has none, as LMDeploy's)
+        from lmjax.api.llm import check_max_model_len
+        from lmjax.loader.model_loader import read_model_config
+
+        check_max_model_len(args.max_model_len, read_model_config(args.model, rope_scaling_factor=args.rope_scaling_factor).context_len)
+        args.session_len = args.max_model_len
     config = EngineConfig(dtype=args.dtype, session_len=args.session_len, tp=args.tp,
                           max_batch_size=args.max_batch_size, cache_max_entry_count=args.cache_max_entry_count,
                           enable_prefix_caching=args.enable_prefix_caching, quant_policy=args.quant_policy,
                           max_prefill_token_num=args.max_prefill_token_num, block_size=args.cache_block_seq_len,
                           rope_scaling_factor=args.rope_scaling_factor, speculative_config=args.speculative_config,
                           seed=getattr(args, "seed", None),  # (chat's --seed is the sampling seed: the same use)
-                          warmup=bool(args.warmup))
+                          warmup=bool(args.warmup), max_logprobs=getattr(args, "max_logprobs", 20))
     return AsyncEngine(args.model, model_name=args.model_name, backend_config=config, chat_template_config=template,
                        log_level=log_level)
 
@@ -208,18 +215,25 @@ def _serve(args) -> int:
 
     if args.enable_auto_tool_choice and not args.tool_call_parser:  # as vLLM, before anything loads
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser NAME")
-    taken = [k for k in args.api_keys or () if args.model is None and (os.sep in k or os.path.exists(k))]
-    if taken:  # `--api-keys KEY MODEL`: nargs="+" swallowed the model, and the default one would be served
-        raise ValueError(f"--api-keys took {taken[0]!r}, which looks like the model: give MODEL before --api-keys")
+    for flag in ("--api-keys", "--allow-origins", "--allow-methods", "--allow-headers"):  # lists (nargs="+")
+        taken = [k for k in getattr(args, flag[2:].replace("-", "_")) or () if args.model is None
+                 and (os.sep in k or os.path.exists(k))]
+        if taken:  # `--api-keys KEY MODEL`: the list swallowed the model, and the default one would be served
+            raise ValueError(f"{flag} took {taken[0]!r}, which looks like the model: give MODEL before {flag}")
     from lmjax.loader.generation_config import check_generation_config_choice, chosen_sampling_defaults
 
     check_generation_config_choice(args.generation_config, "--generation-config")
     cors = cors_from_args(args)  # (a bad origin fails before the model loads)
-    from lmjax.serve.openai_server import run_server
+    from lmjax.serve.run import listen, run_server
 
+    sock = listen(args.server_name, args.server_port)  # the port first, as vLLM: not after minutes of load
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args.warmup = serve_warmup(args.warmup)
-    engine = _async_engine(args, args.log_level)
+    try:
+        engine = _async_engine(args, args.log_level)
+    except BaseException:
+        sock.close()
+        raise
     from lmjax.loader.resolve import DEFAULT_MODEL, SMOLLM2_ALIASES, smollm2_gguf
 
     model = args.model or DEFAULT_MODEL  # the name the user started it with answers too, and the default
@@ -228,7 +242,7 @@ def _serve(args) -> int:
     # "auto": None, the engine's own (the model's generation_config.json), read by the server per request
     defaults = None if args.generation_config == "auto" else chosen_sampling_defaults(args.generation_config, {})
     run_server(engine, args.server_name, args.server_port, args.api_keys, args.model_name, args.log_level,
-               args.tool_call_parser, defaults, aliases, cors=cors)
+               args.tool_call_parser, defaults, aliases, cors=cors, sock=sock, docs=not args.disable_fastapi_docs)
     return 0
 
 

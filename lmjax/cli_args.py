@@ -69,10 +69,32 @@ def add_engine_args(p) -> None:
                    help="vLLM's: no warm-up (lmjax's default but for `serve api_server` on a GPU)")
     p.add_argument("--model", dest="model_option", default=argparse.SUPPRESS, metavar="MODEL",
                    help="the model, as MODEL (vLLM's and `lmjax generate`'s spelling)")
-    vllm_aliases(p, {"--max-model-len": ("session_len", "--session-len", bounded(int, "max-model-len", 1)),
+    p.add_argument("--max-model-len", dest="max_model_len", type=bounded(int, "max-model-len", 1),
+                   default=argparse.SUPPRESS, help="vLLM's --session-len, bounded by the model's context as vLLM's "
+                   "(LMJAX_ALLOW_LONG_MAX_MODEL_LEN=1 lifts that; --session-len has no bound, as LMDeploy's)")
+    vllm_aliases(p, {"--max-num-batched-tokens": ("max_prefill_token_num", "--max-prefill-token-num",
+                                                  bounded(int, "max-num-batched-tokens", 1)),
+                      "--gpu-memory-utilization": ("cache_max_entry_count", "--cache-max-entry-count",
+                                                   bounded(float, "gpu-memory-utilization", 0, 1, low_open=True)),
                       "--tensor-parallel-size": ("tp", "--tp", bounded(int, "tensor-parallel-size", 1)),
                       "--max-num-seqs": ("max_batch_size", "--max-batch-size", bounded(int, "max-num-seqs", 1)),
                       "--served-model-name": ("model_name", "--model-name", str)})
+
+
+LOG_LEVELS = ("CRITICAL", "FATAL", "ERROR", "WARN", "WARNING", "INFO", "DEBUG", "NOTSET")  # LMDeploy's choices
+
+
+def add_vllm_serve_args(p) -> None:
+    """`vllm serve` options of `serve api_server` beyond add_engine_args' aliases."""
+    p.add_argument("--api-key", dest="api_keys", action="append", default=argparse.SUPPRESS, metavar="KEY",
+                   help="vLLM's: one accepted bearer key (repeatable; LMDeploy's --api-keys takes several)")
+    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="vLLM's: no prefix caching (lmjax's default)")
+    p.add_argument("--max-logprobs", type=bounded(int, "max-logprobs", -1), default=20,
+                   help="the most logprobs a request may ask for (-1: the vocabulary; default: 20, vLLM's)")
+    for flag in ("--trust-remote-code", "--disable-log-requests", "--disable-log-stats"):
+        p.add_argument(flag, action="store_true", help="accepted for vLLM; no effect (lmjax runs no remote code, "
+                                                      "logs no request contents or periodic stats)")
 
 
 def vllm_aliases(p, aliases: dict) -> None:

@@ -202,11 +202,12 @@ def test_chat_sends_non_utf8_input_as_replacement_characters():
 
 @pytest.mark.parametrize("model", [None, "smollm2", "GGUF"])
 def test_the_default_model_answers_to_its_ids_however_it_was_named(monkeypatch, smollm2_gguf, model):
-    from lmjax.serve import openai_server
+    from lmjax.serve import openai_server, run
 
     served = {}
     monkeypatch.setattr(cli, "_async_engine", lambda args, level: "engine")
-    monkeypatch.setattr(openai_server, "run_server", lambda *a, **_: served.update(aliases=a[-1]))
+    monkeypatch.setattr(run, "listen", lambda host, port: None)
+    monkeypatch.setattr(run, "run_server", lambda *a, **_: served.update(aliases=a[-1]))
     argv = ["serve", "api_server"] + ([] if model is None else [smollm2_gguf if model == "GGUF" else model])
     assert cli.main(argv) == 0
     names = openai_server.accepted_names("SmolLM2-135M-Instruct.Q4_1", served["aliases"])

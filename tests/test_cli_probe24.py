@@ -43,7 +43,12 @@ def test_an_abbreviation_or_a_second_model_is_refused(argv):
 VLLM = [
     (["--port", "8000"], "--server-port", "server_port", 8000),
     (["--host", "0.0.0.0"], "--server-name", "server_name", "0.0.0.0"),
-    (["--max-model-len", "2048"], "--session-len", "session_len", 2048),
+    (["--max-model-len", "2048"], "--session-len", "max_model_len", 2048),  # (session_len once checked: review 32)
+    (["--max-num-batched-tokens", "512"], "--max-prefill-token-num", "max_prefill_token_num", 512),
+    (["--gpu-memory-utilization", "0.3"], "--cache-max-entry-count", "cache_max_entry_count", 0.3),
+    (["--api-key", "sk-1"], "--api-keys", "api_keys", ["sk-1"]),
+    (["--no-enable-prefix-caching"], "(the default)", "enable_prefix_caching", False),
+    (["--max-logprobs", "50"], "(EngineConfig.max_logprobs)", "max_logprobs", 50),
     (["--tensor-parallel-size", "2"], "--tp", "tp", 2),
     (["--served-model-name", "foo"], "--model-name", "model_name", "foo"),
     (["--max-num-seqs", "8"], "--max-batch-size", "max_batch_size", 8),

@@ -168,7 +168,7 @@ def batch_defaults(device=None) -> tuple[int, int]:
     return 256, 8192
 
 
-def _check_max_model_len(max_model_len: int | None, context_len: int) -> None:
+def check_max_model_len(max_model_len: int | None, context_len: int) -> None:
     """vLLM's check: a max_model_len past the model's context (max_position_embeddings, times a linear or
     dynamic RoPE factor) is an error unless LMJAX_ALLOW_LONG_MAX_MODEL_LEN=1 (vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN).
     LMDeploy's session_len has no such bound, so the engine itself does not check."""
@@ -237,7 +237,7 @@ class LLM:
         if not 0 < gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
         if max_model_len is not None:  # from the config alone: a bad length fails before the weights load
-            _check_max_model_len(max_model_len, read_model_config(model).context_len)
+            check_max_model_len(max_model_len, read_model_config(model).context_len)
         default_seqs, default_tokens = batch_defaults()
         config = EngineConfig(dtype=dtype, tp=tensor_parallel_size, session_len=max_model_len,
                               max_batch_size=max_num_seqs or default_seqs, block_size=block_size, seed=seed,

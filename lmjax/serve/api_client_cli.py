@@ -13,7 +13,15 @@ def add_parser(servers) -> None:
 
 
 def _run(args) -> int:
+    """The chat; a server that cannot be reached or refuses (a wrong key, say) is a one-line error (rc 2)."""
+    url = args.api_server_url
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"api_server_url={url!r} must start with http:// or https://")
+    from lmjax.serve.client import APIClientError, APIConnectionError
     from lmjax.serve.openai.api_client import main
 
-    main(args.api_server_url, args.session_id, args.api_key)
+    try:
+        main(url, args.session_id, args.api_key)
+    except (APIClientError, APIConnectionError) as e:
+        raise ValueError(str(e)) from None
     return 0

@@ -76,11 +76,13 @@ def chat_prompt(engine: AsyncEngine, req: ChatCompletionRequest) -> tuple[str, l
 
 def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_name: str | None = None,
                model_aliases: tuple[str, ...] = (), tool_call_parser: str | None = None,
-               sampling_defaults: dict | None = None, cors: CorsConfig | None = CorsConfig()) -> FastAPI:
+               sampling_defaults: dict | None = None, cors: CorsConfig | None = CorsConfig(),
+               docs: bool = True) -> FastAPI:
     """sampling_defaults: the values of sampling fields a request leaves out (None: the model's
     generation_config.json's, vLLM's `--generation-config auto`). cors: the CORS answers (None: no CORS
-    headers; lmjax.serve.http_extras), which also adds GET /version and X-Request-Id ids."""
-    app = FastAPI(title="lmjax", docs_url=None, redoc_url=None)
+    headers; lmjax.serve.http_extras), which also adds GET /version and X-Request-Id ids. docs: the Swagger
+    page at /docs, as vLLM's (LMDeploy's --disable-fastapi-docs turns it off)."""
+    app = FastAPI(title="lmjax", docs_url="/docs" if docs else None, redoc_url=None)
     install(app, cors)
 
     def defaults() -> dict:
@@ -90,7 +92,7 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
     tool_parser = get_tool_parser(tool_call_parser) if tool_call_parser else None  # stateless: one for all
     name = model_name or engine.model_name
     names = accepted_names(name, model_aliases)
-    keys = {f"Bearer {k}" for k in api_keys or ()}
+    keys = set(api_keys or ())
     counter = itertools.count(1 << 48)  # ids of OpenAI requests, clear of /v1/chat/interactive's
     def named_by(req) -> Callable[[int], str]:
         """How the request's logprobs name a token: its text, or vLLM's "token_id:{id}" when it asks so."""
@@ -118,7 +120,8 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
                             status_code=exc.status_code)
 
     def authorize(request: Request) -> None:
-        if keys and request.headers.get("authorization") not in keys:
+        scheme, _, key = (request.headers.get("authorization") or "").partition(" ")
+        if keys and (scheme.lower() != "bearer" or key.strip() not in keys):  # (the scheme is case-free: RFC 7235)
             raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
                            "authentication_error", "invalid_api_key")
 
@@ -381,14 +384,3 @@ async def _guarded(events):
     except (ValueError, RuntimeError) as e:
         logger.warning("stream failed: %s", e)
         yield R.sse(R.error_body(str(e), "server_error"))
-
-
-def run_server(engine: AsyncEngine, server_name: str = "127.0.0.1", server_port: int = 23333,
-               api_keys: list[str] | None = None, model_name: str | None = None, log_level: str = "info",
-               tool_call_parser: str | None = None, sampling_defaults: dict | None = None,
-               model_aliases: tuple[str, ...] = (), cors: CorsConfig | None = CorsConfig()) -> None:
-    import uvicorn
-
-    app = create_app(engine, api_keys, model_name, model_aliases, tool_call_parser, sampling_defaults, cors)
-    uvicorn.run(app, host=server_name, port=server_port, log_level=log_level.lower(), timeout_keep_alive=30)
-    engine.close()
