@@ -45,6 +45,8 @@ def _add_generate(subparsers) -> None:
                    help="compute dtype (default: auto = float32 on CPU, the checkpoint's on accelerators)")
     p.add_argument("--session-len", type=bounded(int, "session-len", 1), default=None,
                    help="longest prompt + completion in tokens (default: the model's context length)")
+    p.add_argument("--tp", "--tensor-parallel-size", "-tp", dest="tp", type=bounded(int, "tp", 1), default=1,
+                   help="tensor parallel degree (default: 1; vLLM's spellings too)")
     p.set_defaults(func=_generate)
 
 
@@ -210,6 +212,20 @@ def serve_warmup(flag: bool | None) -> bool:
     return jax.default_backend() == "gpu"
 
 
+def _single_process(what: str) -> None:
+    """A ValueError when the LMJAX_* variables joined this process to others: each would serve on its own, and
+    its engine's steps would wait on collectives of the others' (README, "Topology across hosts")."""
+    import jax
+
+    from lmjax import parallel
+
+    parallel.initialize_distributed()  # (before the backend starts, as the loader would)
+    if jax.process_count() > 1:
+        raise ValueError(f"{what} runs in one process, but this one is joined to {jax.process_count() - 1} other(s) "
+                         "by the LMJAX_* variables: run LLM / pipeline in a script on every host instead (README, "
+                         "\"Topology across hosts\")")
+
+
 def _serve(args) -> int:
     import logging
 
@@ -226,6 +242,7 @@ def _serve(args) -> int:
     cors = cors_from_args(args)  # (a bad origin fails before the model loads)
     from lmjax.serve.run import listen, run_server
 
+    _single_process("lmjax serve api_server")
     sock = listen(args.server_name, args.server_port)  # the port first, as vLLM: not after minutes of load
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args.warmup = serve_warmup(args.warmup)
@@ -259,7 +276,8 @@ def _generate(args) -> int:
     from lmjax.api.pipeline import pipeline
     from lmjax.config import EngineConfig
 
-    with pipeline(args.model, backend_config=EngineConfig(dtype=args.dtype, session_len=args.session_len)) as pipe:
+    config = EngineConfig(dtype=args.dtype, session_len=args.session_len, tp=args.tp)
+    with pipeline(args.model, backend_config=config) as pipe:
         gen, chat = _gen_config(args), not args.no_chat_template
         if len(args.prompts) == 1:
             pieces = []

@@ -77,6 +77,7 @@ def add_engine_args(p) -> None:
                       "--gpu-memory-utilization": ("cache_max_entry_count", "--cache-max-entry-count",
                                                    bounded(float, "gpu-memory-utilization", 0, 1, low_open=True)),
                       "--tensor-parallel-size": ("tp", "--tp", bounded(int, "tensor-parallel-size", 1)),
+                      "-tp": ("tp", "--tp", bounded(int, "tp", 1)),
                       "--max-num-seqs": ("max_batch_size", "--max-batch-size", bounded(int, "max-num-seqs", 1)),
                       "--served-model-name": ("model_name", "--model-name", str)})
 

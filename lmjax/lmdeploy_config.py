@@ -79,6 +79,7 @@ class TurbomindEngineConfig:
         "num_tokens_per_iter": "prefill chunking follows max_prefill_token_num",
         "max_prefill_iters": "prefill chunking follows max_prefill_token_num",
         "use_context_fmha": "TurboMind's fused prefill-attention kernel switch; lmjax has its own kernels",
+        "communicator": "XLA's collectives do the all-reduce (NCCL on GPUs)",
     }
 
     def __post_init__(self):
@@ -139,6 +140,8 @@ class PytorchEngineConfig:
         "num_cpu_blocks": "there is no CPU swap space: preemption recomputes",
         "prefill_interval": "lmjax's scheduler admits waiting requests whenever batch slots, token budget and "
                             "KV blocks allow",
+        "distributed_executor_backend": "one JAX process drives every local device (tp across hosts: "
+                                        "jax.distributed)",
     }
 
     def __post_init__(self):

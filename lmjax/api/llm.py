@@ -53,6 +53,7 @@ _VLLM_ONLY_DEFAULTS = {"tokenizer_mode": "auto", "skip_tokenizer_init": False, "
 
 # vLLM arguments that only tune parts lmjax does not have: any value is accepted, a non-default one is logged
 # once as having no effect. {name: (default, why)}
+_EXECUTOR_BACKENDS = (None, "mp", "ray", "uni", "external_launcher")
 _VLLM_TUNING = {
     "swap_space": (4, "no CPU swap space: a preempted request is recomputed (vLLM: 0 is safe with best_of=1)"),
     "max_context_len_to_capture": (None, "no CUDA graphs (lmjax compiles a step per batch bucket)"),
@@ -159,7 +160,7 @@ def batch_defaults(device=None) -> tuple[int, int]:
     wider decode batch turns bandwidth-bound steps into better-utilised matmuls (vLLM's arg_utils
     picks 1024 / 16384 for devices with >= 70 GiB except A100s, measured slower there by vLLM)."""
     parallel.initialize_distributed()  # first: a process joins the others before JAX's backend starts
-    device = device or jax.devices()[0]
+    device = device or jax.local_devices()[0]
     stats = (device.memory_stats() if device.platform == "gpu" else None) or {}
     # XLA's limit is a fraction of the device's memory (0.75 unless XLA_PYTHON_CLIENT_MEM_FRACTION says)
     total_bytes = stats.get("bytes_limit", 0) / float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", 0.75))
@@ -201,6 +202,9 @@ def _check_vllm_only(kwargs: dict) -> None:
     if unknown:
         raise TypeError(f"LLM() got an unexpected keyword argument {unknown[0]!r}")
     _check_swap_space(kwargs.get("swap_space", 4))
+    backend = kwargs.get("distributed_executor_backend")
+    if backend not in _EXECUTOR_BACKENDS:  # (accepted with no effect, but a typo is not taken silently)
+        raise ValueError(f"distributed_executor_backend={backend!r} is not one of vLLM's {_EXECUTOR_BACKENDS}")
     _check_task(kwargs.get("task", "auto"))
     for name, value in kwargs.items():
         if name in _VLLM_TUNING and value != _VLLM_TUNING[name][0]:

@@ -147,7 +147,8 @@ class ModelRunner(FollowersMixin, PaddedStepsMixin):
         self.block_size = block_size
         self.mesh = mesh
         self.caches = make_kv_caches(model.config, num_blocks, block_size, kv_dtype, self.mesh, quant_policy, kv_maps)
-        self.caches_device = jax.devices()[0]
+        self.caches_device = jax.local_devices()[0]  # (the weights' device: with processes joined, devices()[0] is
+        # process 0's)
         if self.mesh is None:  # committed (aliased, no copy), as the step's donated outputs are: else
             self.caches = jax.device_put(self.caches, self.caches_device)  # the second step compiles again
         self.max_T = bucket(max_tokens_per_step, 16)

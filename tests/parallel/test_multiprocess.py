@@ -36,6 +36,15 @@ def test_two_processes_from_the_environment(ckpt, case):
     assert _last(results[0][1]) == _last(results[1][1])  # the same tokens / logits shape on both
 
 
+def test_tp1_runs_each_process_on_its_own_devices(ckpt):
+    """(Review 32.) The KV cache went to jax.devices()[0], process 0's device, while the weights sat on this
+    process's own: every process but 0 failed its first step ("incompatible devices")."""
+    results = _run_two(ckpt, 2, 1, "llm")
+    for i, (rc, out, err) in enumerate(results):
+        assert rc == 0 and _last(out).startswith("OK"), f"process {i}: {_last(err)}"
+    assert _last(results[0][1]) == _last(results[1][1])
+
+
 def test_a_leader_refuses_get_logits(ckpt):
     (rc0, out0, err0), (rc1, out1, err1) = _run_two(ckpt, 2, 4, "leader_get_logits")
     assert rc0 == 0 and "OK refused: get_logits is not supported" in out0, _last(err0)
