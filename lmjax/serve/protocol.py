@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from lmjax.config import SamplingParams
 from lmjax.guided_params import GuidedDecodingParams, as_guided, from_response_format
 from lmjax.loader.tokenizer import text_content
-from lmjax.serve.tool_parsers import ForcedToolParser, ToolParser, forced_tool_schema
+from lmjax.serve.tool_parsers import ForcedToolParser, SingleCall, ToolParser, forced_tool_schema
 
 
 class _Strict(BaseModel):
@@ -253,6 +253,7 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = None
     tools: list[Tool] | None = None
     tool_choice: str | dict | None = None  # "auto" (default), "none", "required" or a named function
+    parallel_tool_calls: bool | None = None  # false: at most one call (OpenAI's; vLLM keeps the first)
     functions: list | None = None
     function_call: str | dict | None = None
     # vLLM's chat template switches: continue_final_message renders the last (assistant) message open,
@@ -332,7 +333,7 @@ class ChatCompletionRequest(_Sampling):
         if other:
             raise ValueError(f"tool_choice={self.tool_choice!r} constrains the reply to a tool call: it cannot "
                              f"be combined with {', '.join(other)}")
-        return GuidedDecodingParams(json=forced_tool_schema(self.tool_dicts(), name),
+        return GuidedDecodingParams(json=forced_tool_schema(self.tool_dicts(), name, self.parallel_tool_calls is False),
                                     whitespace_pattern=self.guided_whitespace_pattern)
 
     def tool_call_parser(self, server_parser: ToolParser | None) -> ToolParser | None:
@@ -341,14 +342,17 @@ class ChatCompletionRequest(_Sampling):
         own (ForcedToolParser, no server parser needed, as in vLLM); else None (plain content)."""
         forced, name = self.forced_function()
         if forced:
-            return ForcedToolParser(name)
+            return self._single(ForcedToolParser(name))
         if not self.tools or self.tool_choice == "none":
             return None
         if server_parser is None:
             raise ValueError(f"tools ({len(self.tools)} given) with tool_choice={self.tool_choice or 'auto'!r} need "
                              "a server started with --tool-call-parser NAME (and, in vLLM's spelling, "
                              "--enable-auto-tool-choice)")
-        return server_parser
+        return self._single(server_parser)
+
+    def _single(self, parser: ToolParser) -> ToolParser:
+        return SingleCall(parser) if self.parallel_tool_calls is False else parser
 
 
 class CompletionRequest(_Sampling):

@@ -124,13 +124,14 @@ class Choices:
 def chat_message(text: str, finish_reason: str | None, tools: ToolParser | None = None) -> tuple[dict, str | None]:
     """The assistant message of a finished reply and its finish_reason. With a tool-call parser, calls found
     in the text become `tool_calls`, the text before them the content (or null), and the finish_reason
-    the parser's ("tool_calls" for tool_choice "auto", as vLLM); a reply without calls, or with malformed
-    ones, is plain content."""
+    the parser's ("tool_calls" for tool_choice "auto", as vLLM) when the model ended the reply itself (cut by
+    max_tokens it stays "length": a call may be missing); a reply without calls, or with malformed ones, is
+    plain content."""
     if tools is not None:
         content, calls = tools.parse(text)
         if calls:
             message = {"role": "assistant", "content": content, "tool_calls": [c.to_dict() for c in calls]}
-            return message, tools.calls_finish_reason
+            return message, _calls_finish(tools, finish_reason)
     return {"role": "assistant", "content": text}, finish_reason
 
 
@@ -163,7 +164,12 @@ def tool_delta(stream: ToolStream, out: GenOut) -> tuple[dict, str | None]:
     delta = {"content": content + rest} if content + rest else {}
     if not calls:  # (pieces of a call that turned out malformed went out already)
         return _with_calls(delta, stream.take_call_deltas()), out.finish_reason
-    return _with_calls(delta, stream.final_call_deltas(calls)), stream.parser.calls_finish_reason
+    return _with_calls(delta, stream.final_call_deltas(calls)), _calls_finish(stream.parser, out.finish_reason)
+
+
+def _calls_finish(tools: ToolParser, finish_reason: str | None) -> str | None:
+    """A reply with calls: the parser's finish_reason if the model stopped by itself, else the engine's (vLLM)."""
+    return tools.calls_finish_reason if finish_reason == "stop" else finish_reason
 
 
 def _with_calls(delta: dict, calls: list[dict]) -> dict:

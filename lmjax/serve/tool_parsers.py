@@ -208,11 +208,12 @@ class Llama3Parser(ToolParser):
 class ForcedToolParser(ToolParser):
     """tool_choice "required" or a named function: the reply was guided to JSON (`forced_tool_schema`), so
     it is all calls, parsed when complete (an unfinished one, cut by max_tokens, is plain content). As in
-    vLLM, the finish_reason stays the output's ("stop"), and a named function's reply is its arguments."""
-    calls_finish_reason = "stop"
+    OpenAI and vLLM, "required" finishes with "tool_calls" and a named function with "stop"; a named function's
+    reply is its arguments."""
 
     def __init__(self, function: str | None):
         self.function = function  # None: "required", the reply is [{"name", "parameters"}, ...]
+        self.calls_finish_reason = "tool_calls" if function is None else "stop"
         self.stream_name = function  # a named function's reply streams as its arguments; "required" whole
 
     def stream_first(self, text: str) -> int | None:
@@ -237,7 +238,23 @@ class ForcedToolParser(ToolParser):
         return 0  # the reply is the calls: nothing streams as content
 
 
-def forced_tool_schema(tools: list[dict], function: str | None) -> dict:
+class SingleCall:
+    """parallel_tool_calls=false: `parser` keeping only the first call (vLLM's maybe_filter_parallel_tool_calls);
+    ToolStream streams no call past `max_calls`."""
+    max_calls = 1
+
+    def __init__(self, parser: ToolParser):
+        self.parser = parser
+
+    def __getattr__(self, name: str):
+        return getattr(self.parser, name)
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        content, calls = self.parser.parse(text)
+        return content, calls[:1]
+
+
+def forced_tool_schema(tools: list[dict], function: str | None, single: bool = False) -> dict:
     """The JSON schema a forced reply is guided by: the named function's parameters, or (tool_choice
     "required") a non-empty array of {"name": one of the tools, "parameters": its parameters} (vLLM's), each
     tool's $defs moved to the root, where its "#/$defs/..." references point (pydantic's and most SDKs'
@@ -257,7 +274,8 @@ def forced_tool_schema(tools: list[dict], function: str | None) -> dict:
         options.append({"type": "object", "properties": {"name": {"type": "string", "enum": [tool["function"]["name"]]},
                                                         "parameters": parameters},
                         "required": ["name", "parameters"]})
-    forced = {"type": "array", "minItems": 1, "items": options[0] if len(options) == 1 else {"anyOf": options}}
+    forced = {"type": "array", "minItems": 1, "items": options[0] if len(options) == 1 else {"anyOf": options},
+              **({"maxItems": 1} if single else {})}  # (parallel_tool_calls=false)
     return {**forced, "$defs": defs} if defs else forced
 
 

@@ -34,6 +34,7 @@ class ToolStream:
 
     def __init__(self, parser: ToolParser):
         self.parser, self.text, self.sent = parser, "", 0
+        self.max_calls = getattr(parser, "max_calls", None)  # (parallel_tool_calls=false: 1)
         self._started: list[_Started] = []
         self._deltas: list[dict] = []
 
@@ -48,7 +49,7 @@ class ToolStream:
 
     def take_call_deltas(self) -> list[dict]:
         deltas, self._deltas = _merged(self._deltas), []
-        return deltas
+        return self._allowed(deltas)
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         content, calls = self.parser.parse(self.text)
@@ -70,7 +71,10 @@ class ToolStream:
                 if rest:
                     deltas.append({"index": j, "function": {"arguments": rest}})
         self._deltas = []
-        return _merged(deltas)
+        return self._allowed(_merged(deltas))
+
+    def _allowed(self, deltas: list[dict]) -> list[dict]:
+        return deltas if self.max_calls is None else [d for d in deltas if d["index"] < self.max_calls]
 
     def _scan(self) -> None:
         first = self.parser.stream_first(self.text)

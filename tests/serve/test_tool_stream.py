@@ -85,3 +85,33 @@ def test_the_scan_reads_prefixes_and_marks_what_is_complete():
         assert part.args is None or part.args[1] is None or part.args[1] == whole.args[1]
     with pytest.raises(ValueError):
         scan_object('{"name" "f"}', 0)
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call():
+    """OpenAI's parallel_tool_calls=false: one call at most (vLLM keeps the first), streamed or not (review 32)."""
+    from lmjax.serve.protocol import ChatCompletionRequest
+    from lmjax.serve.tool_parsers import forced_tool_schema
+
+    tools = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}} for n in "fg"]
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": tools}
+    one = ChatCompletionRequest(**body, parallel_tool_calls=False).tool_call_parser(get_tool_parser("hermes"))
+    content, calls = one.parse(HERMES_TWO)
+    assert [c.name for c in calls] == ["f"] and content == "I will call it."
+    _, pieces, streamed = _stream(one, HERMES_TWO)
+    assert list(_accumulated(pieces)) == [0] and _accumulated(pieces)[0]["name"] == "f"
+    both = ChatCompletionRequest(**body).tool_call_parser(get_tool_parser("hermes"))
+    assert [c.name for c in both.parse(HERMES_TWO)[1]] == ["f", "g"]
+    assert forced_tool_schema(tools, None, single=True)["maxItems"] == 1 and "maxItems" not in forced_tool_schema(tools, None)
+
+
+@pytest.mark.parametrize("finish, want", [("stop", "tool_calls"), ("length", "length")])
+def test_a_reply_with_calls_cut_by_max_tokens_finishes_length(finish, want):
+    """vLLM: "tool_calls" only when the model ended the reply itself; cut short, a call may be missing."""
+    from lmjax.api.engine_thread import GenOut
+    from lmjax.serve.responses import chat_message, tool_delta
+
+    parser = get_tool_parser("hermes")
+    assert chat_message(HERMES_TWO, finish, parser)[1] == want
+    stream = ToolStream(parser)
+    out = GenOut(HERMES_TWO, 0, 5, 20, finish, [], None, 0)
+    assert tool_delta(stream, out)[1] == want
