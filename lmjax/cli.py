@@ -119,7 +119,8 @@ def _add_serve(subparsers) -> None:
     vllm_aliases(api, {"--port": ("server_port", "--server-port", bounded(int, "port", 0, 65535)),
                         "--host": ("server_name", "--server-name", str)})
     add_vllm_serve_args(api)
-    api.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, help="log level (default: INFO)")
+    api.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS,
+                     help="log level (default: INFO)")
     api.add_argument("--disable-fastapi-docs", action="store_true", help="LMDeploy's: no Swagger page at /docs")
     api.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None, metavar="NAME",
                      help="parse chat replies for tool calls in this model family's format, one of "
@@ -151,7 +152,8 @@ def _async_engine(args, log_level: str = "ERROR"):
         from lmjax.api.llm import check_max_model_len
         from lmjax.loader.model_loader import read_model_config
 
-        check_max_model_len(args.max_model_len, read_model_config(args.model, rope_scaling_factor=args.rope_scaling_factor).context_len)
+        context = read_model_config(args.model, rope_scaling_factor=args.rope_scaling_factor).context_len
+        check_max_model_len(args.max_model_len, context)
         args.session_len = args.max_model_len
     config = EngineConfig(dtype=args.dtype, session_len=args.session_len, tp=args.tp,
                           max_batch_size=args.max_batch_size, cache_max_entry_count=args.cache_max_entry_count,

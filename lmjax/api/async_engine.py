@@ -349,21 +349,13 @@ class _Done(concurrent.futures.Future):
 
     @classmethod
     def of(cls, future: concurrent.futures.Future) -> _Done:
-        done = cls()
-        future.add_done_callback(lambda f: _settle_done(done, f))
+        done = cls()  # (set as `future` ends, unless its waiter cancelled it: the engine did the command anyway)
+        future.add_done_callback(lambda f: done.set_running_or_notify_cancel() and (
+            done.set_exception(f.exception()) if f.exception() is not None else done.set_result(f.result())))
         return done
 
     def __await__(self):
         return asyncio.wrap_future(self).__await__()
-
-
-def _settle_done(done: concurrent.futures.Future, source: concurrent.futures.Future) -> None:
-    """`done` as `source` ended, unless its waiter cancelled it already (the engine still did the command)."""
-    if done.set_running_or_notify_cancel():
-        if source.exception() is not None:
-            done.set_exception(source.exception())
-        else:
-            done.set_result(source.result())
 
 
 def _response(out: GenOut, session_id: int | None = None, index: int | None = None) -> Response:

@@ -140,7 +140,7 @@ class EngineThread:
             try:
                 self._abort(request_id)
             finally:
-                if done.set_running_or_notify_cancel():  # (False: a waiter cancelled it; the abort is done all the same)
+                if done.set_running_or_notify_cancel():  # (False: a waiter cancelled it; the abort is done anyway)
                     done.set_result(None)
         try:
             self._put(command)

@@ -18,7 +18,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from lmjax import parallel
 from lmjax.layers.attention import AttentionMetadata
 from lmjax.layers.sampler import SamplerOutput, SamplingMetadata, sample
 
@@ -83,3 +85,12 @@ def decode_steps(model, logits_fn, caches, inp: DecodeInputs, smeta: SamplingMet
                         jnp.zeros((num_steps, B), jnp.int32))
     caches, _, out = jax.lax.fori_loop(0, num_steps, body, (caches, inp.ids_B, out))
     return out, caches
+
+
+def padding_decode_args(runner, B: int, M: int, smeta: SamplingMetadata) -> tuple:
+    """(DecodeInputs, smeta) of a decode call of B rows and table width M holding no sequence (every KV write to
+    the sink block 0), as the engine passes them (ModelRunner.decode_ids; replicated over its mesh, if any):
+    warm-up runs such calls, the idle prefetch compiles them."""
+    zeros_B = np.zeros(B, np.int32)
+    inputs = DecodeInputs(runner.decode_ids(zeros_B), zeros_B, np.zeros((B, M), np.int32), np.int32(0))
+    return parallel.replicate((inputs, smeta), runner.mesh) if runner.mesh is not None else (inputs, smeta)

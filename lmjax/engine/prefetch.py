@@ -16,12 +16,9 @@ from __future__ import annotations
 import logging
 from typing import Callable, Iterator
 
-import numpy as np
-
-from lmjax import parallel
 from lmjax.config import SamplingParams
 from lmjax.engine.background_compile import variant_key
-from lmjax.engine.decode_loop import DecodeInputs
+from lmjax.engine.decode_loop import padding_decode_args
 from lmjax.engine.model_runner import ModelRunner
 from lmjax.env import env_choice
 from lmjax.layers.sampler import SamplingRow, build_sampling_metadata
@@ -92,10 +89,6 @@ class SamplingPrefetch:
         def job():
             runner = self.runner
             smeta, flags = build_sampling_metadata([row], pad_to=B)
-            zeros_B = np.zeros(B, np.int32)
-            inputs = DecodeInputs(runner.decode_ids(zeros_B), zeros_B, np.zeros((B, M), np.int32), np.int32(0))
-            if runner.mesh is not None:
-                inputs, smeta = parallel.replicate((inputs, smeta), runner.mesh)
-            fixed, varying, static = runner._decode_args(inputs, smeta, flags, num_steps)
+            fixed, varying, static = runner._decode_args(*padding_decode_args(runner, B, M, smeta), flags, num_steps)
             runner._decode.compile_later(variant_key(varying, static), (*fixed, *varying), static)
         return job

@@ -19,10 +19,9 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from lmjax import parallel
 from lmjax.config import SamplingParams
 from lmjax.engine.background_compile import variant_key
-from lmjax.engine.decode_loop import DecodeInputs, pending_ids
+from lmjax.engine.decode_loop import padding_decode_args, pending_ids
 from lmjax.engine.model_runner import ModelRunner, StepInputs, bucket
 from lmjax.engine.padded_steps import step_variant
 from lmjax.engine.parallel_compile import Precompiler, paused_gc
@@ -64,9 +63,7 @@ def _step_program(runner: ModelRunner, dims: StepDims, smeta: SamplingMetadata, 
 def _decode_program(runner: ModelRunner, B: int, M: int, smeta: SamplingMetadata, flags: SamplingFlags,
                     num_steps: int):
     def args():
-        zeros_B = np.zeros(B, np.int32)
-        inputs = DecodeInputs(runner.decode_ids(zeros_B), zeros_B, np.zeros((B, M), np.int32), np.int32(0))
-        return parallel.replicate((inputs, smeta), runner.mesh) if runner.mesh is not None else (inputs, smeta)
+        return padding_decode_args(runner, B, M, smeta)
 
     def run():
         out = runner._run_decode(*args(), flags, num_steps, now=True)

@@ -50,10 +50,12 @@ def run_server(engine: AsyncEngine, server_name: str = "127.0.0.1", server_port:
     config = uvicorn.Config(app, host=server_name, port=server_port, log_level=level,
                             timeout_keep_alive=30, timeout_graceful_shutdown=GRACE_S)
     server = _Server(config, engine)
-    print(f"HINT: the api_server answers at http://{server_name}:{server_port} (OpenAI routes under /v1"
+    sock = sock or listen(server_name, server_port)
+    port = sock.getsockname()[1]  # (the one bound: port 0 picks one)
+    print(f"HINT: the api_server answers at http://{server_name}:{port} (OpenAI routes under /v1"
           + (", API docs at /docs)" if docs else ")"), flush=True)  # (as LMDeploy's, at every log level)
     try:
-        server.run(sockets=[sock or listen(server_name, server_port)])
+        server.run(sockets=[sock])
     finally:
         engine.close()
 
