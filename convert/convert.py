@@ -44,8 +44,8 @@ from lmjax import parallel
 from lmjax.layers.quant import QuantSpec, quantize_model
 from lmjax.loader.awq import awq_spec
 from lmjax.loader.model_loader import load_model, read_model_config
-from lmjax.loader.orbax_loader import (CONFIG_KEY, FORMAT_VERSION, ORBAX_SUBDIR, is_converted, param_key,
-                                       require_orbax)
+from lmjax.loader.converted_config import CONFIG_KEY, converted_quant
+from lmjax.loader.orbax_loader import FORMAT_VERSION, ORBAX_SUBDIR, is_converted, param_key, require_orbax
 from lmjax.loader.resolve import resolve_model_path
 from lmjax.loader.safetensors_loader import read_config
 
@@ -154,7 +154,7 @@ def _source_quant(path: str) -> dict | None:
         return None  # a .gguf file (or a directory load_model reports as unreadable)
     hf_config = read_config(path)
     if is_converted(path):
-        return (hf_config.get(CONFIG_KEY) or {}).get("quant")
+        return converted_quant(hf_config)
     awq = awq_spec(hf_config)
     return {**awq.to_dict(), "algorithm": "awq", "calibration": "AWQ checkpoint"} if awq else None
 

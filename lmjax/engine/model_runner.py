@@ -264,11 +264,6 @@ class ModelRunner(FollowersMixin, PaddedStepsMixin):
         return [StepOutput(tokens[k, :n], logprobs[k, :n], top_ids[k, :n], top_lp[k, :n], None, ranks[k, :n])
                 for k in range(pending.num_steps)]
 
-    def wait_for_compiles(self) -> None:
-        """Block until the variants compiling in the background are ready (a benchmark's warm-up)."""
-        for compiler in (self._decode, self._steps, self._samplers):
-            compiler.wait()
-
     def table_width(self, num_blocks: int) -> int:
         """Block-table width M of a step whose longest sequence holds `num_blocks` blocks."""
         return self.max_M if self.fixed_M else bucket(num_blocks, 1)

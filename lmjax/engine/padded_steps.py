@@ -60,6 +60,36 @@ class PaddedStepsMixin:
         self._steps.lower_deferred()
         self._samplers.lower_deferred()
 
+    def compilers(self) -> tuple[BackgroundCompiler, ...]:
+        return self._decode, self._steps, self._samplers
+
+    def wait_for_compiles(self) -> None:
+        """Block until the variants compiling in the background are ready (a benchmark's warm-up)."""
+        for compiler in self.compilers():
+            compiler.wait()
+
+    def decode_compiles_apart(self) -> bool:
+        """Whether a decode call's new variant compiles on the worker (off across processes with no leader)."""
+        return self._decode.enabled
+
+    def compilers_busy(self) -> bool:
+        """Whether any worker has a program queued or compiling (a prefetch waits until none has)."""
+        return any(compiler.busy() for compiler in self.compilers())
+
+    def prefetch_sampler(self, smeta, flags: SamplingFlags, R: int) -> None:
+        """Hand the worker the sampler a step sampled apart at R rows runs for this sampling, traced here (the
+        engine thread is idle). Nothing before any step was sampled apart (the logits' shape is unknown)."""
+        args = self._sampler_args(smeta, R)
+        if args is not None:
+            static = {"flags": flags}
+            self._samplers.compile_later(variant_key(args, static), args, static)
+            self._samplers.lower_deferred()
+
+    def prefetch_decode(self, inputs, smeta, flags: SamplingFlags, num_steps: int) -> None:
+        """Hand the worker the multi-step decode call of these (padding) inputs, traced on the worker."""
+        fixed, varying, static = self._decode_args(inputs, smeta, flags, num_steps)
+        self._decode.compile_later(variant_key(varying, static), (*fixed, *varying), static)
+
     def _run_step(self, varying: tuple, static: dict):
         """The step by its compiled program (the worker's, or the jitted function's, compiling now if new)."""
         self._shapes.add(shape_family(*varying, static), step_dims(varying[0]))

@@ -17,7 +17,6 @@ import logging
 from typing import Callable, Iterator
 
 from lmjax.config import SamplingParams
-from lmjax.engine.background_compile import variant_key
 from lmjax.engine.decode_loop import padding_decode_args
 from lmjax.engine.model_runner import ModelRunner
 from lmjax.env import env_choice
@@ -61,10 +60,9 @@ class SamplingPrefetch:
 
     def step(self) -> bool:
         """Hand the next program to the worker unless it is busy; whether any remain."""
-        runner = self.runner
         if self._next is None:
             return False
-        if not (runner._decode.busy() or runner._steps.busy() or runner._samplers.busy()):
+        if not self.runner.compilers_busy():
             try:
                 self._next()
                 self.num_handed += 1
@@ -77,18 +75,13 @@ class SamplingPrefetch:
         """The sampler a step sampled apart at R rows runs (a padded one-step call's, for this sampling)."""
         def job():
             smeta, flags = build_sampling_metadata([row], pad_to=R)
-            args = self.runner._sampler_args(smeta, R)
-            if args is not None:
-                static = {"flags": flags}
-                self.runner._samplers.compile_later(variant_key(args, static), args, static)
-                self.runner._samplers.lower_deferred()  # (the engine thread is idle: trace it now)
+            self.runner.prefetch_sampler(smeta, flags, R)
         return job
 
     def _decode_job(self, B: int, M: int, row: SamplingRow, num_steps: int) -> Callable[[], None]:
         """The multi-step decode call of B rows and table width M for this sampling (traced on the worker)."""
         def job():
-            runner = self.runner
             smeta, flags = build_sampling_metadata([row], pad_to=B)
-            fixed, varying, static = runner._decode_args(*padding_decode_args(runner, B, M, smeta), flags, num_steps)
-            runner._decode.compile_later(variant_key(varying, static), (*fixed, *varying), static)
+            inputs, smeta = padding_decode_args(self.runner, B, M, smeta)
+            self.runner.prefetch_decode(inputs, smeta, flags, num_steps)
         return job

@@ -141,7 +141,7 @@ def warm_up(engine, sampling_params: list[SamplingParams] | None, max_batch_size
     logger.info("warm-up: %s (batch buckets %s, widths %s)", stats, sizes, widths)
     # Only a padding engine uses the worker's programs of a basic variant (else jit compiles them when met).
     prefetch = None
-    if pad and runner._decode.enabled and prefetch_enabled():
+    if pad and runner.decode_compiles_apart() and prefetch_enabled():
         prefetch = SamplingPrefetch(runner, sizes, widths, prefetch_rows(engine.sampling_defaults),
                                     config.num_scheduler_steps, sorted({d.R for d in large_step_dims(runner)}))
     return stats, prefetch

@@ -22,6 +22,7 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 
 from lmjax.layers.quant import QuantSpec
+from lmjax.loader.converted_config import converted_quant
 from lmjax.loader.safetensors_loader import CheckpointError
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble k of a packed int32 -> output column 8c + AWQ_ORDER[k]
@@ -41,7 +42,7 @@ def require_awq(model_path: str, declared: str) -> None:
         with open(config) as f:
             hf_config = json.load(f)
     method = (hf_config.get("quantization_config") or {}).get("quant_method")
-    converted = ((hf_config.get("lmjax") or {}).get("quant") or {}).get("method")  # (orbax_loader.CONFIG_KEY)
+    converted = (converted_quant(hf_config) or {}).get("method")
     if str(method).lower() != "awq" and converted != "w4":
         raise ValueError(f"{declared}, but {model_path!r} is not an AWQ checkpoint (its config.json's "
                          f"quantization_config.quant_method is {method!r}"

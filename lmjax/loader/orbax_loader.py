@@ -27,11 +27,11 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from lmjax import parallel
 from lmjax.layers.quant import QuantSpec, quantize_model
 from lmjax.loader import model_loader
+from lmjax.loader.converted_config import conversion_info, converted_quant
 from lmjax.loader.safetensors_loader import CheckpointError, read_config
 from lmjax.models.registry import ARCHITECTURES, parse_config
 
 ORBAX_SUBDIR = "lmjax_orbax"
-CONFIG_KEY = "lmjax"
 FORMAT_VERSION = 1
 
 
@@ -48,7 +48,7 @@ def param_key(path: tuple) -> str:
 def build_abstract(hf_config: dict, dtype, **overrides):
     """(ModelConfig, graphdef, {path: abstract Variable}) of the model a converted config describes."""
     cfg = parse_config(hf_config, **overrides)
-    spec = QuantSpec.from_dict(hf_config.get(CONFIG_KEY, {}).get("quant"))
+    spec = QuantSpec.from_dict(converted_quant(hf_config))
     arch = ARCHITECTURES[cfg.architecture]
     model = nnx.eval_shape(lambda: quantize_model(arch.model_cls(cfg, dtype=dtype), spec, abstract=True))
     graphdef, state = nnx.split(model)
@@ -97,7 +97,7 @@ def load_converted(path: str, dtype: str = "auto", *, placer=None, tp: int = 1, 
     """`load_model` for a converted directory: same arguments, same result."""
     require_orbax(f"{path} (an lmjax convert directory)")
     hf_config = read_config(path)
-    info = hf_config.get(CONFIG_KEY) or {}
+    info = conversion_info(hf_config)
     if info.get("format", FORMAT_VERSION) > FORMAT_VERSION:
         raise CheckpointError(f"{path} was converted by a newer lmjax (format {info['format']})")
     cfg = parse_config(hf_config, **overrides)
