@@ -219,6 +219,17 @@ class SamplingParams:
                 or self.frequency_penalty != 0.0)
 
 
+class PoolingSampling(SamplingParams):
+    """The engine's form of a pooling (embedding) request, vLLM's PoolingParams: one greedy token whose final-norm
+    hidden state (output_last_hidden_state="generation") is the output (lmjax.api.embed). That token is no
+    generated output (the token counters leave it out) and the request finishes "stop", as vLLM's pooling ones."""
+
+    @classmethod
+    def embedding(cls, truncate_prompt_tokens: int | None = None) -> PoolingSampling:
+        return cls(temperature=0.0, max_tokens=1, ignore_eos=True, output_last_hidden_state="generation",
+                   truncate_prompt_tokens=truncate_prompt_tokens)
+
+
 class _DefaultTopK(int):
     """GenerationConfig's top_k when the caller left it alone (it prints as 1): do_sample=True then
     means LMDeploy 0.6's default, SAMPLING_TOP_K. dataclasses.replace carries the mark along."""

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from lmjax.api.batch import run_to_completion, submit_all
-from lmjax.config import SamplingParams, check_defaults_only
+from lmjax.config import PoolingSampling, check_defaults_only
 from lmjax.engine.engine import LLMEngine
 from lmjax.validation import strict_fields
 
@@ -54,13 +54,10 @@ def embed_token_ids(engine: LLMEngine, encoded: Sequence[tuple[str | None, list[
                     pooling: Sequence[PoolingParams], use_tqdm: bool = False) -> list[EmbeddingRequestOutput]:
     """One embedding per (text, token ids) prompt, in order, with its PoolingParams; every prompt is checked
     before any runs."""
-    params = [SamplingParams(**EMBEDDING_PARAMS, truncate_prompt_tokens=p.truncate_prompt_tokens) for p in pooling]
+    params = [PoolingSampling.embedding(p.truncate_prompt_tokens) for p in pooling]
     requests = run_to_completion(engine, submit_all(engine, encoded, params), use_tqdm)
     return [EmbeddingRequestOutput(r.request_id, EmbeddingOutput(_pooled(r, p.normalize)), list(r.prompt_token_ids))
             for r, p in zip(requests, pooling)]
-
-
-EMBEDDING_PARAMS = dict(temperature=0.0, max_tokens=1, ignore_eos=True, output_last_hidden_state="generation")
 
 
 def _pooled(request, normalize: bool | None) -> list[float]:

@@ -15,7 +15,7 @@ import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from lmjax.config import EngineConfig, SamplingParams
+from lmjax.config import EngineConfig, PoolingSampling, SamplingParams
 from lmjax.engine.block_manager import BlockManager
 from lmjax.engine.cache_sizing import kv_cache_blocks
 from lmjax.engine.compile_cache import compile_stats, enable_compilation_cache
@@ -171,7 +171,8 @@ class LLMEngine(SessionsMixin, MultiStepMixin, HostOutputsMixin, SpeculativeMixi
     def _add_completion(self, req: Request, index: int, seed: int) -> None:
         p = req.params
         seq = Sequence(next(self._seq_ids), list(req.prompt_token_ids), params=p,
-                       cache_salt=self._cache_salt(len(req.prompt_token_ids), p.cache_salt))
+                       cache_salt=self._cache_salt(len(req.prompt_token_ids), p.cache_salt),
+                       pooling=isinstance(p, PoolingSampling))
         # The text continues the prompt (vLLM, LMDeploy): SentencePiece keeps the first word's space
         detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, p.skip_special_tokens,
                                        p.spaces_between_special_tokens, continue_prompt=True)
@@ -267,6 +268,7 @@ class LLMEngine(SessionsMixin, MultiStepMixin, HostOutputsMixin, SpeculativeMixi
             except StepInputError as e:
                 return self._inputs_failed(batch, rows, list(range(len(rows))), e, changed)
             if decoding is not None:  # else its sampling variant is compiling: one step now
+                self._count_prefilled(batch)  # (a prompt's last token can start a call: a 1-token or cached prompt)
                 self._pending = (batch, decoding)
                 self.num_decode_loops += 1
                 return self._finish_pending(changed)
@@ -289,8 +291,7 @@ class LLMEngine(SessionsMixin, MultiStepMixin, HostOutputsMixin, SpeculativeMixi
         drafted = self._accept_drafts(batch, out, starts, changed)
         sampled = {it.seq.seq_id: int(out.token_ids[starts[i]]) for i, it in enumerate(batch.items)
                    if it.samples and it.seq.seq_id not in failed and it.seq.seq_id not in drafted}
-        self.num_prefill_tokens += sum(max(0, min(it.start_pos + it.num_new_tokens, it.seq.num_prompt_tokens)
-                                           - it.start_pos) for it in batch.items)
+        self._count_prefilled(batch)
         self.num_generated_tokens += self.scheduler.record(batch, sampled)
         for i, it in enumerate(batch.items):
             if it.samples and it.seq.seq_id in self._by_seq and it.seq.seq_id not in drafted:
@@ -371,7 +372,11 @@ class LLMEngine(SessionsMixin, MultiStepMixin, HostOutputsMixin, SpeculativeMixi
         if comp.guide is not None and (reason := advance_guide(req, comp, token)):
             return self._finish(req, comp, reason)  # the guided output is complete ("stop") or stuck
         if len(comp.token_ids) >= req.max_tokens:
-            self._finish(req, comp, "length")
+            self._finish(req, comp, "stop" if comp.seq.pooling else "length")  # (vLLM's pooling requests "stop")
+
+    def _count_prefilled(self, batch: ScheduledBatch) -> None:
+        self.num_prefill_tokens += sum(max(0, min(it.start_pos + it.num_new_tokens, it.seq.num_prompt_tokens)
+                                           - it.start_pos) for it in batch.items)
 
     def _finish(self, req: Request, comp: Completion, reason: str, flush: bool = True) -> None:
         if flush and req.params.detokenize:

@@ -265,13 +265,14 @@ class Scheduler:
 
     def record(self, batch: ScheduledBatch, sampled: dict[int, int]) -> int:
         """The second half of `update`: append each sampling item's token (NO_TOKEN, the sampler's "nothing
-        could be sampled", is no token: the engine ends that request). Returns the number appended."""
+        could be sampled", is no token: the engine ends that request). Returns the number appended (generated
+        output: a pooling sequence's token is not)."""
         appended = 0
         for item in batch.items:
             seq = item.seq
             if seq.status is SequenceStatus.RUNNING and item.samples and sampled.get(seq.seq_id, NO_TOKEN) != NO_TOKEN:
                 seq.output_token_ids.append(sampled[seq.seq_id])
-                appended += 1
+                appended += not seq.pooling
         return appended
 
     def discard(self, batch: ScheduledBatch) -> None:

@@ -49,6 +49,7 @@ class Sequence:
     num_preemptions: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
+    pooling: bool = False  # an embedding's: its one sampled token is no generated output (not counted)
     # Chained hashes of the full blocks of tokens seen so far; a cache owned by the BlockManager.
     block_hashes: list[int] = field(default_factory=list, repr=False)
     # What a block's KV depends on besides the tokens before it (the root of the hash chain; vLLM's

@@ -7,7 +7,7 @@ special tokens unless add_special_tokens=false; token ids taken as they are; vLL
 checked (empty, ids outside the vocabulary, longer than the context), so a bad input is a 400 naming it
 before any work -> `embed`: every input submitted to the engine thread in ONE command, so the scheduler
 takes them as one batch, each a request for one greedy token with output_last_hidden_state="generation"
-(lmjax.api.embed.EMBEDDING_PARAMS) -> the final GenOut of each carries the final-norm hidden state of its
+(lmjax.config.PoolingSampling) -> the final GenOut of each carries the final-norm hidden state of its
 last prompt token -> lmjax.api.embed.pool (L2-normalized unless normalize=false: exactly `LLM.embed`) ->
 `embedding_body`: floats, or base64 of little-endian float32 bytes (OpenAI's and vLLM's encoding).
 
@@ -25,9 +25,9 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import Field
 
-from lmjax.api.embed import EMBEDDING_PARAMS, pool
+from lmjax.api.embed import pool
 from lmjax.api.engine_thread import GenOut, merge_outputs
-from lmjax.config import SamplingParams
+from lmjax.config import PoolingSampling, SamplingParams
 from lmjax.engine.request import check_token_ids
 from lmjax.serve.protocol import ChatCompletionRequest, ChatMessage, _Nullable
 from lmjax.serve.responses import Head
@@ -135,7 +135,7 @@ async def embed(engine, prompts: list[list[int]], normalize: bool | None) -> lis
     the requests; an engine failure raises its RuntimeError."""
     loop, items = asyncio.get_running_loop(), asyncio.Queue()
     sinks = [functools.partial(_hand_over, loop, items, p) for p in range(len(prompts))]
-    rids = await _submit(engine, prompts, SamplingParams(**EMBEDDING_PARAMS), sinks)
+    rids = await _submit(engine, prompts, PoolingSampling.embedding(), sinks)
     finals: dict[int, GenOut] = {}
     done = False
     try:

@@ -40,9 +40,10 @@ _VLLM_NAMES = {"lmjax_num_requests_running": "vllm:num_requests_running",
                "lmjax_spec_decode_num_accepted_tokens_total": "vllm:spec_decode_num_accepted_tokens_total"}
 
 
-def render_metrics(engine) -> str:
-    """`engine` is an AsyncEngine: its `stats()` and its engine thread's finished-request counts."""
-    stats, model = engine.stats(), _label(getattr(engine, "model_name", None) or "")
+def render_metrics(engine, model_name: str) -> str:
+    """`engine` is an AsyncEngine: its `stats()` and its engine thread's finished-request counts; `model_name`
+    labels vLLM's names (the name the server serves, as vLLM's served_model_name)."""
+    stats, model = engine.stats(), _label(model_name)
     lines = []
     for name, kind, help_text, key in _METRICS:
         lines += _metric(name, kind, help_text, [("", float(stats[key]))], model)

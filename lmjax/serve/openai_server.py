@@ -175,7 +175,7 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(render_metrics(engine), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(render_metrics(engine, name), media_type="text/plain; version=0.0.4")
 
     def model_card() -> dict:
         return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "lmjax", "root": name,
@@ -223,7 +223,8 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
                 if new:
                     delta = {"role": "assistant", "content": "", **delta}
                 if delta or finish or logprobs:  # a piece held back whole (a call may be starting) sends nothing
-                    yield R.sse(R.chat_chunk(head, i, delta, finish, logprobs, out.stop_reason))
+                    yield R.sse(R.running_usage(R.chat_chunk(head, i, delta, finish, logprobs, out.stop_reason),
+                                                choices, req))
             if req.include_usage:
                 yield R.sse(R.usage_chunk(head, "chat.completion.chunk", choices))
             yield R.sse("[DONE]")
@@ -258,7 +259,7 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
                 echoed = echo[p] if echo and before is None else None  # the prompt goes out with the first piece
                 offset = (len(echo[p].text) if echo else 0) + (len(before.response) if before else 0)
                 i = choices.add(p, out)  # (folds `out` into `before` in place)
-                yield R.sse(R.completion_chunk(head, i, out, k, decode, echoed, offset))
+                yield R.sse(R.running_usage(R.completion_chunk(head, i, out, k, decode, echoed, offset), choices, req))
             if req.include_usage:
                 yield R.sse(R.usage_chunk(head, "text_completion", choices))
             yield R.sse("[DONE]")

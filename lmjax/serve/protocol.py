@@ -79,8 +79,9 @@ class _Nullable(_Strict):
         return {k: v for k, v in data.items() if v is not None or k in NULL_IS_NONE}
 
 
-class StreamOptions(_Strict):
-    include_usage: bool = False
+class StreamOptions(_Strict):  # vLLM's defaults: a stream_options given asks for the usage chunk
+    include_usage: bool = True
+    continuous_usage_stats: bool = False  # (vLLM's) the usage so far in every chunk too
 
 
 class FunctionSpec(_Strict):

@@ -212,3 +212,12 @@ def completion_chunk(head: Head, index: int, out: GenOut, k: int, decode, echo: 
 
 def usage_chunk(head: Head, obj: str, choices: Choices) -> dict:
     return {**head.fields(obj), "choices": [], "usage": choices.usage()}
+
+
+def running_usage(chunk: dict, choices: Choices, req) -> dict:
+    """`chunk` with the usage so far when the request asks for it in every chunk (vLLM's continuous_usage_stats,
+    which takes include_usage too)."""
+    options = req.stream_options
+    if req.include_usage and options.continuous_usage_stats:
+        chunk["usage"] = choices.usage()
+    return chunk
