@@ -44,7 +44,7 @@ class GuidedDecodingParams:
     structural_tag: str | None = None
 
     def __post_init__(self):
-        given = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        given = [k for k in KINDS if self._given(k)]
         if len(given) != 1:
             _fail(f"guided decoding needs exactly one of {list(KINDS)}, got {given or 'none'}")
         if self.backend not in BACKENDS:
@@ -76,7 +76,11 @@ class GuidedDecodingParams:
 
     @property
     def kind(self) -> str:
-        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+        return next(k for k in KINDS if self._given(k))
+
+    def _given(self, kind: str) -> bool:
+        value = getattr(self, kind)  # json_object=False is "not this kind" (the JSON schema false is a schema)
+        return value is not None and not (kind == "json_object" and value is False)
 
     @property
     def spec(self) -> str:
@@ -101,7 +105,11 @@ def _schema_text(schema) -> str:
             schema = json.loads(schema)
         except ValueError as e:
             _fail(f"guided json schema is not valid JSON ({e}): {schema!r}")
-    if not isinstance(schema, (dict, bool)):
+    if schema is False:
+        _fail("guided json schema false allows no value: nothing can be generated")
+    if schema is True:
+        schema = {}  # JSON Schema's true: any value, as {}
+    if not isinstance(schema, dict):
         _fail(f"guided json schema must be a dict, a JSON string or a pydantic model, got {schema!r}")
     return json.dumps(schema)  # key order kept: the guide writes the properties in the schema's order
 

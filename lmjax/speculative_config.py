@@ -38,6 +38,11 @@ class SpeculativeConfig:
             return value
         if not isinstance(value, dict):
             raise TypeError(f"speculative_config must be a dict or None, got {type(value).__name__}")
+        method, model = value.get("method"), value.get("model")
+        ngram = (None, "ngram", "[ngram]")  # (a draft model named beside method="ngram": the keys' error below)
+        _check(method in ngram and (method is not None or model in ngram),
+               f"speculative method {method or 'draft model'!r} (model={model!r}) is not supported by lmjax: "
+               "only n-gram lookup, method='ngram'")
         if value.get("model") in ("ngram", "[ngram]") and value.get("method", "ngram") == "ngram":
             value = {k: v for k, v in value.items() if k != "model"}  # vLLM: model="ngram" names the method
         unknown = set(value) - {f.name for f in fields(cls)}

@@ -16,6 +16,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from lmjax.config import EngineConfig, PoolingSampling, SamplingParams
+from lmjax.engine.bans import row_banned_ids, tokenize_bad_words
 from lmjax.engine.block_manager import BlockManager
 from lmjax.engine.cache_sizing import kv_cache_blocks
 from lmjax.engine.compile_cache import compile_stats, enable_compilation_cache
@@ -35,7 +36,7 @@ from lmjax.engine.step_failures import StepFailuresMixin
 from lmjax.engine.stop import StopStringMatcher
 from lmjax.engine.vllm_names import VLLMNamesMixin
 from lmjax.engine.warmup import warm_up
-from lmjax.layers.sampler import NO_TOKEN, SamplingRow, row_banned_ids, seed32, tokenize_bad_words
+from lmjax.layers.sampler import NO_TOKEN, SamplingRow, seed32
 from lmjax.loader.generation_config import generation_eos_ids, read_generation_config, sampling_defaults
 from lmjax.loader.model_loader import load_model
 from lmjax.loader.resolve import resolve_model_path
@@ -228,8 +229,7 @@ class LLMEngine(SessionsMixin, MultiStepMixin, HostOutputsMixin, SpeculativeMixi
                 "num_running": self.scheduler.num_running, "num_waiting": self.scheduler.num_waiting,
                 "num_free_blocks": b.num_free_blocks, "num_usable_blocks": b.num_usable_blocks,
                 "num_prefill_tokens": self.num_prefill_tokens, "num_generated_tokens": self.num_generated_tokens,
-                "num_sessions": len(self.sessions), "num_draft_tokens": self.num_draft_tokens,
-                "num_accepted_tokens": self.num_accepted_tokens, **compile_stats()}
+                "num_sessions": len(self.sessions), **self.spec_stats(), **compile_stats()}
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[Request]:
@@ -332,7 +332,7 @@ class LLMEngine(SessionsMixin, MultiStepMixin, HostOutputsMixin, SpeculativeMixi
         banned = row_banned_ids(req.params, outputs, self.eos_token_ids, req.bad_words_ids)
         allowed_W = comp.guide.mask_W() if comp.guide is not None else req.allowed_W  # None: any token
         return SamplingRow(req.params, comp.seed, req.prompt_token_ids, outputs, banned, len(outputs) + ahead,
-                           allowed_W)
+                           allowed_W, guided=comp.guide is not None)
 
     # ------------------------------------------------------------------ results out
     def _postprocess(self, req: Request, comp: Completion, out: StepOutput, i: int) -> None:

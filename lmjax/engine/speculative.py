@@ -41,7 +41,9 @@ def propose(token_ids: np.ndarray, config: SpeculativeConfig, limit: int) -> lis
         prev = matched[n - 1]
         prev = prev[prev >= n - 1]
         matched[n] = prev[token_ids[prev - (n - 1)] == token_ids[L - n]]
-    for n in range(min(config.prompt_lookup_max, L - 1), config.prompt_lookup_min - 1, -1):
+        if not matched[n].size:
+            break  # (no longer match: growing further would cost the host a pass per n for nothing)
+    for n in range(max(matched), config.prompt_lookup_min - 1, -1):
         starts = matched[n] + 1
         if starts.size:
             # the most recent match with k tokens after it, else the earliest (most tokens after it)
@@ -73,13 +75,18 @@ def row_starts(batch) -> list[int]:
 class SpeculativeMixin:
     """The engine's side (mixed into LLMEngine: config, scheduler, blocks, `_by_seq`, `_postprocess`)."""
 
-    num_draft_tokens = 0  # drafted and verified, over the engine's life (vLLM's spec-decode metrics)
+    num_drafts = 0  # drafts verified, over the engine's life (vLLM's spec-decode metrics: 1 + accepted / drafts
+    num_draft_tokens = 0  # is the mean acceptance length), their tokens, and those accepted
     num_accepted_tokens = 0
 
     def _speculates(self, req, comp) -> bool:
         p = req.params
         return (not p.uses_penalties and not req.bad_words_ids and comp.guide is None
                 and not needs_host(p) and len(comp.token_ids) >= p.min_tokens)
+
+    def spec_stats(self) -> dict:
+        return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
+                "num_accepted_tokens": self.num_accepted_tokens}
 
     def _propose_drafts(self) -> None:
         """Give each eligible decoding sequence its draft for the coming step (lmjax.engine.speculative)."""
@@ -108,6 +115,7 @@ class SpeculativeMixin:
                 continue  # aborted while the step ran
             r0 = starts[i]
             a = accepted(draft, out.token_ids[r0:r0 + len(draft) + 1])
+            self.num_drafts += 1
             self.num_draft_tokens += len(draft)
             self.num_accepted_tokens += a
             req, comp = self._by_seq[seq.seq_id]
@@ -116,10 +124,9 @@ class SpeculativeMixin:
                     seq.output_token_ids.append(int(out.token_ids[r0 + j]))
                     seq.num_computed_tokens = seq.num_tokens - 1  # confirmed tokens' KV is in the cache
                     self.num_generated_tokens += 1
+                    self.blocks.register_full_blocks(seq)  # (before a finish frees the blocks: the prefix cache)
                 self._postprocess(req, comp, out, r0 + j)
                 if comp.finished:
                     break
-            if not comp.finished:
-                self.blocks.register_full_blocks(seq)
             changed[req.request_id] = req
         return done

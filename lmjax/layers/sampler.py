@@ -16,7 +16,8 @@ decoding, allowed_token_ids: lmjax.engine.guided; a packed bitmask) are present 
 one, so every other batch compiles and runs as if they did not exist.
 
 Logprobs are those of the raw model output, before any of the above (vLLM V1's default logprobs_mode,
-"raw_logprobs"): a biased or banned token keeps the logprob the model gave it.
+"raw_logprobs"): a biased or banned token keeps the logprob the model gave it. A guided row's are over the
+tokens its guide allows (vLLM V1 applies the structured-output mask to the logits before its sampler).
 
 Reproducibility: row b's noise comes from fold_in(key(seed_b), step_b), step_b being the number
 of tokens the request has generated, so a request draws the same tokens whatever else shares
@@ -58,6 +59,10 @@ class SamplingMetadata:
     # uint32 packed bitmask, bit j of word w allows token 32 w + j; None when no row restricts its tokens
     # (a different pytree, hence its own compilation: unguided batches never pay for the mask).
     allowed_BW: jax.Array | None = None
+    # bool: the row's mask is a guide's (structured output), present with allowed_BW: its logprobs are over
+    # the tokens the guide allows (vLLM V1 masks those logits before its sampler; allowed_token_ids it applies
+    # inside, after taking the raw logprobs)
+    guided_B: jax.Array | None = None
     # logit_bias: int32 ids (-1 padded) and the float32 biases added to their logits; both None when no row
     # has one (as allowed_BW: unbiased batches never pay for it).
     bias_ids_BN: jax.Array | None = None
@@ -128,13 +133,16 @@ def apply_banned(logits_BV: jax.Array, banned_BX: jax.Array) -> jax.Array:
     return _scatter_rows(logits_BV, banned_BX, -jnp.inf)
 
 
-def apply_allowed(logits_BV: jax.Array, allowed_BW: jax.Array) -> jax.Array:
-    """-inf where the row's packed mask bit is 0. The mask crosses to the device packed (V / 8 bytes a row
-    instead of V) and is unpacked here, where it is a few elementwise ops."""
-    B, V = logits_BV.shape
+def unpack_allowed(allowed_BW: jax.Array, V: int) -> jax.Array:
+    """bool [B, V] of a packed mask. The mask crosses to the device packed (V / 8 bytes a row instead of V)
+    and is unpacked here, where it is a few elementwise ops."""
     bits_BW32 = (allowed_BW[:, :, None] >> jnp.arange(32, dtype=jnp.uint32)) & 1
-    allowed_BV = bits_BW32.reshape(B, -1)[:, :V].astype(bool)
-    return jnp.where(allowed_BV, logits_BV, -jnp.inf)
+    return bits_BW32.reshape(allowed_BW.shape[0], -1)[:, :V].astype(bool)
+
+
+def apply_allowed(logits_BV: jax.Array, allowed_BW: jax.Array) -> jax.Array:
+    """-inf where the row's packed mask bit is 0."""
+    return jnp.where(unpack_allowed(allowed_BW, logits_BV.shape[1]), logits_BV, -jnp.inf)
 
 
 def apply_temperature(logits_BV: jax.Array, temperature_B: jax.Array) -> jax.Array:
@@ -224,7 +232,9 @@ def sample(logits_BV: jax.Array, meta: SamplingMetadata, *, all_greedy: bool, us
     logits_BV = apply_penalties(logits_BV, meta) if use_penalties else logits_BV
     logits_BV = apply_banned(logits_BV, meta.banned_BX)
     if meta.allowed_BW is not None:
-        logits_BV = apply_allowed(logits_BV, meta.allowed_BW)
+        allowed_BV = unpack_allowed(meta.allowed_BW, logits_BV.shape[1])
+        logits_BV = jnp.where(allowed_BV, logits_BV, -jnp.inf)
+        raw_BV = jnp.where(meta.guided_B[:, None] & ~allowed_BV, -jnp.inf, raw_BV)  # (a guide's: see guided_B)
     # A row whose bans, mask and processors left no finite logit has nothing to sample: NO_TOKEN, which
     # the engine turns into that request's "error" (an argmax over all -inf would say token 0 silently).
     # (Read at the argmax, which is -inf only when every logit is: no second pass over the vocabulary.)
@@ -252,6 +262,7 @@ class SamplingRow:
     banned_ids: Sequence[int] = ()
     step: int | None = None
     allowed_W: np.ndarray | None = None
+    guided: bool = False  # allowed_W is a guide's (its logprobs are over the allowed tokens)
 
 
 _MASK64 = (1 << 64) - 1
@@ -312,6 +323,7 @@ def build_sampling_metadata(rows: Sequence[SamplingRow], pad_to: int
     L = _bucket(max(map(len, prompts + outputs), default=1))
     X = _bucket(max((len(r.banned_ids) for r in rows), default=1))
     bias_ids_BN, bias_values_BN = _logit_bias([r.params.logit_bias for r in rows], B)
+    allowed_BW = _allowed_mask([r.allowed_W for r in rows], B)
     meta = SamplingMetadata(
         temperature_B=column(lambda r: 0.0 if r.params.is_greedy else r.params.temperature, np.float32, 0.0),
         top_k_B=column(lambda r: max(r.params.top_k, 0), np.int32, 0),
@@ -327,7 +339,7 @@ def build_sampling_metadata(rows: Sequence[SamplingRow], pad_to: int
         prompt_tokens_BL=_pad_ids(prompts, B, L),
         output_tokens_BL=_pad_ids(outputs, B, L),
         banned_BX=_pad_ids([r.banned_ids for r in rows], B, X),
-        allowed_BW=_allowed_mask([r.allowed_W for r in rows], B),
+        allowed_BW=allowed_BW, guided_B=None if allowed_BW is None else column(lambda r: r.guided, np.bool_, False),
         bias_ids_BN=bias_ids_BN, bias_values_BN=bias_values_BN)
     return meta, flags
 
@@ -364,33 +376,3 @@ def pack_token_ids(ids: Sequence[int], num_words: int) -> np.ndarray:
     mask_W = np.zeros(num_words, np.uint32)
     np.bitwise_or.at(mask_W, ids >> 5, (np.uint32(1) << (ids & 31).astype(np.uint32)))
     return mask_W
-
-
-def row_banned_ids(params: SamplingParams, output_ids: Sequence[int], eos_token_ids: Sequence[int],
-                   bad_words_ids: Sequence[Sequence[int]] = ()) -> list[int]:
-    """Ids to ban for this step: bad_token_ids; EOS and stop ids until min_tokens are out; and
-    the last token of each tokenized bad word whose other tokens end the output so far."""
-    banned = list(params.bad_token_ids or [])
-    if len(output_ids) < params.min_tokens:
-        banned += list(eos_token_ids) + list(params.stop_token_ids or [])
-    for word in bad_words_ids:
-        head = list(word[:-1])
-        if not head or list(output_ids[len(output_ids) - len(head):]) == head:
-            banned.append(word[-1])
-    return sorted(set(banned))
-
-
-def tokenize_bad_words(tokenizer, words: Sequence[str]) -> list[list[int]]:
-    """Token ids of each bad word as vLLM takes them: the word without its leading spaces, and after one space
-    when that tokenizes differently into as many tokens (BPE: "Paris" and " Paris"; a SentencePiece
-    tokenizer adds the word-boundary mark itself, so the spaced form is the same word or a longer one)."""
-    out: list[list[int]] = []
-    for word in words:
-        bare = tokenizer.encode(word.lstrip(), add_special_tokens=False)
-        if not bare:
-            continue
-        out.append(bare)
-        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
-        if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
-            out.append(spaced)
-    return out

@@ -20,6 +20,7 @@ _METRICS = [  # (name, type, help, stats key)
      "prefix_cache_queries"),
     ("lmjax_prefix_cache_hits_total", "counter", "Prompt tokens served by the prefix cache.", "prefix_cache_hits"),
     ("lmjax_num_compilations", "gauge", "Jitted step compilations so far.", "num_compilations"),
+    ("lmjax_spec_decode_num_drafts_total", "counter", "Speculative drafts verified.", "num_drafts"),
     ("lmjax_spec_decode_num_draft_tokens_total", "counter", "Speculative draft tokens verified.", "num_draft_tokens"),
     ("lmjax_spec_decode_num_accepted_tokens_total", "counter", "Speculative draft tokens accepted.",
      "num_accepted_tokens"),
@@ -36,6 +37,7 @@ _VLLM_NAMES = {"lmjax_num_requests_running": "vllm:num_requests_running",
                "lmjax_prefix_cache_queries_total": "vllm:prefix_cache_queries_total",
                "lmjax_prefix_cache_hits_total": "vllm:prefix_cache_hits_total",
                "lmjax_request_finished_total": "vllm:request_success_total",
+               "lmjax_spec_decode_num_drafts_total": "vllm:spec_decode_num_drafts_total",
                "lmjax_spec_decode_num_draft_tokens_total": "vllm:spec_decode_num_draft_tokens_total",
                "lmjax_spec_decode_num_accepted_tokens_total": "vllm:spec_decode_num_accepted_tokens_total"}
 

@@ -51,8 +51,11 @@ def sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
 
 
+LOGPROB_FLOOR = -9999.0  # vLLM's: a masked token's -inf in the top logprobs (a guided row's) is not JSON
+
+
 def _top(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
-    return sorted(entry.items(), key=lambda kv: -kv[1])[:k]
+    return [(t, max(lp, LOGPROB_FLOOR)) for t, lp in sorted(entry.items(), key=lambda kv: -kv[1])[:k]]
 
 
 def chat_logprobs(out: GenOut, k: int, decode, to_bytes=None) -> dict | None:

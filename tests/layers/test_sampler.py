@@ -10,8 +10,8 @@ from transformers import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, Te
                           TopKLogitsWarper, TopPLogitsWarper)
 
 from lmjax.config import SamplingParams
-from lmjax.layers.sampler import (SamplingFlags, SamplingRow, apply_penalties, build_sampling_metadata,
-                                  row_banned_ids, sample, tokenize_bad_words, warp)
+from lmjax.engine.bans import row_banned_ids, tokenize_bad_words
+from lmjax.layers.sampler import SamplingFlags, SamplingRow, apply_penalties, build_sampling_metadata, sample, warp
 
 sample_jit = jax.jit(sample, static_argnames=SamplingFlags._fields)
 
