@@ -143,13 +143,17 @@ def step_sampling_params(engine, params: BeamSearchParams) -> SamplingParams:
     return SamplingParams(max_tokens=1, logprobs=2 * params.beam_width, temperature=params.temperature)
 
 
-def new_instances(engine, prompts: Sequence[list[int]], params: BeamSearchParams,
-                  step_params: SamplingParams) -> list[BeamSearchInstance]:
+def new_instances(engine, prompts: Sequence[list[int]], params: BeamSearchParams, step_params: SamplingParams,
+                  salts: Sequence[str | None] | None = None) -> list[BeamSearchInstance]:
     """Every prompt checked before any work: the engine's own request checks on the prompt grown by
     max_tokens (empty, ids outside the vocabulary, no room in the context, more KV cache than exists),
-    which also give each prompt's step budget (max_tokens capped by the context)."""
+    which also give each prompt's step budget (max_tokens capped by the context). Each instance's beams
+    step with `step_params` and the prompt's prefix-cache salt (vLLM's cache_salt), if any."""
     whole = dataclasses.replace(step_params, max_tokens=params.max_tokens)
-    return [BeamSearchInstance(ids, engine.validate_request(ids, whole)) for ids in prompts]
+    instances = [BeamSearchInstance(ids, engine.validate_request(ids, whole)) for ids in prompts]
+    for inst, salt in zip(instances, salts or [None] * len(instances)):
+        inst.step_params = step_params if salt is None else dataclasses.replace(step_params, cache_salt=salt)
+    return instances
 
 
 def _child(beam: BeamSearchSequence, token_id: int, entry: dict[int, Logprob]) -> BeamSearchSequence:
@@ -175,11 +179,12 @@ def _expand(instance: BeamSearchInstance, entries: list[dict[int, Logprob]], par
     instance.beams = sorted(candidates, key=sort_key, reverse=True)[:params.beam_width]
 
 
-def run_step(engine, instances: list[BeamSearchInstance], step_params: SamplingParams, params: BeamSearchParams,
-             eos_ids: set[int], sort_key) -> None:
+def run_step(engine, instances: list[BeamSearchInstance], params: BeamSearchParams, eos_ids: set[int],
+             sort_key) -> None:
     """Every live beam of `instances` as one batch of one-token requests, then each prompt's expansion."""
     beams = [beam for inst in instances for beam in inst.beams]
-    requests = submit_all(engine, [(None, beam.tokens) for beam in beams], [step_params] * len(beams))
+    requests = submit_all(engine, [(None, beam.tokens) for beam in beams],
+                          [inst.step_params for inst in instances for _ in inst.beams])
     run_to_completion(engine, requests)
     entries = []
     for req in requests:
@@ -203,15 +208,17 @@ def _best(instance: BeamSearchInstance, params: BeamSearchParams, tokenizer, sor
 
 
 def beam_search(engine, prompts: Sequence[list[int]], params: BeamSearchParams, use_tqdm: bool = False,
-                concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
+                concurrency_limit: int | None = None, salts: Sequence[str | None] | None = None
+                ) -> list[BeamSearchOutput]:
     """Beam search for each prompt (token ids) on `engine` (an LLMEngine); one BeamSearchOutput per prompt,
-    in input order. concurrency_limit (vLLM's): at most that many prompts searched at a time."""
+    in input order. concurrency_limit (vLLM's): at most that many prompts searched at a time. salts: each
+    prompt's prefix-cache salt (None: none)."""
     if not isinstance(params, BeamSearchParams):
         raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
     check(concurrency_limit is None or (isinstance(concurrency_limit, int) and concurrency_limit >= 1),
           f"concurrency_limit must be None or an int >= 1, got {concurrency_limit!r}")
     step_params = step_sampling_params(engine, params)
-    instances = new_instances(engine, prompts, params, step_params)
+    instances = new_instances(engine, prompts, params, step_params, salts)
     eos_ids = set(engine.eos_token_ids)
     sort_key = create_sort_beams_key_function(eos_ids, params.length_penalty)
     limit = concurrency_limit or max(len(instances), 1)
@@ -221,5 +228,5 @@ def beam_search(engine, prompts: Sequence[list[int]], params: BeamSearchParams, 
             live = [inst for inst in group if inst.beams and step < inst.max_tokens]
             if not live:
                 break
-            run_step(engine, live, step_params, params, eos_ids, sort_key)
+            run_step(engine, live, params, eos_ids, sort_key)
     return [_best(inst, params, engine.tokenizer, sort_key) for inst in instances]

@@ -51,10 +51,13 @@ class EmbeddingRequestOutput:
 
 
 def embed_token_ids(engine: LLMEngine, encoded: Sequence[tuple[str | None, list[int]]],
-                    pooling: Sequence[PoolingParams], use_tqdm: bool = False) -> list[EmbeddingRequestOutput]:
-    """One embedding per (text, token ids) prompt, in order, with its PoolingParams; every prompt is checked
-    before any runs."""
+                    pooling: Sequence[PoolingParams], use_tqdm: bool = False,
+                    salts: Sequence[str | None] | None = None) -> list[EmbeddingRequestOutput]:
+    """One embedding per (text, token ids) prompt, in order, with its PoolingParams (and prefix-cache salt);
+    every prompt is checked before any runs."""
     params = [PoolingSampling.embedding(p.truncate_prompt_tokens) for p in pooling]
+    for p, salt in zip(params, salts or ()):
+        p.cache_salt = salt
     requests = run_to_completion(engine, submit_all(engine, encoded, params), use_tqdm)
     return [EmbeddingRequestOutput(r.request_id, EmbeddingOutput(_pooled(r, p.normalize)), list(r.prompt_token_ids))
             for r, p in zip(requests, pooling)]

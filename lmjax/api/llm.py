@@ -142,12 +142,18 @@ def _with_guide(params: list[SamplingParams], guide: GuidedDecodingParams | None
     return clones
 
 
-def _with_salts(params: list[SamplingParams], prompts: list) -> list[SamplingParams]:
+def prompt_salts(prompts: list) -> list[str | None]:
+    """Each prompt dict's cache_salt (vLLM's; None for none), checked."""
+    salts = [prompt.get("cache_salt") if isinstance(prompt, dict) else None for prompt in prompts]
+    for salt in salts:
+        check_cache_salt(salt)
+    return salts
+
+
+def with_salts(params: list[SamplingParams], prompts: list) -> list[SamplingParams]:
     """Each prompt dict's cache_salt (vLLM's) on a copy of its params."""
     out = []
-    for p, prompt in zip(params, prompts):
-        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
-        check_cache_salt(salt)
+    for p, salt in zip(params, prompt_salts(prompts)):
         if salt is not None:
             p = p.clone()
             p.cache_salt = salt
@@ -332,7 +338,7 @@ class LLM:
         encoded = [self._encode(p) for p in _as_list(prompts)]
         params = per_prompt(sampling_params or self.get_default_sampling_params(), len(encoded), "sampling_params",
                             SamplingParams)
-        params = _with_salts(_with_guide(params, guide), _as_list(prompts))
+        params = with_salts(_with_guide(params, guide), _as_list(prompts))
         for p in params:
             refuse_host_rows(p)
         requests = submit_all(self.llm_engine, encoded, params)
@@ -346,7 +352,8 @@ class LLM:
         BeamSearchOutput whose `sequences` are the best params.beam_width beams, best first."""
         _no_lora(lora_request)
         token_ids = [ids for _, ids in (self._encode(p) for p in _as_list(prompts))]
-        return run_beam_search(self.llm_engine, token_ids, params, use_tqdm, concurrency_limit)
+        return run_beam_search(self.llm_engine, token_ids, params, use_tqdm, concurrency_limit,
+                               salts=prompt_salts(_as_list(prompts)))
 
     def embed(self, prompts, *, truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
@@ -359,7 +366,7 @@ class LLM:
         pooling = per_prompt(pooling_params or PoolingParams(), len(encoded), "pooling_params", PoolingParams)
         if truncate_prompt_tokens is not None:
             pooling = [dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in pooling]
-        return embed_token_ids(self.llm_engine, encoded, pooling, use_tqdm)
+        return embed_token_ids(self.llm_engine, encoded, pooling, use_tqdm, salts=prompt_salts(_as_list(prompts)))
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True, chat_template: str | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from lmjax.api.llm import LLM, refuse_host_rows
+from lmjax.api.llm import LLM, refuse_host_rows, with_salts
 from lmjax.api.outputs import RequestOutput, delta_output, request_output
 from lmjax.config import RequestOutputKind, SamplingParams, check_defaults_only
 from lmjax.engine.request import Request
@@ -55,11 +55,14 @@ class LLMEngine:
         check_defaults_only("LLMEngine.add_request", {"lora_request": lora_request, "priority": priority,
                                                       "trace_headers": trace_headers},
                             {"lora_request": None, "priority": 0, "trace_headers": None})
+        if not isinstance(request_id, str):  # (vLLM's: an int id could never be aborted by that int)
+            raise TypeError(f"request_id must be a str, got {type(request_id).__name__} {request_id!r}")
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams (embeddings: LLM.embed), got {type(params).__name__}")
         refuse_host_rows(params)
         text, ids = self.llm._encode(prompt)
-        req = self.engine.add_request(ids, params, prompt=text, request_id=str(request_id))
+        params = with_salts([params], [prompt])[0]
+        req = self.engine.add_request(ids, params, prompt=text, request_id=request_id)
         if arrival_time is not None:
             req.metrics.arrival_time = arrival_time
         self._live[req.request_id] = req
@@ -67,7 +70,10 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One engine step (a multi-step decode call's worth of tokens); the outputs of the requests it changed."""
         outs = []
-        for req in self.engine.step():
+        changed = {id(req): req for req in self.engine.step()}
+        # and those another caller's step finished (LLM.generate on the same engine): their final output now
+        changed.update({id(req): req for req in self._live.values() if req.finished})
+        for req in changed.values():
             if self._live.get(req.request_id) is not req:
                 continue
             kind = req.params.output_kind
@@ -90,7 +96,11 @@ class LLMEngine:
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Cancel requests (unknown or finished ids are ignored, as vLLM does)."""
-        for rid in [request_id] if isinstance(request_id, str) else list(request_id):
+        ids = [request_id] if isinstance(request_id, str) else list(request_id) \
+            if isinstance(request_id, Iterable) else [request_id]
+        if not all(isinstance(rid, str) for rid in ids):
+            raise TypeError(f"request ids are str, got {request_id!r}")
+        for rid in ids:
             if self._live.pop(rid, None) is not None:
                 self._delta_sent.pop(rid, None)
                 self.engine.abort(rid)

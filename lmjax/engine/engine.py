@@ -118,7 +118,7 @@ class LLMEngine(SessionsMixin, MultiStepMixin, HostOutputsMixin, SpeculativeMixi
         max_tokens = self.validate_request(prompt_token_ids, params)
         params = in_vocab_terms(params.clone(), self.model_config.vocab_size)  # vLLM's defensive copy
         n = len(prompt_token_ids)
-        req = Request(request_id or new_request_id(), prompt, list(prompt_token_ids), params, max_tokens)
+        req = Request(request_id or new_request_id(self.requests), prompt, list(prompt_token_ids), params, max_tokens)
         if params.bad_words:
             req.bad_words_ids = tokenize_bad_words(self.tokenizer, params.bad_words)
         req.allowed_W = self.guided.allowed_mask(params)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
+from collections.abc import Container
 from typing import Any
 
 from lmjax.config import SamplingParams
@@ -127,8 +128,11 @@ class Request:
         return all(c.finished for c in self.completions)
 
 
-def new_request_id() -> str:
-    return str(next(_request_ids))
+def new_request_id(taken: Container[str] = ()) -> str:
+    """A fresh id, none of `taken` (the unfinished requests' ids: a caller may have chosen "7" itself)."""
+    while (request_id := str(next(_request_ids))) in taken:
+        pass
+    return request_id
 
 
 class ContextOverflowError(ValueError):
