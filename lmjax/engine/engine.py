@@ -41,7 +41,7 @@ from lmjax.loader.generation_config import generation_eos_ids, read_generation_c
 from lmjax.loader.model_loader import load_model
 from lmjax.loader.resolve import resolve_model_path
 from lmjax.loader.tokenizer import load_tokenizer, tokenizer_source
-from lmjax.models.kv_calibration import calibrate_kv_int4, calibration_ids
+from lmjax.models.kv_calibration import calibrated_or_none, calibration_ids
 
 logger = logging.getLogger("lmjax.engine")
 _GREEDY_ROW = SamplingRow(SamplingParams(temperature=0.0), seed=0)
@@ -100,7 +100,7 @@ class LLMEngine(SessionsMixin, MultiStepMixin, HostOutputsMixin, SpeculativeMixi
     def _kv_maps(self, model):
         """The int4 KV cache's per-layer K / q maps, calibrated on the built-in text (lmjax.models.kv_calibration)."""
         start = time.perf_counter()
-        maps = calibrate_kv_int4(model, calibration_ids(self.tokenizer))
+        maps = calibrated_or_none(model, calibration_ids(self.tokenizer))
         self.load_seconds["kv_calibration"] = seconds = time.perf_counter() - start
         logger.info("int4 KV cache calibrated in %.1f s", seconds)
         return maps

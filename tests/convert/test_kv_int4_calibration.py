@@ -93,8 +93,8 @@ def test_calibration_records_every_layer_and_leaves_the_model_as_it_was(tiny):
     jax.tree.map(np.testing.assert_array_equal, before, jax.tree.map(np.asarray, nnx.state(model, nnx.Param)))
     again = calibrate_kv_int4(model, ids)
     jax.tree.map(np.testing.assert_array_equal, maps, again)
-    with pytest.raises(ValueError, match="at least 2 tokens, got 1"):
-        calibrate_kv_int4(model, ids[:1])
+    with pytest.raises(ValueError, match=r"at least 64 tokens \(4 x head_dim 16\) within the model's context, got 63"):
+        calibrate_kv_int4(model, ids[:63])
 
 
 def test_engine_calibrates_its_int4_cache(tiny):
@@ -140,3 +140,26 @@ def test_an_int4_cache_without_maps_is_named_not_read_another_way():
         write_kv(bare, v4, k, k, meta.slot_mapping_T)
     with pytest.raises(ValueError, match="an int4 K cache needs its k_map / q_map"):
         paged_attention(jnp.ones((3, 4, 16)), bare, v4, meta, sm_scale=0.25, impl="reference")
+
+
+def test_too_short_a_context_to_calibrate_keeps_the_rotation(tmp_path, caplog):
+    """(Review 33) maps fitted to fewer tokens than a few per head dimension read the cache worse than the
+    rotation alone: an engine whose model's context holds too few (here 48 < 4 x 16) keeps the rotation."""
+    from lmjax.config import EngineConfig, SamplingParams
+    from lmjax.engine.engine import LLMEngine
+    from conftest import write_tiny_llama
+    from lmjax.layers.kv_quant import default_kv_maps
+
+    path = write_tiny_llama(tmp_path / "short", max_position_embeddings=48)
+    with caplog.at_level("WARNING", logger="lmjax.engine"):
+        engine = LLMEngine(path, EngineConfig(dtype="float32", quant_policy=4, block_size=16, num_gpu_blocks=16,
+                                              max_batch_size=2, session_len=48))
+    assert engine.kv_maps is None and "uses the uncalibrated rotation" in caplog.text
+    k_map, q_map = default_kv_maps(2, 16)
+    for k_cache, _ in engine.runner.caches:
+        np.testing.assert_allclose(k_cache.k_map_KHH, k_map)
+        np.testing.assert_allclose(k_cache.q_map_KHH, q_map)
+    req = engine.add_request([5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    assert len(req.completions[0].token_ids) == 4
