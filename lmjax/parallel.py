@@ -162,15 +162,16 @@ def logical_axes(path: tuple | str) -> tuple[str | None, ...] | None:
 def logical_to_spec(axes: Sequence[str | None] | None, shape: Sequence[int], mesh: Mesh,
                     rules: Rules = DEFAULT_RULES) -> PartitionSpec:
     """PartitionSpec for `shape`: each logical axis through `rules`; a dimension the mesh axis does
-    not divide (or a mesh axis used twice) is replicated. Trailing replicated dims are dropped, so
-    a fully replicated parameter gets PartitionSpec()."""
+    not divide (or a mesh axis used twice) is replicated; a rule naming an axis that does not exist is an
+    error (`check_rules`). Trailing replicated dims are dropped, so a fully replicated parameter gets
+    PartitionSpec()."""
+    check_rules(rules, mesh)
     if axes is None:
         return PartitionSpec()
     spec, used = [], set()
     for dim, name in zip(shape, axes):
         mesh_axis = rules.get(name) if name is not None else None
-        if mesh_axis is None or mesh_axis not in mesh.axis_names or mesh_axis in used \
-                or dim % mesh.shape[mesh_axis]:
+        if mesh_axis is None or mesh_axis in used or dim % mesh.shape[mesh_axis]:
             spec.append(None)
         else:
             spec.append(mesh_axis)
@@ -178,6 +179,25 @@ def logical_to_spec(axes: Sequence[str | None] | None, shape: Sequence[int], mes
     while spec and spec[-1] is None:
         spec.pop()
     return PartitionSpec(*spec)
+
+
+def logical_axis_names() -> set[str]:
+    """The logical axes rules may name: those of `PARAM_AXES` (read now: a notebook may extend it) and
+    of the KV cache."""
+    return {a for _, axes in PARAM_AXES for a in axes if a} | {a for a in KV_CACHE_AXES if a}
+
+
+def check_rules(rules: Rules, mesh) -> None:
+    """A ValueError naming a rule whose logical axis nothing has or whose mesh axis `mesh` lacks: either
+    would leave the dimension replicated without a word (a typo such as {"heads": "model"} on a "tp" mesh)."""
+    known = logical_axis_names()
+    for name, mesh_axis in rules.items():
+        if name not in known:
+            raise ValueError(f"sharding rule {name!r}: {mesh_axis!r} names logical axis {name!r}, which no "
+                             f"parameter has; logical axes: {sorted(known)}")
+        if mesh_axis is not None and mesh_axis not in mesh.axis_names:
+            raise ValueError(f"sharding rule {name!r}: {mesh_axis!r} names mesh axis {mesh_axis!r}, which the "
+                             f"mesh lacks; its axes: {list(mesh.axis_names)} (None replicates)")
 
 
 def param_spec(path: tuple | str, shape: Sequence[int], mesh: Mesh, cfg=None,
@@ -246,6 +266,7 @@ def per_device_bytes(tree) -> dict[jax.Device, int]:
 
 # ---------------------------------------------------------------- KV cache
 def kv_cache_sharding(mesh: Mesh, rules: Rules = DEFAULT_RULES) -> NamedSharding:
+    check_rules(rules, mesh)
     spec = [rules.get(a) if a else None for a in KV_CACHE_AXES]
     while spec and spec[-1] is None:  # as a step's donated output cache comes back: jit keys on the spelling, so
         spec.pop()  # P(.., 'tp', None) made warm-up's first program compile again in the middle of serving

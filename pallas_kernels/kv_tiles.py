@@ -26,7 +26,6 @@ Shape letters as in ragged_paged_attention.py; W a part's width (H, or H / 2 for
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from pallas_kernels._pallas_util import _masked_load, plus_magic

@@ -2,6 +2,8 @@
 version, ragged_paged_attention_tiled.py, built on the same row metadata).
 
 `validate_ragged_paged_attention` checks static shapes, dtypes and scalars for every implementation.
+`ragged_paged_attention_dense_reference` gives the same values from dense masked scores: the derivative
+path (its jvp / grad memory is dense attention's; the scan's is that times the head dim).
 Shape letters and semantics: pallas_kernels/ragged_paged_attention.py.
 """
 from __future__ import annotations
@@ -153,6 +155,66 @@ def _reference_impl(q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, block_tables_B
     out_TNH = out_TKGH.reshape(num_tokens, num_q_heads, head_dim)
     out_TNH = jnp.where(valid_T[:, None, None], out_TNH, 0.0)
     return out_TNH.astype(q_TNH.dtype)
+
+
+# --------------------------------------------------------------------------
+# Dense reference (jnp) for derivatives: every sequence's K/V gathered once
+# --------------------------------------------------------------------------
+def _gather_keys(k_cache_PSKH, v_cache_PSKH, kv_lens_B, block_tables_BM):
+    """Each sequence's K/V from its block table, packed as C = B * M * S keys [C, K, H] in float32, with each
+    key's sequence and position. Keys past their sequence's context are zeroed: the blocks there may hold
+    anything (padding writes, another sequence's data, NaN), which must reach neither product."""
+    _, block_size, num_kv_heads, head_dim = k_cache_PSKH.shape
+    num_seqs, width = block_tables_BM.shape
+    keys_per_seq = width * block_size
+    key_seq_C = jnp.repeat(jnp.arange(num_seqs, dtype=jnp.int32), keys_per_seq)
+    key_pos_C = jnp.tile(jnp.arange(keys_per_seq, dtype=jnp.int32), num_seqs)
+    live_C1 = (key_pos_C < kv_lens_B[key_seq_C])[:, None, None]
+
+    def gather(cache_PSKH):
+        kv_CKH = cache_PSKH[block_tables_BM].reshape(-1, num_kv_heads, head_dim).astype(jnp.float32)
+        return jnp.where(live_C1, kv_CKH, 0.0)
+    return gather(k_cache_PSKH), gather(v_cache_PSKH), key_seq_C, key_pos_C
+
+
+def _dense_impl(q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, block_tables_BM, cu_q_lens_B1,
+                *, sm_scale, sliding_window):
+    num_tokens, num_q_heads, head_dim = q_TNH.shape
+    num_kv_heads = k_cache_PSKH.shape[2]
+    seq_T, pos_T, valid_T = _token_metadata(kv_lens_B, cu_q_lens_B1, num_tokens)
+    k_CKH, v_CKH, key_seq_C, key_pos_C = _gather_keys(k_cache_PSKH, v_cache_PSKH, kv_lens_B, block_tables_BM)
+    mask_TC = ((key_seq_C[None, :] == seq_T[:, None]) & (key_pos_C[None, :] <= pos_T[:, None])
+               & valid_T[:, None])
+    if sliding_window is not None:
+        mask_TC &= key_pos_C[None, :] > pos_T[:, None] - sliding_window
+    q_TKGH = q_TNH.astype(jnp.float32).reshape(num_tokens, num_kv_heads, -1, head_dim)
+    s_TKGC = jnp.einsum("tkgh,ckh->tkgc", q_TKGH, k_CKH, precision=jax.lax.Precision.HIGHEST) * sm_scale
+    s_TKGC = jnp.where(mask_TC[:, None, None, :], s_TKGC, -jnp.inf)
+    # softmax is shift invariant: the max needs no derivative (and _M_INIT keeps key-less rows finite).
+    max_TKG = jax.lax.stop_gradient(jnp.maximum(s_TKGC.max(axis=-1), _M_INIT))
+    p_TKGC = jnp.exp(s_TKGC - max_TKG[..., None])
+    denom_TKG = p_TKGC.sum(axis=-1)
+    acc_TKGH = jnp.einsum("tkgc,ckh->tkgh", p_TKGC, v_CKH, precision=jax.lax.Precision.HIGHEST)
+    out_TKGH = acc_TKGH / jnp.where(denom_TKG > 0, denom_TKG, 1.0)[..., None]
+    out_TNH = jnp.where(valid_T[:, None, None], out_TKGH.reshape(num_tokens, num_q_heads, head_dim), 0.0)
+    return out_TNH.astype(q_TNH.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window"))
+def ragged_paged_attention_dense_reference(
+    q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, block_tables_BM, cu_q_lens_B1,
+    *, sm_scale: float, sliding_window: int | None = None,
+):
+    """The reference's values from dense masked scores: each sequence's K/V gathered once from its block
+    table, then one [T, N, C] score matrix over the C = B * M * S keys of the step (a token's own
+    sequence's keys unmasked). For derivatives (lmjax.layers.attention): the scan of
+    `ragged_paged_attention_reference` copies each block per query token, and its jvp / grad keep every
+    copy (T * L * K * H floats a layer), where this keeps the T * N * C scores of dense attention."""
+    validate_ragged_paged_attention(
+        q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, block_tables_BM, cu_q_lens_B1,
+        sm_scale=sm_scale, sliding_window=sliding_window)
+    return _dense_impl(q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, block_tables_BM, cu_q_lens_B1,
+                       sm_scale=sm_scale, sliding_window=sliding_window)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window"))

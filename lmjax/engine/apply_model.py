@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Callable, TypeVar
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 _R = TypeVar("_R")
@@ -41,7 +42,7 @@ def apply_model(engine, func: Callable[[nnx.Module], _R]) -> _R:
         if (old.shape, old.dtype) != (new.shape, new.dtype):
             raise ValueError(f"apply_model's function changed {path} from {old.dtype}{list(old.shape)} to "
                              f"{new.dtype}{list(new.shape)}: keep each parameter's shape and dtype")
-    runner.params = [new if new is old else jax.device_put(new, old.sharding) for old, new in zip(runner.params, params)]
+    runner.params = [new if new is old else _placed_like(new, old) for old, new in zip(runner.params, params)]
     runner.state = jax.tree_util.tree_unflatten(params_def, runner.params)
     # Blocks cached from the old weights are never shared again (a new salt), and are forgotten now when
     # no request or session holds one (a kept session's next turn recomputes: its salt differs too).
@@ -49,6 +50,13 @@ def apply_model(engine, func: Callable[[nnx.Module], _R]) -> _R:
     engine.blocks.reset_prefix_cache()
     _resalt_waiting(engine)
     return result
+
+
+def _placed_like(new, old) -> jax.Array:
+    """`new` on `old`'s sharding, strongly typed as `old` is: a weakly typed value (jnp.full(shape, 1.0))
+    has the same shape and dtype, but the steps' jit caches key on weak_type, so every one would compile
+    again."""
+    return jax.device_put(jnp.asarray(new).astype(old.dtype), old.sharding)
 
 
 def _resalt_waiting(engine) -> None:

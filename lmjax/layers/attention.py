@@ -34,7 +34,7 @@ from lmjax.layers.kv_quant import QuantKV, paged_attention_quant, quant_kv_spec,
 from lmjax.layers.rope import apply_rope
 from pallas_kernels.ragged_paged_attention import IMPLS as ATTENTION_IMPLS
 from pallas_kernels.ragged_paged_attention import PREFILL_IMPLS, ragged_paged_attention
-from pallas_kernels.ragged_paged_attention_reference import ragged_paged_attention_reference
+from pallas_kernels.ragged_paged_attention_reference import ragged_paged_attention_dense_reference
 from pallas_kernels.rope import RopeSpec, inv_freq_TF
 from pallas_kernels.rope_kv_write import rope_kv_write, rope_kv_write_qkv, scatter_kv_reference, split_qkv
 
@@ -182,9 +182,9 @@ def paged_attention(q_TNH, k_cache_PSKH, v_cache_PSKH, meta: AttentionMetadata, 
                                          cu_q_lens_B1, sm_scale=sm_scale, sliding_window=sliding_window, impl=impl)
         fast = functools.partial(ragged_paged_attention, sm_scale=sm_scale, sliding_window=sliding_window,
                                  impl=impl, prefill_impl=prefill_impl())
-        if impl == "reference":
-            return fast(q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B, block_tables_BM, cu_q_lens_B1)
-        reference = functools.partial(ragged_paged_attention_reference, sm_scale=sm_scale,
+        # Even the scan reference ("reference") takes the dense one's derivatives: its own keep a copy of
+        # every block per query token (see ragged_paged_attention_dense_reference).
+        reference = functools.partial(ragged_paged_attention_dense_reference, sm_scale=sm_scale,
                                       sliding_window=sliding_window)
         return _with_reference_derivatives(fast, reference)(q_TNH, k_cache_PSKH, v_cache_PSKH, kv_lens_B,
                                                     block_tables_BM, cu_q_lens_B1)
@@ -208,9 +208,10 @@ def paged_attention(q_TNH, k_cache_PSKH, v_cache_PSKH, meta: AttentionMetadata, 
 
 def _with_reference_derivatives(fast, reference):
     """`fast` (the Pallas kernel, or the XLA tiled op's loop with dynamic bounds: neither has a derivative
-    rule) with the derivatives of `reference` (a scan): jax.jvp and, by JAX's transposition of the linear
-    part, jax.grad through the model work with the default attention (researchers' gradients); the forward
-    pass is unchanged. The lengths and block tables are integers: no tangents."""
+    rule) with the derivatives of `reference` (dense masked attention over each sequence's gathered K/V,
+    ragged_paged_attention_dense_reference): jax.jvp and, by JAX's transposition of the linear part,
+    jax.grad through the model work with the default attention (researchers' gradients), in the memory of
+    dense attention; the forward pass is unchanged. The lengths and block tables are integers: no tangents."""
     @jax.custom_jvp
     def op(q, k, v, kv_lens, tables, cu):
         return fast(q, k, v, kv_lens, tables, cu)
@@ -239,6 +240,13 @@ def contiguous_metadata(lengths: list[int], block_size: int, num_blocks: int,
 
     For tests and notebooks that run the model outside the engine; block 0 stays the padding sink.
     """
+    return jax.tree.map(jnp.asarray, contiguous_metadata_host(lengths, block_size, num_blocks, capacity))
+
+
+def contiguous_metadata_host(lengths: list[int], block_size: int, num_blocks: int,
+                             capacity: list[int] | None = None) -> AttentionMetadata:
+    """`contiguous_metadata` as int32 numpy arrays, to pad before they go to the device (jnp.asarray
+    compiles a small program for every new shape)."""
     import numpy as np
 
     blocks_per_seq = [-(-n // block_size) for n in (capacity or lengths)]
@@ -253,9 +261,9 @@ def contiguous_metadata(lengths: list[int], block_size: int, num_blocks: int,
         slots.append(tables_BM[b, pos // block_size] * block_size + pos % block_size)
         next_block += nb
     return AttentionMetadata(
-        slot_mapping_T=jnp.asarray(np.concatenate(slots), jnp.int32),
-        seq_lens_T=jnp.asarray(np.repeat(lengths, lengths), jnp.int32),
-        kv_lens_B=jnp.asarray(lengths, jnp.int32),
-        block_tables_BM=jnp.asarray(tables_BM),
-        cu_q_lens_B1=jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32),
+        slot_mapping_T=np.concatenate(slots).astype(np.int32),
+        seq_lens_T=np.repeat(lengths, lengths).astype(np.int32),
+        kv_lens_B=np.asarray(lengths, np.int32),
+        block_tables_BM=tables_BM,
+        cu_q_lens_B1=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32),
     )
