@@ -39,6 +39,9 @@ class RopeSpec:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     attention_scaling: float = 1.0
+    # llama.cpp's rope_freqs (a GGUF of Llama 3.1+ carries its llama3 RoPE only so): each inverse frequency is
+    # divided by its factor, on top of the type's own (rotary_dim // 2 positive floats)
+    freq_factors: tuple[float, ...] | None = None
 
     def __post_init__(self):
         validate_rope_spec(self)
@@ -61,6 +64,10 @@ def validate_rope_spec(spec: RopeSpec) -> None:
         raise ValueError("rope_type='llama3' needs original_max_position_embeddings")
     if spec.rope_type == "llama3" and spec.high_freq_factor <= spec.low_freq_factor:
         raise ValueError(f"llama3 rope needs {spec.high_freq_factor=} > {spec.low_freq_factor=}")
+    factors = spec.freq_factors
+    if factors is not None and (len(factors) != spec.rotary_dim // 2 or not all(f > 0 for f in factors)):
+        raise ValueError(f"rope freq_factors must be {spec.rotary_dim // 2} positive floats (rotary_dim // 2), "
+                         f"got {len(factors)}: {list(factors)[:4]}...")
 
 
 def _base_inv_freq_F(theta, rotary_dim: int) -> jax.Array:
@@ -83,10 +90,18 @@ def _llama3_inv_freq_F(spec: RopeSpec) -> jax.Array:
 def static_inv_freq_F(spec: RopeSpec) -> jax.Array:
     """inv_freq for the variants that do not depend on the sequence length."""
     if spec.rope_type == "linear":
-        return _base_inv_freq_F(spec.theta, spec.rotary_dim) / spec.factor
-    if spec.rope_type == "llama3":
-        return _llama3_inv_freq_F(spec)
-    return _base_inv_freq_F(spec.theta, spec.rotary_dim)
+        inv_freq_F = _base_inv_freq_F(spec.theta, spec.rotary_dim) / spec.factor
+    elif spec.rope_type == "llama3":
+        inv_freq_F = _llama3_inv_freq_F(spec)
+    else:
+        inv_freq_F = _base_inv_freq_F(spec.theta, spec.rotary_dim)
+    return _with_freq_factors(inv_freq_F, spec)
+
+
+def _with_freq_factors(inv_freq_xF: jax.Array, spec: RopeSpec) -> jax.Array:
+    if spec.freq_factors is None:
+        return inv_freq_xF
+    return inv_freq_xF / jnp.asarray(spec.freq_factors, jnp.float32)
 
 
 def dynamic_inv_freq_TF(spec: RopeSpec, seq_lens_T: jax.Array) -> jax.Array:
@@ -96,7 +111,7 @@ def dynamic_inv_freq_TF(spec: RopeSpec, seq_lens_T: jax.Array) -> jax.Array:
     dim = spec.rotary_dim
     base_T = spec.theta * ((spec.factor * seq_len_T / max_pos) - (spec.factor - 1)) ** (dim / (dim - 2))
     exponents_F = jnp.arange(0, dim, 2, dtype=jnp.int32).astype(jnp.float32) / dim
-    return 1.0 / (base_T[:, None] ** exponents_F[None, :])
+    return _with_freq_factors(1.0 / (base_T[:, None] ** exponents_F[None, :]), spec)
 
 
 def inv_freq_TF(spec: RopeSpec, seq_lens_T: jax.Array) -> jax.Array:

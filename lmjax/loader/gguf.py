@@ -54,7 +54,8 @@ _BLOCK_NAMES = {
 }
 
 # Tensors llama.cpp adds that are not HF parameters. rope_freqs holds llama3-style per-frequency rope
-# factors that HF expresses as config (rope_type "llama3"); they cannot be mapped back exactly.
+# factors that HF expresses as config (rope_type "llama3"): read into the config ("rope_freq_factors",
+# RopeSpec.freq_factors), not a weight.
 _SKIPPED = {"rope_freqs.weight"}
 
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
@@ -178,9 +179,9 @@ def _config_from_reader(reader, path: str) -> dict:
         token_id = _field(reader, f"tokenizer.ggml.{gguf_key}_token_id")
         if token_id is not None:
             config[f"{hf_key}_token_id"] = int(token_id)
-    if "rope_freqs.weight" in names:
-        logger.warning("%s: rope_freqs.weight (llama3 rope factors) is ignored; rope_scaling is %s",
-                       path, scaling)
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is not None:  # (Llama 3.1+: llama.cpp divides each rope frequency by its factor)
+        config["rope_freq_factors"] = [float(f) for f in _dequantize(freqs, path, np.float32).reshape(-1)]
     return config
 
 

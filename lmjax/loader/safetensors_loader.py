@@ -41,13 +41,16 @@ def read_config(model_dir: str) -> dict:
 
 
 def shard_map_of(model_dir: str) -> dict[str, str]:
-    """tensor name -> shard file, from the index when sharded, else from the single file's header."""
+    """tensor name -> shard file, from the index when sharded, else from model.safetensors' header (from every
+    *.safetensors file's when there is none)."""
     index = os.path.join(model_dir, INDEX_FILE)
     if os.path.exists(index):
         with open(index) as f:
             weight_map = json.load(f)["weight_map"]
         return {name: os.path.join(model_dir, shard) for name, shard in weight_map.items()}
     files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+    if "model.safetensors" in files:  # as transformers: beside it a Mistral consolidated.safetensors is not read
+        files = ["model.safetensors"]
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in model directory {model_dir}")
     names = {}

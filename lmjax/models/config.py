@@ -8,9 +8,12 @@ field, so a checkpoint never runs silently wrong.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 from pallas_kernels.rope import RopeSpec
+
+logger = logging.getLogger("lmjax.models")
 
 SUPPORTED_ACTIVATIONS = ("silu", "swish")
 # HF rope types we implement; "default" covers configs with no scaling at all.
@@ -93,6 +96,9 @@ def _rope_spec(hf: dict, head_dim: int, max_pos: int, overrides: dict) -> RopeSp
     # partial_rotary_factor: honoured as vLLM's Llama does (transformers' Llama / Qwen2 / Mistral rotate the whole
     # head whatever it says, so such a checkpoint's logits differ from transformers' by design: written down).
     partial = float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
+    if partial != 1.0:
+        logger.warning("partial_rotary_factor=%s: only the first %d of %d head dims rotate, as vLLM's Llama; "
+                       "transformers' rotates them all", partial, int(head_dim * partial), head_dim)
     return RopeSpec(
         rotary_dim=int(head_dim * partial),
         theta=float(params["rope_theta"]),
@@ -100,12 +106,20 @@ def _rope_spec(hf: dict, head_dim: int, max_pos: int, overrides: dict) -> RopeSp
         factor=factor,
         max_position_embeddings=max_pos,
         # transformers fills a missing one with max_position_embeddings (llama3 needs it; dynamic reads it too)
-        original_max_position_embeddings=params.get("original_max_position_embeddings") or max_pos,
+        original_max_position_embeddings=_original_max_pos(hf, params, rope_type) or max_pos,
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         # attention_factor is yarn's and longrope's (refused above); transformers ignores it for these types
         attention_scaling=1.0,
+        freq_factors=tuple(map(float, hf["rope_freq_factors"])) if hf.get("rope_freq_factors") else None,
     )
+
+
+def _original_max_pos(hf: dict, params: dict, rope_type: str) -> int | None:
+    """llama3's pre-scaling context: a top-level original_max_position_embeddings wins over rope_scaling's (as
+    transformers' standardize_rope_params)."""
+    top = hf.get("original_max_position_embeddings") if rope_type == "llama3" else None
+    return top or params.get("original_max_position_embeddings")
 
 
 def _sliding_windows(hf: dict, num_layers: int, arch: str) -> tuple[int | None, ...]:
@@ -139,8 +153,6 @@ def _check_supported(hf: dict) -> None:
     act = hf.get("hidden_act", "silu")
     if act not in SUPPORTED_ACTIVATIONS:
         raise ConfigError(f"hidden_act={act!r} is not supported; supported: {SUPPORTED_ACTIVATIONS}")
-    if (hf.get("pretraining_tp") or 1) != 1:
-        raise ConfigError(f"pretraining_tp={hf['pretraining_tp']} is not supported (only 1)")
     method = (hf.get("quantization_config") or {}).get("quant_method", "?")
     if hf.get("quantization_config") and str(method).lower() != "awq":  # AWQ: lmjax.loader.awq
         raise ConfigError(f"quantized checkpoints (quant_method={method!r}) are not supported yet (only 'awq')")
