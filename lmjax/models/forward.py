@@ -80,6 +80,12 @@ def _bucket(n: int, minimum: int = 1) -> int:
     return 1 << (max(n, minimum) - 1).bit_length()
 
 
+def _token_bucket(n: int) -> int:
+    """Powers of two (min 16) up to 256 tokens, then multiples of 128: a long text (a perplexity's 588 tokens)
+    pads to 640, not 1024 (the padding would be most of the work); still one compilation per bucket."""
+    return _bucket(n, 16) if n <= 256 else -(-n // 128) * 128
+
+
 def _prefill_layout(prompts, lengths: list[int], block_size: int, capacity: list[int] | None, bucketed: bool):
     """(ids_T, positions_T, meta, num_blocks) of a contiguous prefill (`contiguous_metadata`), padded when
     `bucketed` (`_bucketed`)."""
@@ -95,12 +101,12 @@ def _prefill_layout(prompts, lengths: list[int], block_size: int, capacity: list
 
 
 def _bucketed(ids_T, positions_T, meta: AttentionMetadata):
-    """Inputs padded to power-of-two tokens (min 16), sequences and block-table width, as
+    """Inputs padded to bucketed tokens (`_token_bucket`), power-of-two sequences and block-table width, as
     lmjax.engine.model_runner.build_inputs pads a step: padding tokens (id 0, position 0) sit past
     cu_q_lens[-1], so they attend nothing, and their K/V goes to slot 0 of the sink block 0, which no
     sequence reads; padding sequences have kv_len 0 and a table of block 0. The prompts' rows are unchanged."""
     n, b = len(ids_T), len(meta.kv_lens_B)
-    T, B, M = _bucket(n, 16), _bucket(b), _bucket(meta.block_tables_BM.shape[1])
+    T, B, M = _token_bucket(n), _bucket(b), _bucket(meta.block_tables_BM.shape[1])
 
     def pad(x_N, size: int, value: int = 0):
         return np.concatenate([x_N, np.full(size - len(x_N), value, np.int32)])
