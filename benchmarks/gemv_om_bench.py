@@ -13,7 +13,6 @@ Checks every output against gemv_om_reference first (max error relative to the l
 from __future__ import annotations
 
 import argparse
-import functools
 import itertools
 import os
 import sys

@@ -70,9 +70,14 @@ def percentiles(samples_ms: list[float]) -> dict:
 
 
 def roofline(model_dir: str, dtype: str, bandwidth: float) -> dict:
+    """Issue 9's roofline, every weight's bytes / the copy rate; and the bytes a step reads: an untied input
+    embedding apart (a step gathers one row of it; a tied one is read whole as the lm_head)."""
     nbytes = checkpoint_bytes(model_dir, ITEMSIZE[dtype])
+    untied = checkpoint_bytes(model_dir, ITEMSIZE[dtype], only="model.embed_tokens.weight") \
+        if checkpoint_bytes(model_dir, ITEMSIZE[dtype], only="lm_head.weight") else 0
     return {"param_bytes": nbytes, "bandwidth": bandwidth, "step_ms": 1e3 * nbytes / bandwidth,
-            "tokens_per_s": bandwidth / nbytes}
+            "tokens_per_s": bandwidth / nbytes, "read_bytes": nbytes - untied,
+            "read_step_ms": 1e3 * (nbytes - untied) / bandwidth}
 
 
 # ------------------------------------------------------------------ lmjax
@@ -268,6 +273,14 @@ def print_report(result: dict) -> None:
           f"batch 1, device {result.get('lmjax', {}).get('device', '?')}")
     print(f"roofline: {rf['param_bytes'] / 1e9:.3f} GB / {rf['bandwidth']:.3g} B/s = {rf['step_ms']:.3f} ms/step "
           f"({rf['tokens_per_s']:.0f} tok/s)")
+    if rf.get("read_bytes", rf["param_bytes"]) != rf["param_bytes"]:
+        lm_step = result.get("lmjax", {}).get("step_ms")
+        print(f"  bytes a step reads (the untied input embedding apart): {rf['read_bytes'] / 1e9:.3f} GB = "
+              f"{rf['read_step_ms']:.3f} ms/step" + (f"; lmjax {lm_step / rf['read_step_ms']:.2f}x of it" if lm_step
+                                                      else ""))
+    lm = result.get("lmjax", {})
+    if "tok_ms" in lm:  # (step ms is per device step: a K-step call's tail past max_tokens counts)
+        print(f"  lmjax per token (decode time / (new tokens - 1), as transformers' step ms): {lm['tok_ms']:.3f} ms")
     print(f"{'engine':<28}{'step ms':>9}{'p10':>9}{'p90':>9}{'x roof':>9}{'tok/s':>9}{'TTFT ms':>10}  note")
     for name, step, p10, p90, ttft, note in rows(result):
         ratio = step / rf["step_ms"] if step else None

@@ -14,7 +14,8 @@ QUANTS = {"bf16": None, "w8": "w8", "w4": "w4"}  # decode rows -> `lmjax convert
 
 def weight_bytes(path: str, dtype: str) -> dict:
     """Parameter bytes of the model `path` holds as lmjax builds it (abstractly: nothing is allocated),
-    quantized or not; the input embedding apart, since a step gathers one row of it, not the table."""
+    quantized or not, and those of its input embedding when untied (a step gathers one row of it; a tied
+    one is read whole as the lm_head)."""
     import jax.numpy as jnp
     from flax import nnx
 
@@ -23,7 +24,8 @@ def weight_bytes(path: str, dtype: str) -> dict:
 
     _, _, state = build_abstract(read_config(path), jnp.dtype(dtype))
     sizes = {".".join(map(str, p)): v.size * jnp.dtype(v.dtype).itemsize for p, v in nnx.to_flat_state(state)}
-    embed = sum(n for k, n in sizes.items() if "embed_tokens" in k)
+    tied = not any("lm_head" in k for k in sizes)
+    embed = 0 if tied else sum(n for k, n in sizes.items() if "embed_tokens" in k)
     return {"param_bytes": sum(sizes.values()), "embedding_bytes": embed}
 
 
@@ -82,7 +84,7 @@ def decode_table(record: dict) -> list[str]:
     w4 = rows.get("w4", {}).get("speedup_vs_bf16")
     lines.append(f"\nw4 vs bf16: **{fmt_num(w4)}x** (target >= 2.5x). K = num_scheduler_steps "
                  f"{_first(rows, 'num_scheduler_steps')} (engine default). Parameter bytes include the input "
-                 "embedding table, of which a step reads one row (latency.py's convention); without it: "
+                 "embedding table, of which a step reads one row when untied (latency.py's convention); without it: "
                  + ", ".join(f"{k} {fmt_num((r['param_bytes'] - r['embedding_bytes']) / 1e9, 3)} GB"
                              for k, r in rows.items() if "embedding_bytes" in r) + ".")
     return lines

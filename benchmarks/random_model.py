@@ -162,9 +162,10 @@ def ensure_checkpoint(shape: str, dtype: str = "bfloat16", root: str | None = No
     return path, time.perf_counter() - start
 
 
-def checkpoint_bytes(model_dir: str, itemsize: int | None = None) -> int:
+def checkpoint_bytes(model_dir: str, itemsize: int | None = None, only: str | None = None) -> int:
     """Parameter bytes of a safetensors checkpoint, from the file headers only (no tensor is read);
-    with `itemsize`, the bytes of the same parameters in that dtype (e.g. float32 files served as bf16)."""
+    with `itemsize`, the bytes of the same parameters in that dtype (e.g. float32 files served as bf16);
+    with `only`, of that one tensor (0 when absent)."""
     import struct
 
     sizes = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
@@ -175,7 +176,7 @@ def checkpoint_bytes(model_dir: str, itemsize: int | None = None) -> int:
         with open(os.path.join(model_dir, file), "rb") as f:
             header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
         for name, info in header.items():
-            if name == "__metadata__":
+            if name == "__metadata__" or (only is not None and name != only):
                 continue
             total += math.prod(info["shape"]) * (itemsize or sizes.get(info["dtype"], 2))
     return total

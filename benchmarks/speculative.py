@@ -52,7 +52,6 @@ def run_engine(model: str, name: str, engine_kw: dict, prompt, args) -> dict:
         drafted, accepted = engine.num_draft_tokens, engine.num_accepted_tokens
         req = engine.add_request(list(ids), params)
         steps, first = 0, None
-        start = time.perf_counter()
         while not req.finished:
             engine.step()
             steps += 1
