@@ -18,8 +18,8 @@ class PromptLogprobsMixin:
         chosen_T, top_ids_TK, top_lp_TK, rank_T = out.prompt
         row = 0
         for it in batch.items:
-            req = self._by_seq[it.seq.seq_id][0]
-            k = req.params.prompt_logprobs
+            req = self._by_seq.get(it.seq.seq_id, (None,))[0]  # (None: it ended while the step ran)
+            k = req.params.prompt_logprobs if req is not None else None
             for j in range(it.num_new_tokens):
                 pos = it.start_pos + j + 1  # the prompt token this row predicts
                 if k is not None and pos < len(req.prompt_token_ids) and req.prompt_logprobs[pos] is None:
