@@ -26,7 +26,7 @@ from lmjax.request_fields import AllIds, RequestOutputKind, check_output_kinds, 
 from lmjax.speculative_config import SpeculativeConfig  # noqa: F401  (re-exported: lmjax.config's name too)
 from lmjax.validation import FLOAT32_MAX, FLOAT32_TINY, as_list as _as_list, check as _check, check_logit_bias
 from lmjax.validation import check_numbers as _check_numbers, is_int as _is_int, strict_fields as _strict_fields
-from lmjax.validation import check_defaults_only, warn_no_effect  # noqa: F401  (re-exported, used here too)
+from lmjax.validation import check_bools, check_defaults_only, warn_no_effect  # noqa: F401  (re-exported, used here too)
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's --dtype spellings
@@ -285,6 +285,10 @@ class GenerationConfig:
         _check(self.max_new_tokens is None or (isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1),
                f"max_new_tokens must be None or an int >= 1, got {self.max_new_tokens!r}")
         _check(self.do_sample in (None, True, False), f"do_sample must be None, True or False, got {self.do_sample!r}")
+        check_bools(self, ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
+                           "include_stop_str_in_output"))
+        _check(self.random_seed is None or _is_int(self.random_seed),
+               f"random_seed must be None or an int, got {self.random_seed!r}")
         if self.do_sample and isinstance(self.top_k, _DefaultTopK):
             self.top_k = SAMPLING_TOP_K
         _check(self.min_new_tokens is None or (isinstance(self.min_new_tokens, int) and self.min_new_tokens >= 0),

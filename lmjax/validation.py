@@ -47,6 +47,13 @@ def check(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
+def check_bools(obj, names: tuple[str, ...]) -> None:
+    """Each named field of `obj` is True or False (a str "no" would read as true), naming the one that is not."""
+    for name in names:
+        value = getattr(obj, name)
+        check(isinstance(value, bool), f"{name} must be True or False, got {type(value).__name__} {value!r}")
+
+
 def check_logit_bias(logit_bias) -> dict[int, float] | None:
     """SamplingParams.logit_bias as a fresh {token id: bias} dict (None stays None). Keys must be integer
     ids (not the strings of OpenAI's JSON: the server converts those, lmjax.serve.protocol), values finite

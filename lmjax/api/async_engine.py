@@ -28,8 +28,8 @@ from collections.abc import AsyncIterator, Iterator
 
 from lmjax.api.batch import encode_chat, encode_text, per_prompt, token_ids_of
 from lmjax.api.engine_thread import EngineThread, GenOut, merge_outputs
-from lmjax.api.outputs import Response, batch_index, lmdeploy_tokens
-from lmjax.api.lmdeploy_params import GEN_CONFIG_KINDS, lmdeploy_sampling_params, special_token_ids
+from lmjax.api.outputs import Response, batch_offsets, lmdeploy_tokens
+from lmjax.api.lmdeploy_params import GEN_CONFIG_KINDS, lmdeploy_prompts, lmdeploy_sampling_params, special_token_ids
 from lmjax.api.pipeline import _engine_config, check_adapter
 from lmjax.config import ChatTemplateConfig, SamplingParams
 from lmjax.engine.engine import LLMEngine
@@ -245,7 +245,8 @@ class AsyncEngine:
         single, encoded, params = self._batch(prompts, gen_config, do_preprocess, legacy, chat_template_config)
         sinks = [queue.SimpleQueue() for _ in encoded]
         self._add_many(encoded, params, [s.put for s in sinks])
-        out = [r for p, (s, sp) in enumerate(zip(sinks, params)) for r in _drain(s, p, sp)]
+        offsets = batch_offsets([sp.n for sp in params])
+        out = [r for p, (s, sp) in enumerate(zip(sinks, params)) for r in _drain(s, offsets[p], sp)]
         return out[0] if single and len(out) == 1 else out
 
     __call__ = batch_infer
@@ -259,6 +260,7 @@ class AsyncEngine:
         _, encoded, params = self._batch(prompts, gen_config, do_preprocess, legacy, chat_template_config)
         items: queue.SimpleQueue = queue.SimpleQueue()
         rids = self._add_many(encoded, params, [functools.partial(_tagged, items.put, p) for p in range(len(encoded))])
+        offsets = batch_offsets([sp.n for sp in params])
         left, done = len(encoded), False
         try:
             while left:
@@ -269,7 +271,7 @@ class AsyncEngine:
                     raise item
                 else:
                     yield _response(_lmdeploy_out(item, params[p].include_stop_str_in_output),
-                                    index=batch_index(p, params[p].n, item.index))
+                                    index=offsets[p] + item.index)
             done = True
         finally:
             if not done:
@@ -278,11 +280,11 @@ class AsyncEngine:
 
     def _batch(self, prompts, gen_config, do_preprocess: bool, legacy: dict, template=None):
         """(single prompt?, [(text, ids)], [SamplingParams]) of a prompt or a batch of them."""
-        single = isinstance(prompts, str) or (bool(prompts) and isinstance(prompts[0], dict))
-        batch = [prompts] if single else list(prompts)
+        single, batch = lmdeploy_prompts(prompts)
         configs = per_prompt(gen_config, len(batch), "gen_config", GEN_CONFIG_KINDS)
         encoded = [self.encode(p, True, do_preprocess, template) for p in batch]
-        return single, encoded, [self.sampling_params(g, **legacy) for g in configs]
+        return single, encoded, [lmdeploy_sampling_params(g, legacy, template or self.chat_template, self.tokenizer,
+                                                          self.engine.eos_token_ids) for g in configs]
 
     def _compile_guides(self, params: list[SamplingParams]) -> None:
         """Compile new guides in the calling thread: the engine thread's check at submission would compile
@@ -368,14 +370,14 @@ def _tagged(put, position: int, item) -> None:
     put((position, item))
 
 
-def _drain(sink: queue.SimpleQueue, position: int, params: SamplingParams) -> list[Response]:
+def _drain(sink: queue.SimpleQueue, offset: int, params: SamplingParams) -> list[Response]:
     whole: dict[int, GenOut] = {}
     while (item := sink.get()) is not None:
         if isinstance(item, BaseException):
             raise item
         whole[item.index] = merge_outputs(whole.get(item.index), item)
     return [_response(_lmdeploy_out(whole[i], params.include_stop_str_in_output),
-                      index=batch_index(position, params.n, i)) for i in sorted(whole)]
+                      index=offset + i) for i in sorted(whole)]
 
 
 def _lmdeploy_out(out: GenOut, include_stop: bool) -> GenOut:

@@ -74,3 +74,25 @@ def special_token_ids(tokenizer, words: list[str]) -> list[int]:
     special.update({t: tokenizer.convert_tokens_to_ids(t) for t in getattr(tokenizer, "all_special_tokens", ())
                     if t not in special})
     return [special[w] for w in words if w in special]
+
+
+def lmdeploy_prompts(prompts) -> tuple[bool, list]:
+    """(one prompt?, the batch) of what LMDeploy's pipeline takes: a str, an OpenAI messages list, or a list of
+    these. A tuple is LMDeploy's vision-language prompt, (text, image or images): refused, as anything else,
+    naming the value (lmjax reads text only; LMDeploy's text pipelines take a list for a batch)."""
+    single = isinstance(prompts, str) or (isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], dict))
+    batch = [prompts] if single else prompts
+    if not isinstance(batch, list):
+        _refuse_prompt("prompts", prompts)
+    for i, p in enumerate(batch):
+        if not (isinstance(p, str) or (isinstance(p, list) and all(isinstance(m, dict) for m in p))):
+            _refuse_prompt(f"prompts[{i}]", p)
+    return single, batch
+
+
+def _refuse_prompt(name: str, value) -> None:
+    if isinstance(value, tuple):
+        raise TypeError(f"{name} is a tuple {value!r:.80}: LMDeploy's (text, image) prompt of a vision-language "
+                        "model; lmjax reads text only (a batch of prompts is a list)")
+    raise TypeError(f"{name} must be a str or an OpenAI messages list (or a list of them), got "
+                    f"{type(value).__name__} {value!r:.80}")

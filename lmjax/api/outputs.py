@@ -111,7 +111,8 @@ def request_output(r: Request, tokenizer=None) -> RequestOutput:
 @dataclasses.dataclass
 class Response:
     """LMDeploy's pipeline result: `index` is the prompt's position in the batch (with n > 1, completion i
-    of prompt p has index p * n + i, as the OpenAI server numbers its choices).
+    of prompt p has index p * n + i, as the OpenAI server numbers its choices; with n's that differ, the
+    completions before it plus i: batch_offsets).
 
     The first nine fields are LMDeploy's, in its positional order (lagent builds `Response('', 0, 0, uid)`;
     as in current LMDeploy the 4th is finish_reason); session_id is lmjax's. logits / last_hidden_state:
@@ -135,9 +136,11 @@ class Response:
                 f"input_token_len={self.input_token_len}, finish_reason={self.finish_reason!r})")
 
 
-def batch_index(position: int, n: int, completion: int) -> int:
-    """A batch Response's index: the prompt's position (LMDeploy); completion i of n > 1: position * n + i."""
-    return position if n == 1 else position * n + completion
+def batch_offsets(ns: list[int]) -> list[int]:
+    """Each prompt's first Response index in a batch whose prompts ask for `ns` completions: its position
+    when every n is 1 (LMDeploy's), position * n with one n, and unique however the n's mix (completion i of
+    prompt p is offsets[p] + i)."""
+    return [sum(ns[:p]) for p in range(len(ns))]
 
 
 def response(r: Request, c: Completion, session_id: int | None = None, index: int | None = None) -> Response:

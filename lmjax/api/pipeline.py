@@ -16,8 +16,8 @@ from collections.abc import Iterator
 import numpy as np
 
 from lmjax.api.batch import encode_chat, encode_text, per_prompt, run_to_completion, submit_all, token_id_lists
-from lmjax.api.lmdeploy_params import GEN_CONFIG_KINDS, check_keywords, lmdeploy_sampling_params
-from lmjax.api.outputs import Response, batch_index, response
+from lmjax.api.lmdeploy_params import GEN_CONFIG_KINDS, check_keywords, lmdeploy_prompts, lmdeploy_sampling_params
+from lmjax.api.outputs import Response, batch_offsets, response
 from lmjax.config import ChatTemplateConfig, EngineConfig, SamplingParams
 from lmjax.engine.apply_model import apply_model, engine_model
 from lmjax.engine.engine import LLMEngine
@@ -26,6 +26,7 @@ from lmjax.lmdeploy_config import PytorchEngineConfig, TurbomindEngineConfig
 from lmjax.loader.awq import require_awq
 from lmjax.loader.resolve import resolve_model_path
 from lmjax.models.forward import prompt_logits
+from lmjax.validation import check
 
 def check_adapter(adapter_name) -> None:
     """LMDeploy's per-call LoRA adapter: lmjax serves no adapters."""
@@ -87,10 +88,9 @@ class Pipeline:
         return prompt, encode_text(self.tokenizer, prompt)
 
     def _submit(self, prompts, gen_config, do_preprocess, legacy, template=None):
-        single = isinstance(prompts, str) or (prompts and isinstance(prompts[0], dict))
-        batch = [prompts] if single else list(prompts)
+        single, batch = lmdeploy_prompts(prompts)
         configs = per_prompt(gen_config, len(batch), "gen_config", GEN_CONFIG_KINDS)
-        params = [lmdeploy_sampling_params(g, legacy, self.chat_template, self.tokenizer,
+        params = [lmdeploy_sampling_params(g, legacy, template or self.chat_template, self.tokenizer,
                                            self.engine.eos_token_ids) for g in configs]
         # a prompt over session_len gives an empty "length" Response (LMDeploy's), not an error for the batch
         requests = submit_all(self.engine, [self._encode(p, do_preprocess, template) for p in batch], params,
@@ -107,8 +107,8 @@ class Pipeline:
         def run(stop):
             single, requests = self._submit(prompts, gen_config, do_preprocess, legacy, chat_template_config)
             run_to_completion(self.engine, requests, use_tqdm, stop)
-            out = [response(r, c, index=batch_index(p, r.params.n, c.index))
-                   for p, r in enumerate(requests) for c in r.completions]
+            offsets = batch_offsets([r.params.n for r in requests])
+            out = [response(r, c, index=offsets[p] + c.index) for p, r in enumerate(requests) for c in r.completions]
             return out[0] if single and len(out) == 1 else out
         return self._exclusive(run)
 
@@ -129,6 +129,14 @@ class Pipeline:
         """One turn of a multi-turn chat; pass the session back for the next turn. Returns the session, or
         with `stream_response` (as LMDeploy) an iterator of the reply's pieces, which records the turn in
         `session` (give one, or take `pipe.session()`) once it is read to the end."""
+        check_adapter(legacy.pop("adapter_name", None))
+        do_preprocess = legacy.pop("do_preprocess", True)
+        check_keywords(legacy)
+        if not do_preprocess:
+            raise ValueError("chat(do_preprocess=False) is not supported: a chat turn is the chat template's "
+                             "rendering of the session (give the raw text to pipe(..., do_preprocess=False))")
+        n = lmdeploy_sampling_params(gen_config, legacy, self.chat_template, self.tokenizer, []).n
+        check(n == 1, f"chat takes n=1 (one reply a turn, as LMDeploy's), got n={n}")
         session = session or self.session()
         turn = {"role": "user", "content": prompt}  # history only once the turn completes (LMDeploy)
         if stream_response:
@@ -141,13 +149,14 @@ class Pipeline:
         for piece in self.stream_infer([session.messages + [turn]], gen_config, **legacy):
             pieces.append(piece)
             yield piece
+        logprobs = None if pieces[-1].logprobs is None else [e for p in pieces for e in p.logprobs or ()]
         self._record(session, turn, Response("".join(p.text for p in pieces), pieces[-1].generate_token_len,
                                              pieces[-1].input_token_len, pieces[-1].finish_reason,
-                                             [t for p in pieces for t in p.token_ids]))
+                                             [t for p in pieces for t in p.token_ids], logprobs))
 
     @staticmethod
     def _record(session: Session, turn: dict, resp: Response) -> None:
-        session.response = resp
+        session.response = dataclasses.replace(resp, session_id=session.session_id)
         session.messages += [turn, {"role": "assistant", "content": resp.text}]
 
     def session(self) -> Session:
