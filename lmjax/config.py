@@ -15,6 +15,7 @@ keyword is a `TypeError` that lists it and suggests the nearest valid field.
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -358,6 +359,9 @@ class EngineConfig:
     warmup: bool = False  # compile every decode batch bucket at start-up (LLM(enforce_eager=False))
     max_logprobs: int = 20
     speculative_config: SpeculativeConfig | dict | None = None  # vLLM's ngram speculation (lmjax.engine.speculative)
+    # vLLM's: the engine's whole share of device memory; the KV cache takes it less what is in use once the weights
+    # are placed (cache_max_entry_count then a fraction of that). None: cache_max_entry_count of free memory
+    gpu_memory_utilization: float | None = None
 
     def __post_init__(self):
         self.speculative_config = SpeculativeConfig.of(self.speculative_config)
@@ -368,17 +372,19 @@ class EngineConfig:
         _check(self.session_len is None or _is_int(self.session_len) and self.session_len >= 1,
                f"session_len must be None or an int >= 1, got {self.session_len!r}")
         _check(self.seed is None or _is_int(self.seed), f"seed must be None or an int, got {self.seed!r}")
-        c = self.cache_max_entry_count
-        _check(0 < c <= 1 or float(c).is_integer(),
+        c, u = self.cache_max_entry_count, self.gpu_memory_utilization
+        _check(0 < c <= 1 or (c > 1 and float(c).is_integer()),
                f"cache_max_entry_count must be a fraction in (0, 1] or a block count, got {c}")
+        _check(u is None or 0 < u <= 1, f"gpu_memory_utilization must be in (0, 1], got {u}")
+        check_bools(self, ("enable_prefix_caching", "use_dynamic_ntk", "use_logn_attn", "warmup"))
         _check(_is_int(self.num_gpu_blocks) and self.num_gpu_blocks >= 0,
                f"num_gpu_blocks must be an int >= 0, got {self.num_gpu_blocks!r}")
         _check(isinstance(self.max_logprobs, int) and self.max_logprobs >= -1,
                f"max_logprobs must be an int >= -1 (-1: the vocabulary), got {self.max_logprobs!r}")
         _check(_is_int(self.quant_policy) and self.quant_policy in (0, 4, 8),
                f"quant_policy must be the int 0, 4 or 8, got {self.quant_policy!r}")
-        _check(self.rope_scaling_factor >= 0,
-               f"rope_scaling_factor must be >= 0, got {self.rope_scaling_factor}")
+        _check(0 <= self.rope_scaling_factor < math.inf,
+               f"rope_scaling_factor must be a finite number >= 0, got {self.rope_scaling_factor}")
         _check(self.device_type in ("auto", "gpu", "cpu", "tpu"),
                f"device_type must be auto, gpu, cpu or tpu, got {self.device_type!r}")
         for name, default in ENGINE_UNSUPPORTED.items():

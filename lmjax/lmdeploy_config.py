@@ -8,10 +8,13 @@ accepted and a non-default value is logged once as having no effect.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass, fields
 from typing import ClassVar
 
 from lmjax.config import EngineConfig, dtype_name, _check, _strict_fields, warn_no_effect
+
+logger = logging.getLogger("lmjax")
 
 
 def _lower(cfg, renames: dict[str, str], frontend: tuple[str, ...]) -> EngineConfig:
@@ -71,8 +74,8 @@ class TurbomindEngineConfig:
     revision: str | None = None
     communicator: str = "nccl"
 
-    # Kept refusing (they change results or need what lmjax lacks): kv_bits (the cache's bits: quant_policy
-    # says), group_size (AWQ's group size is read from the checkpoint), model_format 'llama' / 'gptq'
+    # kv_bits: the KV cache's bits, which quant_policy says (4 or 8; a kv_bits that contradicts it is refused).
+    # Kept refusing (they change results or need what lmjax lacks): group_size (AWQ's group size is read from the checkpoint), model_format 'llama' / 'gptq'
     # (TurboMind's converted layout, GPTQ weights: lmjax cannot load them).
     TUNING_ONLY: ClassVar[dict[str, str]] = {
         "cache_chunk_size": "lmjax allocates the whole KV cache at start-up, not in chunks",
@@ -96,10 +99,18 @@ class TurbomindEngineConfig:
                                       "yet (use None, 'hf' or 'awq'; GGUF files load directly)")
         cfg = self
         if self.max_context_token_num > 1:  # legacy alias
+            _check(self.max_prefill_token_num in (8192, self.max_context_token_num),
+                   f"max_context_token_num={self.max_context_token_num} (the old name) and max_prefill_token_num="
+                   f"{self.max_prefill_token_num} differ: give one")
             cfg = dataclasses.replace(self, max_prefill_token_num=self.max_context_token_num,
                                       max_context_token_num=1)
+        _check(self.kv_bits in (4, 8) and (self.kv_bits == 8 or self.quant_policy == self.kv_bits),
+               f"kv_bits={self.kv_bits!r} does not fit quant_policy={self.quant_policy} (8: int8, 4: int4 KV cache)")
+        if self.quant_policy == 4 and self.kv_bits == 8:
+            logger.warning("quant_policy=4 is an int4 KV cache (LMDeploy >= 0.4; older docs' 'set 4 for 8-bit k/v' "
+                           "is quant_policy=8 now); kv_bits=4 says so and silences this")
         return _lower(cfg, {"cache_block_seq_len": "block_size"},
-                      frontend=("model_name", "model_format", "max_context_token_num"))
+                      frontend=("model_name", "model_format", "max_context_token_num", "kv_bits"))
 
 
 @_strict_fields
@@ -142,6 +153,7 @@ class PytorchEngineConfig:
                             "KV blocks allow",
         "distributed_executor_backend": "one JAX process drives every local device (tp across hosts: "
                                         "jax.distributed)",
+        "eager_mode": "no CUDA graphs to turn off (each batch bucket compiles its own step when first met)",
     }
 
     def __post_init__(self):

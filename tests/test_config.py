@@ -192,7 +192,6 @@ def test_turbomind_maps_fields():
 
 @pytest.mark.parametrize("cfg, field", [
     (TurbomindEngineConfig(model_format="gptq"), "model_format"),
-    (TurbomindEngineConfig(kv_bits=4), "kv_bits"),
     (TurbomindEngineConfig(group_size=64), "group_size"),
     (TurbomindEngineConfig(download_dir="/tmp"), "download_dir"),
     (PytorchEngineConfig(adapters={"a": "/p"}), "adapters"),

@@ -1,6 +1,6 @@
 """vLLM's offline API: `LLM(model).generate(prompts, SamplingParams(...))` and `LLM.chat(messages)`.
 
-vLLM's constructor arguments map onto EngineConfig: gpu_memory_utilization -> cache_max_entry_count,
+vLLM's constructor arguments map onto EngineConfig: gpu_memory_utilization (the engine's share of device memory),
 max_model_len -> session_len, max_num_seqs -> max_batch_size, max_num_batched_tokens ->
 max_prefill_token_num (both default by device, as vLLM's do: 1024 sequences and 16,384 batched tokens on a
 GPU with >= 70 GiB that is not an A100, else 256 and 8,192), enforce_eager=False -> warmup (vLLM captures a CUDA graph per batch size at start-up;
@@ -66,6 +66,7 @@ _VLLM_TUNING = {
     "download_dir": (None, "nothing is downloaded: models are local paths"),
     "distributed_executor_backend": (None, "one process drives every local device (JAX; tp across hosts: "
                                            "jax.distributed)"),
+    "enable_chunked_prefill": (None, "prefill is always chunked to max_num_batched_tokens"),
 }
 
 
@@ -161,6 +162,19 @@ def with_salts(params: list[SamplingParams], prompts: list) -> list[SamplingPara
     return out
 
 
+def _batch_limits(max_num_seqs, max_num_batched_tokens) -> tuple[int, int]:
+    """vLLM's max_num_seqs and max_num_batched_tokens (None: the device's defaults), checked as vLLM does."""
+    default_seqs, default_tokens = batch_defaults()
+    seqs = default_seqs if max_num_seqs is None else max_num_seqs
+    tokens = default_tokens if max_num_batched_tokens is None else max_num_batched_tokens
+    for name, value in (("max_num_seqs", seqs), ("max_num_batched_tokens", tokens)):
+        if not is_token_id(value) or value < 1:  # (an int, not a bool)
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if tokens < seqs:
+        raise ValueError(f"max_num_batched_tokens ({tokens}) must be greater than or equal to max_num_seqs ({seqs})")
+    return seqs, tokens
+
+
 def batch_defaults(device=None) -> tuple[int, int]:
     """vLLM's LLM-class defaults for (max_num_seqs, max_num_batched_tokens): larger on big GPUs, where a
     wider decode batch turns bandwidth-bound steps into better-utilised matmuls (vLLM's arg_utils
@@ -248,12 +262,11 @@ class LLM:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
         if max_model_len is not None:  # from the config alone: a bad length fails before the weights load
             check_max_model_len(max_model_len, read_model_config(model).context_len)
-        default_seqs, default_tokens = batch_defaults()
+        seqs, tokens = _batch_limits(max_num_seqs, max_num_batched_tokens)
         config = EngineConfig(dtype=dtype, tp=tensor_parallel_size, session_len=max_model_len,
-                              max_batch_size=max_num_seqs or default_seqs, block_size=block_size, seed=seed,
-                              cache_max_entry_count=gpu_memory_utilization,
-                              num_gpu_blocks=num_gpu_blocks_override or 0,
-                              max_prefill_token_num=max_num_batched_tokens or default_tokens,
+                              max_batch_size=seqs, block_size=block_size, seed=seed,
+                              gpu_memory_utilization=gpu_memory_utilization, cache_max_entry_count=1.0,
+                              num_gpu_blocks=num_gpu_blocks_override or 0, max_prefill_token_num=tokens,
                               # vLLM V1's default: on (None); the LMDeploy facades keep LMDeploy's off
                               enable_prefix_caching=enable_prefix_caching is not False,
                               num_scheduler_steps=num_scheduler_steps, warmup=enforce_eager is False,

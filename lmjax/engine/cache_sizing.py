@@ -23,18 +23,33 @@ def bytes_per_block(model: ModelConfig, block_size: int, dtype, tp: int = 1, qua
     return block_size * kv_bytes_per_token(model.num_layers, heads, model.head_dim, quant_policy, dtype)
 
 
-def free_device_bytes() -> int:
+def device_memory() -> tuple[int, int]:
+    """(limit, in use) bytes of the first local device (a CPU: the budget, nothing in use)."""
     stats = jax.local_devices()[0].memory_stats() or {}
     if "bytes_limit" in stats:
-        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
-    return CPU_CACHE_BUDGET_BYTES
+        return int(stats["bytes_limit"]), int(stats.get("bytes_in_use", 0))
+    return CPU_CACHE_BUDGET_BYTES, 0
+
+
+def cache_budget_bytes(cfg: EngineConfig) -> int:
+    """Free memory, or with vLLM's gpu_memory_utilization the engine's share of the device less what is in use
+    (the weights, placed by now): what cache_max_entry_count's fraction applies to."""
+    limit, in_use = device_memory()
+    if cfg.gpu_memory_utilization is None:
+        return limit - in_use
+    budget = int(limit * cfg.gpu_memory_utilization) - in_use
+    if budget <= 0:
+        share = limit * cfg.gpu_memory_utilization / 2**30
+        raise ValueError(f"gpu_memory_utilization={cfg.gpu_memory_utilization} leaves no memory for the KV cache: "
+                         f"{in_use / 2**30:.2f} GiB are in use (the weights) of its {share:.2f} GiB")
+    return budget
 
 
 def kv_cache_blocks(cfg: EngineConfig, model: ModelConfig, dtype, session_len: int) -> int:
     """Block count, block 0 (the padding sink) included."""
     per_block = bytes_per_block(model, cfg.block_size, dtype, cfg.tp, cfg.quant_policy)
     requested = cfg.num_gpu_blocks or cfg.cache_max_entry_count > 1
-    blocks = cfg.num_blocks(free_device_bytes(), per_block)
+    blocks = cfg.num_blocks(cache_budget_bytes(cfg), per_block)
     if jax.process_count() > 1:  # every process must allocate the same cache (one SPMD program)
         from jax.experimental import multihost_utils
 
