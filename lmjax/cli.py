@@ -156,7 +156,7 @@ def _async_engine(args, log_level: str = "ERROR"):
         check_max_model_len(args.max_model_len, context)
         args.session_len = args.max_model_len
     config = EngineConfig(dtype=args.dtype, session_len=args.session_len, tp=args.tp,
-                          max_batch_size=args.max_batch_size, cache_max_entry_count=args.cache_max_entry_count,
+                          max_batch_size=args.max_batch_size, **_memory_share(args),
                           enable_prefix_caching=args.enable_prefix_caching, quant_policy=args.quant_policy,
                           max_prefill_token_num=args.max_prefill_token_num, block_size=args.cache_block_seq_len,
                           rope_scaling_factor=args.rope_scaling_factor, speculative_config=args.speculative_config,
@@ -164,6 +164,15 @@ def _async_engine(args, log_level: str = "ERROR"):
                           warmup=bool(args.warmup), max_logprobs=getattr(args, "max_logprobs", 20))
     return AsyncEngine(args.model, model_name=args.model_name, backend_config=config, chat_template_config=template,
                        log_level=log_level)
+
+
+def _memory_share(args) -> dict:
+    """The KV cache's memory: LMDeploy's --cache-max-entry-count, or vLLM's --gpu-memory-utilization (the engine's
+    whole share; the cache takes all of it the weights leave)."""
+    share = getattr(args, "gpu_memory_utilization", None)
+    if share is None:
+        return {"cache_max_entry_count": args.cache_max_entry_count}
+    return {"gpu_memory_utilization": share, "cache_max_entry_count": 1.0}
 
 
 def _chat_template(path: str | None, model_name: str | None):

@@ -72,10 +72,12 @@ def add_engine_args(p) -> None:
     p.add_argument("--max-model-len", dest="max_model_len", type=bounded(int, "max-model-len", 1),
                    default=argparse.SUPPRESS, help="vLLM's --session-len, bounded by the model's context as vLLM's "
                    "(LMJAX_ALLOW_LONG_MAX_MODEL_LEN=1 lifts that; --session-len has no bound, as LMDeploy's)")
+    p.add_argument("--gpu-memory-utilization", dest="gpu_memory_utilization", default=argparse.SUPPRESS,
+                   type=bounded(float, "gpu-memory-utilization", 0, 1, low_open=True),
+                   help="vLLM's: the engine's whole share of device memory (the KV cache takes it less the weights; "
+                        "--cache-max-entry-count is LMDeploy's fraction of the memory left free)")
     vllm_aliases(p, {"--max-num-batched-tokens": ("max_prefill_token_num", "--max-prefill-token-num",
                                                   bounded(int, "max-num-batched-tokens", 1)),
-                      "--gpu-memory-utilization": ("cache_max_entry_count", "--cache-max-entry-count",
-                                                   bounded(float, "gpu-memory-utilization", 0, 1, low_open=True)),
                       "--tensor-parallel-size": ("tp", "--tp", bounded(int, "tensor-parallel-size", 1)),
                       "-tp": ("tp", "--tp", bounded(int, "tp", 1)),
                       "--max-num-seqs": ("max_batch_size", "--max-batch-size", bounded(int, "max-num-seqs", 1)),

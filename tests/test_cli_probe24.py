@@ -45,7 +45,8 @@ VLLM = [
     (["--host", "0.0.0.0"], "--server-name", "server_name", "0.0.0.0"),
     (["--max-model-len", "2048"], "--session-len", "max_model_len", 2048),  # (session_len once checked: review 32)
     (["--max-num-batched-tokens", "512"], "--max-prefill-token-num", "max_prefill_token_num", 512),
-    (["--gpu-memory-utilization", "0.3"], "--cache-max-entry-count", "cache_max_entry_count", 0.3),
+    (["--gpu-memory-utilization", "0.3"], "(EngineConfig.gpu_memory_utilization: vLLM's whole share, review 33)",
+     "gpu_memory_utilization", 0.3),
     (["--api-key", "sk-1"], "--api-keys", "api_keys", ["sk-1"]),
     (["--no-enable-prefix-caching"], "(the default)", "enable_prefix_caching", False),
     (["--max-logprobs", "50"], "(EngineConfig.max_logprobs)", "max_logprobs", 50),

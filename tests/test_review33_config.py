@@ -90,3 +90,18 @@ def test_pytorch_eager_mode_has_no_effect(caplog):
     with caplog.at_level("WARNING"):
         assert PytorchEngineConfig(eager_mode=True).to_engine_config().warmup is False
     assert "eager_mode=True) has no effect" in caplog.text
+
+
+def test_cli_gpu_memory_utilization_is_vllms(monkeypatch):
+    from lmjax import cli
+
+    built = {}
+    monkeypatch.setattr("lmjax.api.async_engine.AsyncEngine.__init__",
+                        lambda self, model, backend_config=None, **kw: built.update(config=backend_config))
+    for flags, want in ((["--gpu-memory-utilization", "0.3"], (0.3, 1.0)), ([], (None, 0.5)),
+                        (["--cache-max-entry-count", "0.2"], (None, 0.2))):
+        args = cli.build_parser().parse_args(["serve", "api_server", "./m", *flags])
+        built.clear()
+        cli._async_engine(args, "ERROR")
+        config = built["config"]
+        assert (config.gpu_memory_utilization, config.cache_max_entry_count) == want, flags
