@@ -87,7 +87,10 @@ def test_old_and_new_prefill_budget_names_must_agree():
 
 
 def test_pytorch_eager_mode_has_no_effect(caplog):
-    with caplog.at_level("WARNING"):
+    from lmjax.validation import warn_once
+
+    warn_once.cache_clear()  # (logged once a process)
+    with caplog.at_level("WARNING", logger="lmjax"):  # (a pipeline's log_level may have raised lmjax's level)
         assert PytorchEngineConfig(eager_mode=True).to_engine_config().warmup is False
     assert "eager_mode=True) has no effect" in caplog.text
 

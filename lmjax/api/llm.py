@@ -163,14 +163,16 @@ def with_salts(params: list[SamplingParams], prompts: list) -> list[SamplingPara
 
 
 def _batch_limits(max_num_seqs, max_num_batched_tokens) -> tuple[int, int]:
-    """vLLM's max_num_seqs and max_num_batched_tokens (None: the device's defaults), checked as vLLM does."""
+    """vLLM's max_num_seqs and max_num_batched_tokens (None: the device's defaults), checked as vLLM does, but for
+    one thing: a budget given alone may be below the default max_num_seqs (vLLM raises; lmjax's steps then
+    schedule at most that many tokens, decode tokens included, as vLLM's budget counts them)."""
     default_seqs, default_tokens = batch_defaults()
-    seqs = default_seqs if max_num_seqs is None else max_num_seqs
     tokens = default_tokens if max_num_batched_tokens is None else max_num_batched_tokens
+    seqs = default_seqs if max_num_seqs is None else max_num_seqs
     for name, value in (("max_num_seqs", seqs), ("max_num_batched_tokens", tokens)):
         if not is_token_id(value) or value < 1:  # (an int, not a bool)
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    if tokens < seqs:
+    if tokens < seqs and max_num_seqs is not None:
         raise ValueError(f"max_num_batched_tokens ({tokens}) must be greater than or equal to max_num_seqs ({seqs})")
     return seqs, tokens
 
