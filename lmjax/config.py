@@ -359,8 +359,7 @@ class EngineConfig:
     warmup: bool = False  # compile every decode batch bucket at start-up (LLM(enforce_eager=False))
     max_logprobs: int = 20
     speculative_config: SpeculativeConfig | dict | None = None  # vLLM's ngram speculation (lmjax.engine.speculative)
-    # vLLM's: the engine's whole share of device memory; the KV cache takes it less what is in use once the weights
-    # are placed (cache_max_entry_count then a fraction of that). None: cache_max_entry_count of free memory
+    # vLLM's: the engine's share of device memory, the KV cache taking what the weights leave (None: LMDeploy's rule)
     gpu_memory_utilization: float | None = None
 
     def __post_init__(self):
