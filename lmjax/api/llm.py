@@ -21,8 +21,8 @@ from collections.abc import Sequence
 
 import jax
 
-from lmjax import parallel
 from lmjax.api.batch import encode_text, is_token_id, per_prompt, run_to_completion, submit_all, token_ids_of
+from lmjax.api.batch_limits import batch_defaults, batch_limits
 from lmjax.api.beam_search import BeamSearchOutput, BeamSearchParams, beam_search as run_beam_search
 from lmjax.api.embed import EmbeddingRequestOutput, PoolingParams, embed_token_ids
 from lmjax.api.outputs import RequestOutput, request_output
@@ -162,35 +162,6 @@ def with_salts(params: list[SamplingParams], prompts: list) -> list[SamplingPara
     return out
 
 
-def _batch_limits(max_num_seqs, max_num_batched_tokens) -> tuple[int, int]:
-    """vLLM's max_num_seqs and max_num_batched_tokens (None: the device's defaults), checked as vLLM does, but for
-    one thing: a budget given alone may be below the default max_num_seqs (vLLM raises; lmjax's steps then
-    schedule at most that many tokens, decode tokens included, as vLLM's budget counts them)."""
-    default_seqs, default_tokens = batch_defaults()
-    tokens = default_tokens if max_num_batched_tokens is None else max_num_batched_tokens
-    seqs = default_seqs if max_num_seqs is None else max_num_seqs
-    for name, value in (("max_num_seqs", seqs), ("max_num_batched_tokens", tokens)):
-        if not is_token_id(value) or value < 1:  # (an int, not a bool)
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    if tokens < seqs and max_num_seqs is not None:
-        raise ValueError(f"max_num_batched_tokens ({tokens}) must be greater than or equal to max_num_seqs ({seqs})")
-    return seqs, tokens
-
-
-def batch_defaults(device=None) -> tuple[int, int]:
-    """vLLM's LLM-class defaults for (max_num_seqs, max_num_batched_tokens): larger on big GPUs, where a
-    wider decode batch turns bandwidth-bound steps into better-utilised matmuls (vLLM's arg_utils
-    picks 1024 / 16384 for devices with >= 70 GiB except A100s, measured slower there by vLLM)."""
-    parallel.initialize_distributed()  # first: a process joins the others before JAX's backend starts
-    device = device or jax.local_devices()[0]
-    stats = (device.memory_stats() if device.platform == "gpu" else None) or {}
-    # XLA's limit is a fraction of the device's memory (0.75 unless XLA_PYTHON_CLIENT_MEM_FRACTION says)
-    total_bytes = stats.get("bytes_limit", 0) / float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", 0.75))
-    if total_bytes >= 70 * 2**30 and "a100" not in device.device_kind.lower():
-        return 1024, 16384
-    return 256, 8192
-
-
 def check_max_model_len(max_model_len: int | None, context_len: int) -> None:
     """vLLM's check: a max_model_len past the model's context (max_position_embeddings, times a linear or
     dynamic RoPE factor) is an error unless LMJAX_ALLOW_LONG_MAX_MODEL_LEN=1 (vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN).
@@ -264,7 +235,7 @@ class LLM:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
         if max_model_len is not None:  # from the config alone: a bad length fails before the weights load
             check_max_model_len(max_model_len, read_model_config(model).context_len)
-        seqs, tokens = _batch_limits(max_num_seqs, max_num_batched_tokens)
+        seqs, tokens = batch_limits(max_num_seqs, max_num_batched_tokens, batch_defaults())
         config = EngineConfig(dtype=dtype, tp=tensor_parallel_size, session_len=max_model_len,
                               max_batch_size=seqs, block_size=block_size, seed=seed,
                               gpu_memory_utilization=gpu_memory_utilization, cache_max_entry_count=1.0,
