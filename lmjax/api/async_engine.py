@@ -26,10 +26,11 @@ import os
 import queue
 from collections.abc import AsyncIterator, Iterator
 
-from lmjax.api.batch import encode_chat, encode_text, per_prompt, token_ids_of
+from lmjax.api.batch import token_ids_of
 from lmjax.api.engine_thread import EngineThread, GenOut, merge_outputs
 from lmjax.api.outputs import Response, batch_offsets, lmdeploy_tokens
-from lmjax.api.lmdeploy_params import GEN_CONFIG_KINDS, lmdeploy_prompts, lmdeploy_sampling_params, special_token_ids
+from lmjax.api.lmdeploy_params import (encode_first_turn, lmdeploy_batch, lmdeploy_sampling_params,
+                                      special_token_ids)
 from lmjax.api.pipeline import _engine_config, check_adapter
 from lmjax.config import ChatTemplateConfig, SamplingParams
 from lmjax.engine.engine import LLMEngine
@@ -74,10 +75,11 @@ class AsyncEngine:
         self._aborting: dict = {}  # session id -> the Future of its abandoned turn's abort, until it is done
 
     # ------------------------------------------------------------------ requests
-    def sampling_params(self, gen_config=None, **legacy) -> SamplingParams:
+    def sampling_params(self, gen_config=None, template: ChatTemplateConfig | None = None,
+                        **legacy) -> SamplingParams:
         """GenerationConfig (LMDeploy) or SamplingParams (vLLM) plus keyword settings -> SamplingParams, with
-        the chat template's stop words added (lmjax.api.lmdeploy_params)."""
-        return lmdeploy_sampling_params(gen_config, legacy, self.chat_template, self.tokenizer,
+        the stop words of the chat template (`template`, or the engine's) added (lmjax.api.lmdeploy_params)."""
+        return lmdeploy_sampling_params(gen_config, legacy, template or self.chat_template, self.tokenizer,
                                         self.engine.eos_token_ids)
 
     def encode(self, messages, sequence_start: bool = True, do_preprocess: bool = True,
@@ -85,14 +87,12 @@ class AsyncEngine:
         """Prompt text and ids of one turn. A later turn of a session (`sequence_start=False`) gets only the
         template text that follows the previous reply (no system prompt, no BOS), as LMDeploy does."""
         template = chat_template_config or self.chat_template
+        if sequence_start:
+            return encode_first_turn(self.tokenizer, messages, do_preprocess, template)
         if not do_preprocess:
             if not isinstance(messages, str):
                 raise TypeError(f"with do_preprocess=False a prompt must be a str, got {type(messages).__name__}")
-            ids = encode_text(self.tokenizer, messages) if sequence_start else \
-                self.tokenizer(messages, add_special_tokens=False)["input_ids"]
-            return messages, ids
-        if sequence_start:
-            return encode_chat(self.tokenizer, messages, template)
+            return messages, self.tokenizer(messages, add_special_tokens=False)["input_ids"]
         text = self._continuation(messages, template, *self._reply_end(session_id))
         return text, self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
@@ -151,7 +151,7 @@ class AsyncEngine:
                 return
         elif stop is not None:
             legacy["stop_words"] = [stop] if isinstance(stop, str) else list(stop)
-        params = self.sampling_params(gen_config, **legacy)
+        params = self.sampling_params(gen_config, chat_template_config, **legacy)  # this call's template's stop words
         await self.settle(session_id)  # before encode: a later turn's text depends on how the last one ended
         if input_ids is not None:
             text, ids = None, token_ids_of(input_ids, "input_ids")
@@ -280,11 +280,8 @@ class AsyncEngine:
 
     def _batch(self, prompts, gen_config, do_preprocess: bool, legacy: dict, template=None):
         """(single prompt?, [(text, ids)], [SamplingParams]) of a prompt or a batch of them."""
-        single, batch = lmdeploy_prompts(prompts)
-        configs = per_prompt(gen_config, len(batch), "gen_config", GEN_CONFIG_KINDS)
-        encoded = [self.encode(p, True, do_preprocess, template) for p in batch]
-        return single, encoded, [lmdeploy_sampling_params(g, legacy, template or self.chat_template, self.tokenizer,
-                                                          self.engine.eos_token_ids) for g in configs]
+        return lmdeploy_batch(prompts, gen_config, legacy, do_preprocess, template or self.chat_template,
+                              self.tokenizer, self.engine.eos_token_ids)
 
     def _compile_guides(self, params: list[SamplingParams]) -> None:
         """Compile new guides in the calling thread: the engine thread's check at submission would compile

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from lmjax.api.batch import check_kind
+from lmjax.api.batch import check_kind, encode_chat, encode_text, per_prompt
 from lmjax.config import ChatTemplateConfig, GenerationConfig, SamplingParams
 
 LEGACY_ARGS = {"request_output_len": "max_new_tokens", "top_k": "top_k", "top_p": "top_p",
@@ -65,6 +65,27 @@ def lmdeploy_sampling_params(gen_config, kwargs: dict, template: ChatTemplateCon
         if ids:
             params.stop_token_ids = list(params.stop_token_ids or []) + ids
     return params
+
+
+def lmdeploy_batch(prompts, gen_config, legacy: dict, do_preprocess: bool, template: ChatTemplateConfig, tokenizer,
+                   eos_ids=()) -> tuple[bool, list[tuple[str, list[int]]], list[SamplingParams]]:
+    """(one prompt?, [(text, ids)] of each prompt's first turn, [SamplingParams] of each) of a call of LMDeploy's
+    facades (pipeline, AsyncEngine): `gen_config` one for all or one per prompt. Settings are checked before
+    any prompt is tokenized."""
+    single, batch = lmdeploy_prompts(prompts)
+    configs = per_prompt(gen_config, len(batch), "gen_config", GEN_CONFIG_KINDS)
+    params = [lmdeploy_sampling_params(g, legacy, template, tokenizer, eos_ids) for g in configs]
+    return single, [encode_first_turn(tokenizer, p, do_preprocess, template) for p in batch], params
+
+
+def encode_first_turn(tokenizer, prompt, do_preprocess: bool, template: ChatTemplateConfig) -> tuple[str, list[int]]:
+    """(text, ids) of a prompt that starts a sequence: the chat template's rendering, or with do_preprocess=False
+    the str itself (BOS added as the tokenizer does)."""
+    if do_preprocess:
+        return encode_chat(tokenizer, prompt, template)
+    if not isinstance(prompt, str):
+        raise TypeError(f"with do_preprocess=False a prompt must be a str, got {type(prompt).__name__}")
+    return prompt, encode_text(tokenizer, prompt)
 
 
 def special_token_ids(tokenizer, words: list[str]) -> list[int]:

@@ -15,8 +15,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from lmjax.api.batch import encode_chat, encode_text, per_prompt, run_to_completion, submit_all, token_id_lists
-from lmjax.api.lmdeploy_params import GEN_CONFIG_KINDS, check_keywords, lmdeploy_prompts, lmdeploy_sampling_params
+from lmjax.api.batch import run_to_completion, submit_all, token_id_lists
+from lmjax.api.lmdeploy_params import check_keywords, lmdeploy_batch, lmdeploy_sampling_params
 from lmjax.api.outputs import Response, batch_offsets, response
 from lmjax.config import ChatTemplateConfig, EngineConfig, SamplingParams
 from lmjax.engine.apply_model import apply_model, engine_model
@@ -80,22 +80,12 @@ class Pipeline:
         self._session_ids = iter(range(1, 1 << 62))
         self._async_engine = None  # LMDeploy's AsyncEngine methods, on an engine thread from their first use
 
-    def _encode(self, prompt, do_preprocess: bool, template: ChatTemplateConfig | None = None):
-        if do_preprocess:
-            return encode_chat(self.tokenizer, prompt, template or self.chat_template)
-        if not isinstance(prompt, str):
-            raise TypeError(f"with do_preprocess=False a prompt must be a str, got {type(prompt).__name__}")
-        return prompt, encode_text(self.tokenizer, prompt)
-
     def _submit(self, prompts, gen_config, do_preprocess, legacy, template=None):
-        single, batch = lmdeploy_prompts(prompts)
-        configs = per_prompt(gen_config, len(batch), "gen_config", GEN_CONFIG_KINDS)
-        params = [lmdeploy_sampling_params(g, legacy, template or self.chat_template, self.tokenizer,
-                                           self.engine.eos_token_ids) for g in configs]
+        single, encoded, params = lmdeploy_batch(prompts, gen_config, legacy, do_preprocess,
+                                                 template or self.chat_template, self.tokenizer,
+                                                 self.engine.eos_token_ids)
         # a prompt over session_len gives an empty "length" Response (LMDeploy's), not an error for the batch
-        requests = submit_all(self.engine, [self._encode(p, do_preprocess, template) for p in batch], params,
-                              overflow_as_length=True)
-        return single, requests
+        return single, submit_all(self.engine, encoded, params, overflow_as_length=True)
 
     def __call__(self, prompts, gen_config=None, do_preprocess: bool = True, use_tqdm: bool = False,
                  chat_template_config: ChatTemplateConfig | None = None, adapter_name: str | None = None,
@@ -135,18 +125,20 @@ class Pipeline:
         if not do_preprocess:
             raise ValueError("chat(do_preprocess=False) is not supported: a chat turn is the chat template's "
                              "rendering of the session (give the raw text to pipe(..., do_preprocess=False))")
-        n = lmdeploy_sampling_params(gen_config, legacy, self.chat_template, self.tokenizer, []).n
-        check(n == 1, f"chat takes n=1 (one reply a turn, as LMDeploy's), got n={n}")
+        # built once: the turn's calls take a SamplingParams as it is (the stop words are in it already)
+        params = lmdeploy_sampling_params(gen_config, legacy, self.chat_template, self.tokenizer,
+                                          self.engine.eos_token_ids)
+        check(params.n == 1, f"chat takes n=1 (one reply a turn, as LMDeploy's), got n={params.n}")
         session = session or self.session()
         turn = {"role": "user", "content": prompt}  # history only once the turn completes (LMDeploy)
         if stream_response:
-            return self._chat_stream(session, turn, gen_config, legacy)
-        self._record(session, turn, self(session.messages + [turn], gen_config=gen_config, **legacy))
+            return self._chat_stream(session, turn, params)
+        self._record(session, turn, self(session.messages + [turn], gen_config=params))
         return session
 
-    def _chat_stream(self, session: Session, turn: dict, gen_config, legacy) -> Iterator[Response]:
+    def _chat_stream(self, session: Session, turn: dict, params: SamplingParams) -> Iterator[Response]:
         pieces = []
-        for piece in self.stream_infer([session.messages + [turn]], gen_config, **legacy):
+        for piece in self.stream_infer([session.messages + [turn]], params):
             pieces.append(piece)
             yield piece
         logprobs = None if pieces[-1].logprobs is None else [e for p in pieces for e in p.logprobs or ()]
