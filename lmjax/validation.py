@@ -47,6 +47,14 @@ def check(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
+def check_token_ids(what: str, token_ids, vocab: int) -> None:
+    """A ValueError naming the ids outside the vocabulary [0, vocab) (the device would drop or clamp them
+    without a word). The engine's prompt checks and the research helpers (lmjax.models.forward) share it."""
+    bad = [t for t in token_ids if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"{what} {bad[:5]} are outside the vocabulary [0, {vocab})")
+
+
 def check_bools(obj, names: tuple[str, ...]) -> None:
     """Each named field of `obj` is True or False (a str "no" would read as true), naming the one that is not."""
     for name in names:

@@ -16,6 +16,7 @@ from lmjax.config import SamplingParams
 from lmjax.engine.detokenizer import IncrementalDetokenizer
 from lmjax.engine.sequence import Sequence
 from lmjax.engine.stop import StopStringMatcher
+from lmjax.validation import check_token_ids
 
 _request_ids = itertools.count()
 
@@ -151,14 +152,6 @@ def check_prompt(prompt_token_ids: list[int], vocab: int, session_len: int) -> N
         raise ContextOverflowError(f"prompt of {n} tokens does not fit the context of {session_len} tokens (session_len, "
                          "vLLM's max_model_len; at least one token must be generated)")
     check_token_ids("prompt token ids", prompt_token_ids, vocab)
-
-
-def check_token_ids(what: str, token_ids, vocab: int) -> None:
-    """A ValueError naming the ids outside the vocabulary [0, vocab) (the device would drop or clamp them
-    without a word)."""
-    bad = [t for t in token_ids if not 0 <= t < vocab]
-    if bad:
-        raise ValueError(f"{what} {bad[:5]} are outside the vocabulary [0, {vocab})")
 
 
 def check_sampling_ids(params: SamplingParams, vocab: int) -> None:

@@ -16,6 +16,7 @@ from lmjax import parallel
 from lmjax.layers.attention import AttentionMetadata, contiguous_metadata_host
 from lmjax.layers.kv_quant import make_quant_kv_caches
 from lmjax.models.config import ModelConfig
+from lmjax.validation import check_token_ids
 
 
 def make_kv_caches(cfg: ModelConfig, num_blocks: int, block_size: int, dtype, mesh=None,
@@ -69,9 +70,7 @@ def _checked_ids(what: str, ids, vocab: int) -> np.ndarray:
     not_int = [x for x in values if isinstance(x, (bool, np.bool_)) or not isinstance(x, Integral)]
     if not_int:
         raise ValueError(f"{what} must hold integer token ids, got {not_int[:5]!r:.100}")
-    bad = [x for x in values if not 0 <= x < vocab]
-    if bad:
-        raise ValueError(f"{what} ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+    check_token_ids(f"{what} ids", values, vocab)
     return np.asarray(values, np.int32)
 
 

@@ -28,7 +28,7 @@ from pydantic import Field
 from lmjax.api.embed import pool
 from lmjax.api.engine_thread import GenOut, merge_outputs
 from lmjax.config import PoolingSampling, SamplingParams
-from lmjax.engine.request import check_token_ids
+from lmjax.validation import check_token_ids
 from lmjax.serve.protocol import ChatCompletionRequest, ChatMessage, _Nullable
 from lmjax.serve.responses import Head
 from lmjax.serve.streams import drain

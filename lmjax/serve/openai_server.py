@@ -36,7 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from lmjax.api.async_engine import AsyncEngine
 from lmjax.api.batch import encode_chat
 from lmjax.api.engine_thread import GenOut
-from lmjax.engine.request import check_token_ids
+from lmjax.validation import check_token_ids
 from lmjax.loader.tokenizer import token_bytes, token_text
 from lmjax.serve import responses as R
 from lmjax.serve.errors import APIError, api_errors, validation_message
