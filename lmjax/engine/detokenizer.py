@@ -57,8 +57,9 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0          # window start: where the last emitted chunk began
         self._read_offset = emitted      # tokens before this have been emitted as text
         # U+FFFD starting the first emission are bytes of a character the prompt left unfinished (or may be,
-        # when no tail starts on a character), not output text
-        self._prompt_unfinished = found is None or emitted < len(context)
+        # when no tail starts on a character), not output text: as many as those bytes decode to alone (an
+        # output's own literal U+FFFD after them is text); all of them when no tail was found
+        self._prompt_unfinished = None if found is None else _leading_replacements(self._decode(context[emitted:]))
         self.output_ids: list[int] = []
         self.text = ""
 
@@ -93,8 +94,9 @@ class IncrementalDetokenizer:
         return self._decode(window[:emitted]), self._decode(window)
 
     def _emit(self, new_text: str) -> str:
-        if self._prompt_unfinished:  # the output did not complete the prompt's last character: not its text
-            new_text, self._prompt_unfinished = new_text.lstrip(REPLACEMENT_CHAR), False
+        if self._prompt_unfinished != 0:  # the output did not complete the prompt's last character: not its text
+            cut = _leading_replacements(new_text)
+            new_text, self._prompt_unfinished = new_text[min(cut, self._prompt_unfinished or cut):], 0
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
         self.text += new_text
         return new_text
@@ -123,3 +125,7 @@ class IncrementalDetokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
                                      spaces_between_special_tokens=self.spaces_between_special_tokens,
                                      clean_up_tokenization_spaces=False)
+
+
+def _leading_replacements(text: str) -> int:
+    return len(text) - len(text.lstrip(REPLACEMENT_CHAR))

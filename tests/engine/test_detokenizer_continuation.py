@@ -111,3 +111,17 @@ def test_byte_level_text_is_unchanged(smollm2_tokenizer, prompt_text, output_tex
     text = "".join(stream(tok, prompt, output, skip))
     assert text == alone.text == tok.decode(output, skip_special_tokens=skip)
     assert text == continuation_text(tok, prompt, output, skip)
+
+
+@pytest.mark.parametrize("tokenizer_name", ["sp", "smollm2_tokenizer"])
+def test_an_outputs_literal_replacement_character_after_a_broken_prompt_end(request, tokenizer_name):
+    """The prompt's unfinished bytes are dropped, not the output's own U+FFFD that follows them (every leading
+    U+FFFD was stripped)."""
+    tok = request.getfixturevalue(tokenizer_name)
+    whole = tok.encode("你好", add_special_tokens=False)
+    cut = next(k for k in range(1, len(whole)) if tok.decode(whole[:k]).endswith("\ufffd"))
+    prompt, output = whole[:cut], tok.encode("\ufffd ok", add_special_tokens=False)
+    broken = tok.decode(prompt)  # the prompt's unfinished bytes: U+FFFD at its end
+    full = tok.decode(prompt + output)
+    assert full.startswith(broken) and full.count("\ufffd") == broken.count("\ufffd") + 1
+    assert "".join(stream(tok, prompt, output)) == full[len(broken):]  # " \ufffd ok" (SentencePiece), "\ufffd ok"
