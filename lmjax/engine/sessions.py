@@ -27,6 +27,8 @@ class SessionsMixin:
         """
         if params.n != 1:
             raise ValueError(f"a session turn generates one completion, got n={params.n}")
+        if session_id in self._session_of.values():  # both turns would keep their KV under one id: one leaks
+            raise ValueError(f"session {session_id} is busy with another turn (end or abort it first)")
         kept = None if sequence_start else self.sessions.get(session_id)
         if not sequence_start and kept is None:
             raise ValueError(f"session {session_id} has no history: start it with sequence_start=True")

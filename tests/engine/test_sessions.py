@@ -57,3 +57,16 @@ def test_a_resumed_turn_does_not_wait_for_a_long_decode_chain(engine):
     assert not long.finished and steps < 10  # was: only after all 200 tokens of the other request
     run_to_completion(engine, [long])
     engine.end_session("S")
+
+
+def test_a_second_turn_of_a_busy_session_is_refused_and_nothing_leaks(engine):
+    """Two turns of one session in flight each kept their KV under its id on finishing: the first one's blocks
+    leaked for good (the synchronous engine's API; the AsyncEngine refuses a busy session already)."""
+    first = engine.add_session_request("B", list(range(10, 20)), SHORT, sequence_start=True, sequence_end=False)
+    with pytest.raises(ValueError, match="session B is busy"):
+        engine.add_session_request("B", list(range(30, 45)), SHORT, sequence_start=True, sequence_end=False)
+    run_to_completion(engine, [first])
+    again = engine.add_session_request("B", [50, 51], SHORT, sequence_start=False, sequence_end=False)  # idle now
+    run_to_completion(engine, [again])
+    engine.end_session("B")
+    assert engine.blocks.num_free_blocks == engine.blocks.num_usable_blocks
