@@ -98,7 +98,7 @@ def _add_chat(subparsers) -> None:
 
 # lmjax.serve.tool_parsers.PARSERS' names, spelled out: importing lmjax.serve (httpx) would slow every
 # `lmjax` command's start (tests/serve/test_tool_calls.py holds the two equal)
-TOOL_CALL_PARSERS = ("hermes", "internlm", "llama3", "llama3_json", "qwen")
+TOOL_CALL_PARSERS = ("hermes", "intern-s1", "internlm", "llama3", "llama3_json", "qwen", "qwen2d5", "qwen3")
 
 
 def _add_serve(subparsers) -> None:

@@ -126,7 +126,7 @@ MAX_PROMPT_CHARS = 8_000_000  # a rendered chat prompt's length: far past any co
 def render_chat(tokenizer, messages: list[dict], **kwargs):
     """`tokenizer.apply_chat_template(messages, **kwargs)` (kwargs may hold `tools`, OpenAI's tool list),
     with messages checked first (content parts made text, `text_content`; tool calls' JSON-string
-    arguments made dicts, `_with_dict_arguments`) and a template that fails on them turned into a
+    arguments decoded, `_with_dict_arguments`) and a template that fails on them turned into a
     ValueError naming the message: a jinja error such as "'dict object' has no attribute 'content'" says
     nothing of which message or field was wrong."""
     check_messages(messages)
@@ -150,22 +150,23 @@ def render_chat(tokenizer, messages: list[dict], **kwargs):
 
 
 def _with_dict_arguments(message: dict, i: int) -> dict:
-    """An assistant message whose tool calls' `function.arguments` are dicts: OpenAI sends a JSON string,
-    and templates (Llama 3.1's, Qwen2.5's, Hermes') render or iterate them as a mapping (vLLM converts
-    them too). A string that is not a JSON object is a ValueError naming the call."""
+    """An assistant message whose tool calls' `function.arguments` are decoded: OpenAI sends a JSON string,
+    and templates (Llama 3.1's, Qwen2.5's, Hermes') render or iterate them as a mapping. As vLLM, the decoded
+    value goes to the template whatever it is: a server returns '"Paris"', 'null' or '[1]' for a model that
+    wrote such arguments (tool_parsers.arguments_text), and a client sends that message back. An empty
+    string is {}; text that is not JSON is a ValueError naming the call and the text."""
     calls = []
     for j, call in enumerate(message["tool_calls"]):
         function = call.get("function") if isinstance(call, dict) else None
         args = function.get("arguments") if isinstance(function, dict) else None
         if isinstance(args, str):
             try:
-                args = json.loads(args) if args.strip() else {}
+                value = json.loads(args) if args.strip() else {}
             except ValueError:
-                args = None
-            if not isinstance(args, dict):
-                raise ValueError(f"messages[{i}].tool_calls[{j}].function.arguments must be a JSON object, "
-                                 f"got {function['arguments']!r}")
-            call = {**call, "function": {**function, "arguments": args}}
+                shown = args if len(args) <= 200 else args[:200] + "..."  # (it may be a whole file)
+                raise ValueError(f"messages[{i}].tool_calls[{j}].function.arguments must be JSON text (the "
+                                 f"arguments' JSON string), got {shown!r}") from None
+            call = {**call, "function": {**function, "arguments": value}}
         calls.append(call)
     return {**message, "tool_calls": calls}
 

@@ -2,9 +2,12 @@
 
 Every endpoint method is a generator, as in LMDeploy: it yields the whole response body once, or with
 `stream=True` each chunk (OpenAI SSE chunks, or the interactive endpoint's JSON lines). A non-2xx answer
-raises `APIClientError` carrying the status and the server's OpenAI-style error message; a server that
-cannot be reached raises `APIConnectionError`, a builtin `ConnectionError` (LMDeploy's client raises
-requests' ConnectionError, also an OSError, so code written for it catches this one too).
+raises `APIClientError` carrying the status and the server's OpenAI-style error message (so does a 200 whose
+body is not JSON, a proxy's HTML page, say); a server that cannot be reached raises `APIConnectionError`, a
+builtin `ConnectionError` (LMDeploy's client raises requests' ConnectionError, also an OSError, so code
+written for it catches this one too), and one that does not answer within `timeout` its subclass
+`APITimeoutError`. By default only connecting is timed: a reply may take as long as it takes, as with
+LMDeploy's requests-based client (a long non-streamed generation would otherwise fail half-way).
 
 Code that talks HTTP itself next to the client, as lagent's async LMDeploy wrappers do, posts to
 `client.completions_v1_url` with `headers=client.headers` and decodes each line with `json_loads`: both
@@ -42,18 +45,31 @@ class APIConnectionError(ConnectionError):
     """The server could not be reached (refused, reset, or gone mid-response); the httpx error is the cause."""
 
 
-# What requests reports as a ConnectionError; a read timeout is not one there either.
-_UNREACHABLE = (httpx.NetworkError, httpx.ConnectTimeout, httpx.RemoteProtocolError)
+class APITimeoutError(APIConnectionError):
+    """The server did not answer within the client's `timeout` (openai-python's name for the same case): a
+    connection error, so code catching those (the api_client CLI's one-line error) catches it too."""
+
+
+# What requests reports as a ConnectionError (a timeout is APITimeoutError, caught before these)
+_UNREACHABLE = (httpx.NetworkError, httpx.RemoteProtocolError)
+CONNECT_TIMEOUT_S = 10.0  # the default limit on connecting; reading has none (see the module's docstring)
+_STREAM_TYPES = ("text/event-stream", "application/x-ndjson", "application/jsonl")
+SESSION_FULL_NOTICE = "WARNING: exceed session max length. Please end the session."  # LMDeploy's, word for word
 
 
 class APIClient:
-    def __init__(self, api_server_url: str, api_key: str | None = None, timeout: float = 600.0, **kwargs):
+    def __init__(self, api_server_url: str, api_key: str | None = None,
+                 timeout: float | httpx.Timeout | None = None, **kwargs):
+        """`timeout`: seconds (or an httpx.Timeout) for each connect/read/write; None (the default) limits
+        connecting to CONNECT_TIMEOUT_S and waits for the reply however long the generation takes."""
         self.api_server_url = api_server_url.rstrip("/")
         self.api_key = api_key
         # LMDeploy's public headers: what the client itself sends is what callers posting on their own reuse
         self.headers = {"content-type": "application/json"}
         if api_key:
             self.headers["Authorization"] = f"Bearer {api_key}"
+        if timeout is None:
+            timeout = httpx.Timeout(None, connect=CONNECT_TIMEOUT_S)
         self._http = httpx.Client(base_url=self.api_server_url, headers=self.headers, timeout=timeout)
         self.chat_completions_v1_url = f"{self.api_server_url}/v1/chat/completions"
         self.completions_v1_url = f"{self.api_server_url}/v1/completions"
@@ -68,7 +84,7 @@ class APIClient:
         """Ids of the models the server serves (asked once, then remembered)."""
         if self._models is None:
             with self._reaching():
-                body = self._check(self._http.get("/v1/models")).json()
+                body = _json_of(self._check(self._http.get("/v1/models")))
             self._models = [m["id"] for m in body["data"]]
         return self._models
 
@@ -130,7 +146,10 @@ class APIClient:
                                             interactive_mode=True, stream=stream, top_k=top_k, top_p=top_p,
                                             temperature=temperature, repetition_penalty=repetition_penalty,
                                             ignore_eos=ignore_eos):
-            if out["finish_reason"] == "length":
+            if out["finish_reason"] == "length" and not out["tokens"]:
+                # LMDeploy's notice, printed as there: the session is full and answers every turn with nothing
+                print(SESSION_FULL_NOTICE, flush=True)
+            elif out["finish_reason"] == "length":
                 logger.warning("session %s: the reply hit its length limit (request_output_len, or the "
                                "session is full: then end it)", session_id)
             yield out["text"], out["tokens"], out["finish_reason"]
@@ -151,33 +170,32 @@ class APIClient:
 
     def _exchange(self, path: str, body: dict, stream: bool, sse: bool) -> Iterator[dict]:
         if not stream:
-            yield self._check(self._http.post(path, json=body)).json()
+            yield _json_of(self._check(self._http.post(path, json=body)))
             return
         with self._http.stream("POST", path, json=body) as resp:
             if resp.status_code >= 400:
                 resp.read()
                 self._check(resp)
+            if _whole_body(resp):  # a server or proxy that answered stream=True with one JSON body
+                resp.read()
+                yield _raise_if_error(_json_of(resp))
+                return
             for line in _lines(resp):
-                if sse:
-                    if not line.startswith("data:"):
-                        continue
+                # SSE: only `data:` lines count. JSON lines: a `data:` prefix is tolerated too (an error line
+                # an older lmjax server framed as SSE on /v1/chat/interactive)
+                if line.startswith("data:"):
                     line = line[5:].strip()
-                    if line == "[DONE]":
+                    if sse and line == "[DONE]":
                         return
+                elif sse:
+                    continue
                 if line.strip():
-                    item = json.loads(line)
-                    if "error" in item and "choices" not in item and "text" not in item:
-                        code = item["error"].get("code")  # the status the same request would get unstreamed
-                        raise APIClientError(code if isinstance(code, int) and code >= 400 else 500,
-                                             item["error"].get("message", str(item)))
-                    yield item
+                    yield _raise_if_error(_decoded(line, resp.status_code))
 
     @contextlib.contextmanager
     def _reaching(self):
-        try:
+        with _reaching(self.api_server_url):
             yield
-        except _UNREACHABLE as e:
-            raise APIConnectionError(f"cannot reach the server at {self.api_server_url}: {e}") from e
 
     @staticmethod
     def _check(resp: httpx.Response) -> httpx.Response:
@@ -188,6 +206,56 @@ class APIClient:
                 message = resp.text
             raise APIClientError(resp.status_code, message)
         return resp
+
+
+@contextlib.contextmanager
+def _reaching(url: str):
+    """httpx's transport errors as the client's: a timeout first (ConnectTimeout is both kinds in httpx)."""
+    try:
+        yield
+    except httpx.TimeoutException as e:
+        what = "cannot reach" if isinstance(e, httpx.ConnectTimeout) else "no answer in time from"
+        raise APITimeoutError(f"{what} the server at {url} ({type(e).__name__}: {e})") from e
+    except _UNREACHABLE as e:
+        raise APIConnectionError(f"cannot reach the server at {url}: {e}") from e
+
+
+def _decoded(text: str, status: int):
+    """`text` as JSON; what is not JSON (a proxy's HTML page answered with 200, say) is an APIClientError
+    quoting its start, not a JSONDecodeError the caller cannot tell from a bug."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        excerpt = text[:200] + ("..." if len(text) > 200 else "")
+        raise APIClientError(status, f"the server's answer is not JSON: {excerpt!r}") from None
+
+
+def _json_of(resp: httpx.Response):
+    return _decoded(resp.text, resp.status_code)
+
+
+def _whole_body(resp: httpx.Response) -> bool:
+    """Whether a streamed request's answer is one body rather than lines: its content-type says so (no
+    content-type at all is read as lines, the old behaviour)."""
+    ctype = resp.headers.get("content-type", "").split(";")[0].strip().lower()
+    return bool(ctype) and ctype not in _STREAM_TYPES
+
+
+def _raise_if_error(item):
+    """An error object inside a 200 (a stream that failed after it started): APIClientError, with the status
+    the same request would have got unstreamed when the object carries it. vLLM's older form
+    ({"object": "error", "message", "code"}) counts too."""
+    if not isinstance(item, dict):
+        return item
+    if "error" in item and "choices" not in item and "text" not in item:
+        error = item["error"]
+        message, code = (error.get("message", str(item)), error.get("code")) if isinstance(error, dict) \
+            else (str(error), None)
+    elif item.get("object") == "error":
+        message, code = item.get("message", str(item)), item.get("code")
+    else:
+        return item
+    raise APIClientError(code if isinstance(code, int) and code >= 400 else 500, message)
 
 
 # None sent as null: "no limit but the context" (the server's, as vLLM's); dropped it would be the default (16)
@@ -217,10 +285,8 @@ def get_model_list(api_url: str, headers: dict | None = None) -> list[str] | Non
     /v1/models added); None, logged, when the server answers with an error."""
     url = api_url.rstrip("/")
     url = url if url.endswith("/models") else f"{url}/v1/models"
-    try:
+    with _reaching(api_url):
         response = httpx.get(url, headers=headers)
-    except _UNREACHABLE as e:
-        raise APIConnectionError(f"cannot reach the server at {api_url}: {e}") from e
     if response.status_code >= 400:
         logger.error("failed to get the model list: %s returns %d", url, response.status_code)
         return None

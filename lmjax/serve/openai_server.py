@@ -345,8 +345,8 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
 
         async def lines():
             async for _, out in _chain(first, rest, openai=False):
-                yield json.dumps(line(out, out.response), ensure_ascii=False) + "\n"
-        return StreamingResponse(_guarded(lines()), media_type="application/x-ndjson")
+                yield _json_line(line(out, out.response))
+        return StreamingResponse(_guarded(lines(), frame=_json_line), media_type="application/x-ndjson")
 
     return app
 
@@ -374,14 +374,21 @@ async def _consume(first, rest, choices: R.Choices, openai: bool = True) -> None
         choices.add(p, out)
 
 
-async def _guarded(events):
-    """A failure after the response started can only be reported in the stream itself."""
+def _json_line(body: dict) -> str:
+    """One line of /v1/chat/interactive's application/x-ndjson stream (LMDeploy's framing: no SSE `data:`)."""
+    return json.dumps(body, ensure_ascii=False) + "\n"
+
+
+async def _guarded(events, frame: Callable[[dict], str] = R.sse):
+    """A failure after the response started can only be reported in the stream itself, framed as the
+    stream's other items are (`frame`: SSE on the OpenAI routes, a JSON line on the interactive one, where
+    an SSE-framed error was a line its clients could not parse)."""
     try:
         async for e in events:
             yield e
     except APIError as e:
         logger.warning("stream failed: %s", e.message)
-        yield R.sse(R.error_body(e.message, e.type, e.status))
+        yield frame(R.error_body(e.message, e.type, e.status))
     except (ValueError, RuntimeError) as e:
         logger.warning("stream failed: %s", e)
-        yield R.sse(R.error_body(str(e), "server_error"))
+        yield frame(R.error_body(str(e), "server_error"))

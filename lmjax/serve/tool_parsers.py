@@ -1,12 +1,14 @@
 """Tool-call parsers: a model's finished reply text -> (content before the calls or None, [ToolCall]).
 
 The server picks one by name (`--tool-call-parser NAME`, `get_tool_parser`):
-- `hermes` (alias `qwen`, LMDeploy's name for Qwen2.5): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
-  several in a row; the text before the first is the content.
+- `hermes` (Qwen2.5, Qwen3; aliases `qwen2d5` and `qwen3`, LMDeploy's names for them, and `qwen`, which
+  LMDeploy has had for Qwen3): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, several in a row; the
+  text before the first is the content.
 - `llama3` (alias `llama3_json`, vLLM's name): a reply that is JSON objects `{"name": ..., "parameters": {...}}`,
   optionally after `<|python_tag|>`, several separated by `;`. Text before `<|python_tag|>` is the content; a
   reply that does not start with `{` or the tag is plain content.
-- `internlm` (InternLM2.5): `<|action_start|><|plugin|>{json}<|action_end|>`, the content before it.
+- `internlm` (InternLM2.5; alias `intern-s1`, LMDeploy's name for Intern-S1, which writes calls the same way):
+  `<|action_start|><|plugin|>{json}<|action_end|>`, the content before it.
 
 As in vLLM, a reply whose calls do not parse (bad JSON, no name) is returned whole as content: a model's
 malformed call is the model's answer, never a server error.
@@ -16,7 +18,8 @@ text that could be the beginning of a start marker (and trailing whitespace, whi
 drops before a call) is held back. Calls stream as the model writes them (`stream_first`, `stream_gap`: where
 they begin and what separates them). At the end the whole text is parsed as above, so a stream and a
 non-streaming reply agree. A call's `arguments` is the JSON text the model wrote for them (an object or
-array; vLLM re-serializes it), so the streamed pieces add up to it.
+array; vLLM re-serializes it), so the streamed pieces add up to it; other values are serialized
+(`arguments_text`).
 """
 from __future__ import annotations
 
@@ -43,16 +46,37 @@ class ToolCall:
 
 def call_from_json(obj, raw: str | None = None, start: int = 0) -> ToolCall:
     """A ToolCall from a decoded {"name", "arguments" | "parameters"} object; ValueError if it is not one.
-    `raw[start:]` holds the object as written: its arguments' own text is kept (what a stream sends)."""
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+    `raw[start:]` holds the object as written: the name and arguments are then its first "name" and first
+    arguments key's (json_scan: what a stream sent, also of duplicate keys), the arguments' text kept."""
+    if not isinstance(obj, dict):
+        raise ValueError(f"not a tool call (not an object): {obj!r}")  # noqa: TRY004 (ValueError: "not a call")
+    if raw is None:
+        name, written = obj.get("name"), None
+        value = obj.get("arguments", obj.get("parameters", {}))
+    else:
+        scan = scan_object(raw, start)
+        name, written = scan.name, raw[scan.args[0]:scan.args[1]] if scan.args is not None else None
+        value = json.loads(written) if written is not None else {}
+    if not isinstance(name, str) or not name:
         raise ValueError(f"not a tool call (no 'name' string): {obj!r}")
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str):  # a model may write the arguments as a JSON string already: keep it
-        return ToolCall(obj["name"], args)
-    span = scan_object(raw, start).args if raw is not None else None
-    if span is not None and span[1] is not None and span[2] in "{[":
-        return ToolCall(obj["name"], raw[span[0]:span[1]])
-    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+    return ToolCall(name, arguments_text(value, written))
+
+
+def arguments_text(value, written: str | None = None) -> str:
+    """`function.arguments` of a call whose arguments decoded to `value` (`written`: as the model wrote them).
+    Always JSON text, for the client's json.loads and for the round trip (tokenizer._with_dict_arguments): a
+    string is kept only if it holds an object (arguments written as a JSON string, a common way), else
+    serialized as vLLM does ("Paris" -> '"Paris"'); an object or array keeps the model's text, which a stream
+    sends piece by piece (ToolStream: it streams only those, anything else goes out whole at the end)."""
+    if isinstance(value, str):
+        try:
+            holds_object = isinstance(json.loads(value), dict)
+        except ValueError:
+            holds_object = False
+        return value if holds_object else json.dumps(value, ensure_ascii=False)
+    if written is not None and written[:1] in ("{", "["):
+        return written
+    return json.dumps(value, ensure_ascii=False)
 
 
 def _held_prefix(text: str, marker: str) -> int:
@@ -279,8 +303,10 @@ def forced_tool_schema(tools: list[dict], function: str | None, single: bool = F
     return {**forced, "$defs": defs} if defs else forced
 
 
-PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesParser, "qwen": HermesParser, "llama3": Llama3Parser,
-                                        "llama3_json": Llama3Parser, "internlm": InternLMParser}
+# the names vLLM and LMDeploy give these formats (`--tool-call-parser`; lmjax.cli.TOOL_CALL_PARSERS spells them out)
+PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesParser, "qwen": HermesParser, "qwen2d5": HermesParser,
+                                        "qwen3": HermesParser, "llama3": Llama3Parser, "llama3_json": Llama3Parser,
+                                        "internlm": InternLMParser, "intern-s1": InternLMParser}
 
 
 def get_tool_parser(name: str) -> ToolParser:

@@ -8,8 +8,10 @@ Arguments written as a JSON string, and calls whose name or arguments a scan can
 when the reply is complete. A call whose name went out and which then turns out malformed stays in the
 stream (the finished reply's text is content then, as in a non-streaming reply); vLLM does the same.
 
-The scan (lmjax.serve.json_scan) walks the text so far: it needs no complete JSON, only the top-level
-"name" string and where the "arguments" / "parameters" value starts and, once complete, ends.
+The scan (lmjax.serve.json_scan.CallScanner) walks the text so far: it needs no complete JSON, only the
+top-level "name" string and where the "arguments" / "parameters" value starts and, once complete, ends. It
+walks each piece once (resuming where the last feed stopped) and settled calls are not looked at again, so a
+feed costs what it adds: rescanning a long call on every piece made a stream's cost grow with its square.
 """
 from __future__ import annotations
 
@@ -17,14 +19,16 @@ import copy
 import dataclasses
 import uuid
 
-from lmjax.serve.json_scan import scan_calls
+from lmjax.serve.json_scan import CallScanner
 from lmjax.serve.tool_parsers import ToolCall, ToolParser
+
 
 @dataclasses.dataclass
 class _Started:
     id: str
     name: str
-    sent_args: str = ""  # the arguments text streamed so far
+    args_start: int | None = None  # where its arguments' text begins in the reply (None: none streamed)
+    args_sent: int = 0  # and how far it went out: positions, not a copy of the text, which grows on every piece
 
 
 class ToolStream:
@@ -37,6 +41,9 @@ class ToolStream:
         self.max_calls = getattr(parser, "max_calls", None)  # (parallel_tool_calls=false: 1)
         self._started: list[_Started] = []
         self._deltas: list[dict] = []
+        self._first: int | None = None  # where the first call begins (fixed once a call went out)
+        self._scanner: CallScanner | None = None
+        self._settled = 0  # calls complete and fully streamed: not looked at again
 
     def feed(self, delta: str) -> str:
         self.text += delta
@@ -66,8 +73,8 @@ class ToolStream:
         for j, call in enumerate(calls):
             if j >= len(self._started):
                 deltas.append({"index": j, **call.to_dict()})
-            elif call.arguments.startswith(self._started[j].sent_args):
-                rest = call.arguments[len(self._started[j].sent_args):]
+            elif call.arguments.startswith(sent := self._sent_args(self._started[j])):
+                rest = call.arguments[len(sent):]
                 if rest:
                     deltas.append({"index": j, "function": {"arguments": rest}})
         self._deltas = []
@@ -76,33 +83,50 @@ class ToolStream:
     def _allowed(self, deltas: list[dict]) -> list[dict]:
         return deltas if self.max_calls is None else [d for d in deltas if d["index"] < self.max_calls]
 
+    def _sent_args(self, started: _Started) -> str:
+        return self.text[started.args_start:started.args_sent] if started.args_start is not None else ""
+
     def _scan(self) -> None:
-        first = self.parser.stream_first(self.text)
-        if first is None:
+        if not self._started:  # where calls begin may yet move (llama3: a <|python_tag|> after JSON content)
+            first = self.parser.stream_first(self.text)
+            if first != self._first:
+                self._first, self._settled = first, 0
+                self._scanner = CallScanner(first, self.parser.stream_gap) if first is not None else None
+        if self._scanner is None:
             return
         try:
-            scans = scan_calls(self.text, first, self.parser.stream_gap)
+            scans = self._scanner.scan(self.text)
         except ValueError:  # not JSON after all: the finished reply decides (content, most likely)
             return
-        for j, scan in enumerate(scans):
-            name = self.parser.stream_name or scan.name
-            if name is None or j > len(self._started) or self.parser.stream_needs_args and scan.args is None:
+        for j in range(self._settled, len(scans)):
+            if not self._stream_call(j, scans[j]):
                 return
-            if j == len(self._started):
-                self._started.append(_Started(f"call_{uuid.uuid4().hex[:24]}", name))
-                self._deltas.append({"index": j, "id": self._started[j].id, "type": "function",
-                                     "function": {"name": name, "arguments": ""}})
-            self._stream_args(j, self.parser.stream_args(self.text, first, scan))
+            if scans[j].end is not None and j == self._settled:  # all of it is out: its span will not grow
+                self._settled += 1
+
+    def _stream_call(self, j: int, scan) -> bool:
+        """Start call j (its name out) and send its new arguments text; False: it cannot go out (yet), nor
+        any after it."""
+        name = self.parser.stream_name or scan.name
+        if name is None or j > len(self._started) or self.parser.stream_needs_args and scan.args is None:
+            return False
+        if j == len(self._started):
+            self._started.append(_Started(f"call_{uuid.uuid4().hex[:24]}", name))
+            self._deltas.append({"index": j, "id": self._started[j].id, "type": "function",
+                                 "function": {"name": name, "arguments": ""}})
+        self._stream_args(j, self.parser.stream_args(self.text, self._first, scan))
+        return True
 
     def _stream_args(self, j: int, span: tuple[int, int | None] | None) -> None:
         if span is None:
             return
-        start, end = span
-        written = self.text[start:end if end is not None else len(self.text)]
+        start, end = span[0], span[1] if span[1] is not None else len(self.text)
         started = self._started[j]
-        if len(written) > len(started.sent_args) and written.startswith(started.sent_args):
-            self._deltas.append({"index": j, "function": {"arguments": written[len(started.sent_args):]}})
-            started.sent_args = written
+        if started.args_start is None:
+            started.args_start = started.args_sent = start
+        if start == started.args_start and end > started.args_sent:  # (a scan keeps the span it met first)
+            self._deltas.append({"index": j, "function": {"arguments": self.text[started.args_sent:end]}})
+            started.args_sent = end
 
 
 def _merged(deltas: list[dict]) -> list[dict]:

@@ -48,8 +48,8 @@ def test_lmdeploy_interactive_route_keeps_its_error_finish_reason(served, monkey
     http, engine = served
     original = engine.sampling_params
 
-    def stuck(gen_config=None, **kw):  # nothing can be sampled: only EOS allowed, and EOS banned by min_tokens
-        p = original(gen_config, **kw)
+    def stuck(gen_config=None, template=None, **kw):  # nothing can be sampled: only EOS allowed, EOS banned
+        p = original(gen_config, template, **kw)
         p.allowed_token_ids, p.min_tokens = [3], 2
         return p
     monkeypatch.setattr(engine, "sampling_params", stuck)

@@ -318,9 +318,9 @@ def test_server_malformed_call_is_content_and_bad_choices_are_400(client):
     with pytest.raises(openai.BadRequestError, match="not among the tools"):
         client.chat.completions.create(model="m", messages=ASK, tools=TOOLS,
                                        tool_choice={"type": "function", "function": {"name": "get_time"}})
-    with pytest.raises(openai.BadRequestError, match="arguments must be a JSON object"):
+    with pytest.raises(openai.BadRequestError, match="arguments must be JSON text"):
         client.chat.completions.create(model="m", messages=ASK + [{"role": "assistant", "tool_calls": [
-            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "[1]"}}]}], tools=TOOLS)
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "[1"}}]}], tools=TOOLS)
     # a conversation with a call and its result is served, its prompt as the template renders it
     history = ASK + [{"role": "assistant", "content": None, "tool_calls": [
         {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},

@@ -3,7 +3,6 @@ LMDeploy's module functions: `get_streaming_response` (one interactive turn's pi
 `main`, the terminal chat of `lmjax serve api_client URL` (LMDeploy's `lmdeploy serve api_client`)."""
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator
 
 from lmjax.serve.client import APIClient, APIClientError, APIConnectionError, get_model_list, json_loads
@@ -36,21 +35,15 @@ def input_prompt() -> str:
 
 
 def main(api_server_url: str = "http://0.0.0.0:23333", session_id: int = 0, api_key: str | None = None) -> None:
-    """A terminal chat with a server's interactive route, one session; `exit` (or Ctrl-D) ends it."""
+    """A terminal chat with a server's interactive route, one session: `end` ends its conversation and goes on
+    afresh, `exit` (or Ctrl-D) quits (lmjax.serve.api_client_cli.chat_loop, the CLI's loop)."""
+    from lmjax.serve.api_client_cli import chat_loop
+
+    if session_id < 0:
+        raise ValueError(f"session_id={session_id} is negative: the chat needs a session id of 0 or more")
     client = APIClient(api_server_url, api_key=api_key)
-    client.available_models  # noqa: B018  (a server that is not there, or refuses the key: said before any input)
     try:
-        while (prompt := _prompt_or_none()) not in (None, "exit"):
-            for item in client.chat_interactive_v1(prompt, session_id=session_id, interactive_mode=True, stream=True):
-                print(item.get("text", ""), end="", flush=True)
+        client.available_models  # noqa: B018  (a server that is not there, or refuses the key: said before any input)
+        chat_loop(client, session_id)
     finally:
-        with contextlib.suppress(APIClientError, APIConnectionError):  # (the server may be what failed)
-            client.end_session(session_id)
-
-
-def _prompt_or_none() -> str | None:
-    try:
-        return input_prompt()
-    except EOFError:  # Ctrl-D: the end of the chat, as `exit`
-        print()
-        return None
+        client.close()
