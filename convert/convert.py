@@ -26,11 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
-import secrets
 import shutil
-import socket
-import tempfile
 import threading
 import time
 
@@ -48,6 +44,8 @@ from lmjax.loader.converted_config import CONFIG_KEY, converted_quant
 from lmjax.loader.orbax_loader import FORMAT_VERSION, ORBAX_SUBDIR, is_converted, param_key, require_orbax
 from lmjax.loader.resolve import resolve_model_path
 from lmjax.loader.safetensors_loader import read_config
+
+from convert import staging
 
 logger = logging.getLogger("convert")
 
@@ -89,7 +87,7 @@ def convert_checkpoint(src: str, out: str, dtype: str = "bfloat16", tp: int = 1,
     prompts = _calibration_prompts(path, _read_text(calib_text)) if calibrated and stored is None else None
     _check_out(path, out, overwrite)
     os.makedirs(os.path.dirname(out), exist_ok=True)
-    _sweep_stale_tmp(out)
+    staging.sweep_stale(out)
 
     if stored is not None:  # SRC's quantized weights, as they are
         params, loaded = _read(path, dtype, tp, None)
@@ -97,14 +95,14 @@ def convert_checkpoint(src: str, out: str, dtype: str = "bfloat16", tp: int = 1,
     else:
         params, loaded = _read(path, dtype, tp, spec, calibrated, prompts)
         quant_info = _quant_info(spec, calibrated, calib_text)
-    tmp = _make_tmp(out)
+    tmp = staging.make_tmp(out)
     try:
         _save_params(os.path.join(tmp, ORBAX_SUBDIR), params)
         _write_config(tmp, loaded.hf_config, dict(format=FORMAT_VERSION, dtype=dtype, tp=tp, source=path,
                                                   quant=quant_info))
         _write_tokenizer(tmp, path)
         _check_out(path, out, overwrite)  # again: OUT may have appeared (another run, a user) meanwhile
-        _commit(tmp, out)
+        staging.commit(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -211,60 +209,6 @@ def _check_out(path: str, out: str, overwrite: bool) -> None:
         raise ValueError(f"OUT {out} is neither an lmjax conversion nor an empty directory: overwrite replaces "
                          f"only those (remove it yourself if you mean to)")
     logger.warning("%s exists: replacing it (overwrite)", out)
-
-
-def _host() -> str:
-    return re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname())  # no "-": it separates the name's fields
-
-
-def _tmp_prefix(out: str) -> str:
-    return f".{os.path.basename(out)}.tmp-"
-
-
-def _make_tmp(out: str) -> str:
-    """A new `.OUT.tmp-HOST-PID-RANDOM` beside OUT (owner and pid: `_sweep_stale_tmp` removes it once
-    that process is gone). `os.mkdir`, not `tempfile.mkdtemp`: OUT gets the mode (process umask) of any
-    directory, not mkdtemp's 0700."""
-    while True:
-        name = f"{_tmp_prefix(out)}{_host()}-{os.getpid()}-{secrets.token_hex(4)}"
-        tmp = os.path.join(os.path.dirname(out), name)
-        try:
-            os.mkdir(tmp)
-            return tmp
-        except FileExistsError:
-            continue
-
-
-_OUR_TMP = re.compile(r"(?P<host>[^-]*)-(?P<pid>[0-9]+)-[0-9a-f]{8}")
-_OLD_TMP = re.compile(r"[a-z0-9_]{8}")  # tempfile.mkdtemp's suffix: an older lmjax's, owner unknown
-
-
-def _sweep_stale_tmp(out: str) -> None:
-    """Remove the `.OUT.tmp-*` directories that dead conversions of OUT on this host left behind (a
-    SIGKILL runs no cleanup). One whose process still runs is being written; one of another host
-    (a shared filesystem) cannot be checked: both stay."""
-    parent, prefix = os.path.dirname(out), _tmp_prefix(out)
-    for name in os.listdir(parent):
-        if not name.startswith(prefix):
-            continue
-        tmp, match = os.path.join(parent, name), _OUR_TMP.fullmatch(name[len(prefix):])
-        if match is None:
-            if _OLD_TMP.fullmatch(name[len(prefix):]):
-                logger.warning("%s may be left by an interrupted conversion (its name gives no owner): remove "
-                               "it if no conversion of %s runs", tmp, out)
-        elif match["host"] == _host() and not _alive(int(match["pid"])):
-            logger.warning("removing %s, left by an interrupted conversion (pid %s)", tmp, match["pid"])
-            shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)  # signal 0: only whether it exists
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 def _read_text(calib_text: str | None) -> str | None:
@@ -386,14 +330,3 @@ def _write_tokenizer(directory: str, path: str) -> None:
     from lmjax.loader.tokenizer import load_tokenizer
 
     load_tokenizer(path).save_pretrained(directory)
-
-
-def _commit(tmp: str, out: str) -> None:
-    """Move the finished conversion into place in one rename (an old OUT goes only after that)."""
-    if not os.path.exists(out):
-        os.rename(tmp, out)
-        return
-    old = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.old-", dir=os.path.dirname(out))
-    os.rename(out, os.path.join(old, "x"))
-    os.rename(tmp, out)
-    shutil.rmtree(old, ignore_errors=True)

@@ -13,8 +13,7 @@ import threading
 import numpy as np
 import pytest
 
-import convert.convert as convert_module
-from convert import convert_checkpoint
+from convert import convert_checkpoint, staging
 from lmjax.loader.model_loader import load_model
 from lmjax.models.forward import prompt_logits
 from test_convert import PROMPTS, tiny  # noqa: F401 (tiny: test_convert's fixture, shared)
@@ -154,7 +153,7 @@ def test_a_killed_conversion_leaves_a_temporary_the_next_one_removes(tiny, tmp_p
     assert proc.returncode == -9, proc.stderr[-2000:]
     (dead,) = os.listdir(tmp_path)
     assert dead.startswith(".out.tmp-") and os.listdir(tmp_path / dead)  # the weights, written
-    host, pid = convert_module._host(), dead.split("-")[-2]  # .out.tmp-HOST-PID-RANDOM
+    host, pid = staging._host(), dead.split("-")[-2]  # .out.tmp-HOST-PID-RANDOM
     kept = [f".out.tmp-{host}-{os.getpid()}-0123abcd", f".out.tmp-otherhost-{pid}-0123abcd",
             ".out.tmp-k1791nt1", f".out2.tmp-{host}-{pid}-0123abcd"]
     for name in kept:
