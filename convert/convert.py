@@ -199,12 +199,12 @@ def _check_out(path: str, out: str, overwrite: bool) -> None:
     commit then replaces, but never SRC or a directory holding it, nor a directory of other files."""
     if not os.path.lexists(out):
         return
-    if not overwrite:
-        raise FileExistsError(f"{out} already exists (pass overwrite=True / --overwrite to replace it)")
     real_out = os.path.realpath(out)
-    if os.path.commonpath([os.path.realpath(path), real_out]) == real_out:
+    if os.path.commonpath([os.path.realpath(path), real_out]) == real_out:  # (before suggesting --overwrite)
         raise ValueError(f"OUT {out} is SRC {path} or holds it: overwrite would delete the source; "
                          f"write the conversion elsewhere")
+    if not overwrite:
+        raise FileExistsError(f"{out} already exists (pass overwrite=True / --overwrite to replace it)")
     if not (is_converted(out) or (os.path.isdir(out) and not os.listdir(out))):
         raise ValueError(f"OUT {out} is neither an lmjax conversion nor an empty directory: overwrite replaces "
                          f"only those (remove it yourself if you mean to)")

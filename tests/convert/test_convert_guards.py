@@ -93,6 +93,8 @@ def test_overwrite_never_deletes_src_or_foreign_files(tiny, tmp_path):
         convert_checkpoint(str(parent / "src"), parent, overwrite=True)
     with pytest.raises(ValueError, match="is SRC .* or holds it"):
         convert_checkpoint(str(parent / "src"), parent / "src", overwrite=True)
+    with pytest.raises(ValueError, match="is SRC .* or holds it"):  # not "pass --overwrite", which is refused
+        convert_checkpoint(str(parent / "src"), parent / "src")
     other = tmp_path / "other"
     other.mkdir()
     (other / "data.bin").write_text("x")
