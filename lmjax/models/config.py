@@ -167,6 +167,9 @@ def model_config_from_hf(hf: dict, arch: str, **overrides: Any) -> ModelConfig:
     max_pos = int(_get(hf, "max_position_embeddings", 2048))
     bias = bool(hf.get("bias", False))  # InternLM2 names its q/k/v/o bias flag `bias`
     is_qwen2 = arch.startswith("Qwen2")
+    # transformers reads `attention_bias` in Llama and Qwen3 only (`mlp_bias` in Llama only): Mistral's and Qwen2's
+    # layers hard-code theirs, so a stray true there means nothing (it made the load ask for missing tensors)
+    attention_bias = arch.startswith(("Llama", "Qwen3")) and bool(hf.get("attention_bias", False))
     use_logn = bool(overrides.get("use_logn_attn") or hf.get("use_logn_attn", False))
     return ModelConfig(
         architecture=arch,
@@ -181,9 +184,9 @@ def model_config_from_hf(hf: dict, arch: str, **overrides: Any) -> ModelConfig:
         rope=_rope_spec(hf, head_dim, max_pos, overrides),
         max_position_embeddings=max_pos,
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        qkv_bias=is_qwen2 or bias or bool(hf.get("attention_bias", False)),
-        o_bias=bias or bool(hf.get("attention_bias", False)) and not is_qwen2,
-        mlp_bias=bool(hf.get("mlp_bias", False)),
+        qkv_bias=is_qwen2 or bias or attention_bias,
+        o_bias=bias or attention_bias,
+        mlp_bias=arch.startswith("Llama") and bool(hf.get("mlp_bias", False)),
         qk_norm=arch.startswith("Qwen3"),
         sliding_windows=_sliding_windows(hf, layers, arch),
         use_logn_attn=use_logn,
