@@ -166,7 +166,7 @@ def _stored_quant(path: str, spec: QuantSpec | None, w4_method: str | None, cali
     if not source:
         return None
     have = QuantSpec.from_dict(source)
-    if spec != have:
+    if spec is None or spec.with_skip(have.skip) != have:  # no option names a skip list: SRC's goes along
         raise ValueError(f"SRC {path} is already quantized ({_describe(have)}); convert from the float "
                          f"checkpoint it was made from, or ask for its own layout to re-save it as it is "
                          f"({_flags(have)})")

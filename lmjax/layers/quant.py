@@ -18,8 +18,9 @@ the packed bytes directly.
 A last group shorter than G is allowed (SmolLM2's hidden size 576 is 4.5 groups of 128).
 
 The model code knows nothing of this: `quantize_model` swaps every `Linear` of a built model (the
-lm_head excepted) for a `QuantLinear`, from real weights (conversion) or abstractly inside
-`nnx.eval_shape` (restore of a converted checkpoint), like gpt-fast's quant handlers.
+lm_head excepted, and those an AWQ checkpoint keeps float: `QuantSpec.skip`) for a `QuantLinear`, from
+real weights (conversion) or abstractly inside `nnx.eval_shape` (restore of a converted checkpoint), like
+gpt-fast's quant handlers.
 KV-cache quantization (LMDeploy's quant_policy 8 / 4) is lmjax.layers.kv_quant.
 Shape letters: T tokens, I input dim, O output dim, G group size.
 """
@@ -47,6 +48,9 @@ class QuantSpec:
     # The lm_head's own method (None: float, as vLLM's and LMDeploy's AWQ/GPTQ leave it). A tied lm_head
     # becomes a separate quantized weight (the embedding stays float for the lookup).
     lm_head: str | None = None
+    # Module-name substrings whose Linears stay float: AutoAWQ's `modules_to_not_convert`, matched as vLLM
+    # matches it (any of them inside the module's checkpoint name, `quantize_model`'s `module_name`).
+    skip: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -55,14 +59,28 @@ class QuantSpec:
             raise ValueError(f"lm_head quant method {self.lm_head!r} is not supported; choose None or one of {METHODS}")
         if "w4" in (self.method, self.lm_head) and self.group_size <= 0:
             raise ValueError(f"group_size={self.group_size} must be positive")
+        if isinstance(self.skip, str) or not all(isinstance(s, str) and s for s in self.skip):
+            raise ValueError(f"skip={self.skip!r} must be a sequence of non-empty module-name substrings")
 
     def to_dict(self) -> dict:
         head = {"lm_head": self.lm_head} if self.lm_head else {}  # absent: older readers see the same dict
-        return {"method": self.method, "group_size": self.group_size, **head}
+        skip = {"modules_to_not_convert": list(self.skip)} if self.skip else {}  # AutoAWQ's key
+        return {"method": self.method, "group_size": self.group_size, **head, **skip}
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "QuantSpec | None":
-        return None if not d else cls(d["method"], int(d.get("group_size", 128)), d.get("lm_head"))
+        if not d:
+            return None
+        skip = tuple(d.get("modules_to_not_convert") or ())
+        return cls(d["method"], int(d.get("group_size", 128)), d.get("lm_head"), skip)
+
+    def keeps_float(self, module_name: str) -> bool:
+        """Whether the Linear named `module_name` in the checkpoint stays float (vLLM's is_layer_skipped_awq)."""
+        return any(s in module_name for s in self.skip)
+
+    def with_skip(self, skip=()) -> "QuantSpec":
+        """This layout with another skip list (`lmjax convert` compares layouts: its options name no skip list)."""
+        return dataclasses.replace(self, skip=tuple(skip))
 
     def for_lm_head(self) -> "QuantSpec | None":
         return QuantSpec(self.lm_head, self.group_size) if self.lm_head else None
@@ -200,25 +218,40 @@ class QuantLinear(nnx.Module):
 # ---------------------------------------------------------------- model transform
 def linear_slots(model: nnx.Module):
     """(parent, attribute name or list index, Linear) for every Linear of `model` not in SKIPPED."""
+    for _, parent, key, module in _linear_paths(model):
+        yield parent, key, module
+
+
+def _linear_paths(model: nnx.Module):
+    """`linear_slots`, each with the Linear's NNX path first."""
     iter_modules = getattr(nnx, "iter_modules", None) or type(model).iter_modules
     for path, module in iter_modules(model):
         if isinstance(module, Linear) and path and not any(str(p) in SKIPPED for p in path):
             parent = model
             for p in path[:-1]:
                 parent = parent[p] if isinstance(p, int) else getattr(parent, p)
-            yield parent, path[-1], module
+            yield path, parent, path[-1], module
 
 
-def quantize_model(model: nnx.Module, spec: QuantSpec | None, abstract: bool = False) -> nnx.Module:
+def llama_module_name(path: tuple) -> str:
+    """The HF Llama checkpoint's name of the module at NNX `path` ("model.layers.0.mlp.down_proj")."""
+    name = ".".join(map(str, path))
+    return name if path[0] == "lm_head" else f"model.{name}"
+
+
+def quantize_model(model: nnx.Module, spec: QuantSpec | None, abstract: bool = False,
+                   module_name=llama_module_name) -> nnx.Module:
     """Swap every Linear (the lm_head only with `spec.lm_head`) for a QuantLinear, in place; returns
-    the model.
+    the model. A Linear whose checkpoint name (`module_name(path)`: another architecture's tensor map
+    renames modules) `spec.keeps_float` stays a Linear.
 
     abstract=True builds empty QuantLinears (for `nnx.eval_shape`, before restoring their values);
     else each is quantized from the Linear's current weights."""
     if spec is None:
         return model
-    for parent, key, linear in list(linear_slots(model)):
-        set_slot(parent, key, _quantized(linear, spec, abstract))
+    for path, parent, key, linear in list(_linear_paths(model)):
+        if not spec.keeps_float(module_name(path)):
+            set_slot(parent, key, _quantized(linear, spec, abstract))
     return quantize_lm_head(model, spec, abstract)
 
 

@@ -11,7 +11,11 @@ that interleaved order so its CUDA kernel can unpack pairs at once).
 lmjax's w4 layout (lmjax.layers.quant) holds the same numbers differently: codes packed two per uint8
 along the input dim, and a float offset instead of the integer zero (offset = -zero * scale). So the
 import is exact: unpack, repack, and one multiply per group. The lm_head stays float, as AutoAWQ
-leaves it.
+leaves it, and so does every Linear that `quantization_config.modules_to_not_convert` names (a list of
+module-name substrings, e.g. ["down_proj"] or ["visual"]; its tensors are a plain float `weight`). vLLM's
+rule decides which: a module stays float when any entry is a substring of its checkpoint name. Members of
+a group lmjax merges at run time (q/k/v, gate/up: lmjax.layers.merge) may differ; such a group simply
+stays unmerged, each member exactly as stored (merge_linears declines a float + int4 mix).
 """
 from __future__ import annotations
 
@@ -21,13 +25,19 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 
-from lmjax.layers.quant import QuantSpec
+from lmjax.layers.quant import QuantSpec, llama_module_name
 from lmjax.loader.converted_config import converted_quant
 from lmjax.loader.safetensors_loader import CheckpointError
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble k of a packed int32 -> output column 8c + AWQ_ORDER[k]
 _NIBBLE_OF_COLUMN = np.argsort(AWQ_ORDER)  # output column 8c + j sits in nibble _NIBBLE_OF_COLUMN[j]
 _PARTS = ("qweight", "qzeros", "scales")
+# InternLM2's checkpoint names of the Llama modules its tensor map (lmjax.models.internlm2) loads them into,
+# the names modules_to_not_convert refers to; q/k/v all come from the one packed `wqkv`.
+_INTERNLM2_MODULES = {"self_attn.q_proj": "attention.wqkv", "self_attn.k_proj": "attention.wqkv",
+                      "self_attn.v_proj": "attention.wqkv", "self_attn.o_proj": "attention.wo",
+                      "mlp.gate_proj": "feed_forward.w1", "mlp.up_proj": "feed_forward.w3",
+                      "mlp.down_proj": "feed_forward.w2"}
 
 
 def require_awq(model_path: str, declared: str) -> None:
@@ -63,7 +73,31 @@ def awq_spec(hf_config: dict) -> QuantSpec | None:
         raise NotImplementedError(f"AWQ version={version!r} is not supported ('gemm', AutoAWQ's default, only)")
     if not q.get("zero_point", True):
         raise NotImplementedError("AWQ zero_point=False is not supported (asymmetric, zero_point=True only)")
-    return QuantSpec("w4", int(q.get("group_size", q.get("q_group_size", 128))))
+    return QuantSpec("w4", int(q.get("group_size", q.get("q_group_size", 128))), skip=_skip_list(q))
+
+
+def _skip_list(q: dict) -> tuple[str, ...]:
+    """`modules_to_not_convert` (null or absent: none) as a tuple; a CheckpointError for anything but
+    non-empty strings (an empty one would be a substring of every name: nothing quantized at all)."""
+    skip = q.get("modules_to_not_convert") or ()
+    if not isinstance(skip, (list, tuple)) or not all(isinstance(s, str) and s for s in skip):
+        raise CheckpointError(f"AWQ modules_to_not_convert={skip!r} must be a list of non-empty module names")
+    return tuple(skip)
+
+
+def checkpoint_module_name(architecture: str):
+    """NNX path -> the module's name in a checkpoint of `architecture`: what `QuantSpec.keeps_float`
+    matches, as vLLM (which keeps each model's own module names) does."""
+    if architecture != "InternLM2ForCausalLM":
+        return llama_module_name
+
+    def internlm2_name(path: tuple) -> str:
+        if path[0] == "lm_head":
+            return "output"
+        parts = llama_module_name(path).split(".")
+        renamed = _INTERNLM2_MODULES.get(".".join(parts[-2:]))
+        return ".".join(parts[:-2] + [renamed]) if renamed else ".".join(parts)
+    return internlm2_name
 
 
 def unpack_awq(packed_XC: np.ndarray) -> np.ndarray:
@@ -96,20 +130,24 @@ def awq_to_w4(qweight, qzeros, scales, group_size: int) -> tuple[np.ndarray, np.
     return kernel, scale_gO, -zeros_gO.astype(np.float32) * scale_gO
 
 
-def awq_tensors(tensors: Iterable[tuple[str, np.ndarray]], group_size: int) -> Iterator[tuple[str, np.ndarray]]:
+def awq_tensors(tensors: Iterable[tuple[str, np.ndarray]], spec: QuantSpec) -> Iterator[tuple[str, np.ndarray]]:
     """The checkpoint's tensors with each Linear's (qweight, qzeros, scales) replaced by its lmjax
-    `kernel`, `scale` and `offset` (in whatever order the files hold them); others pass through."""
+    `kernel`, `scale` and `offset` (in whatever order the files hold them); others (the float weights
+    of the modules `spec.skip` keeps float among them) pass through."""
     pending: dict[str, dict[str, np.ndarray]] = {}
     for name, array in tensors:
         prefix, _, leaf = name.rpartition(".")
         if leaf not in _PARTS:
             yield name, array
             continue
+        if spec.keeps_float(prefix):  # the model has a float Linear there: say why it cannot load
+            raise CheckpointError(f"AWQ tensor {name!r} is quantized, but quantization_config."
+                                  f"modules_to_not_convert {list(spec.skip)} keeps {prefix!r} float")
         parts = pending.setdefault(prefix, {})
         parts[leaf] = array
         if len(parts) == len(_PARTS):
             del pending[prefix]
-            w4 = awq_to_w4(parts["qweight"], parts["qzeros"], parts["scales"], group_size)
+            w4 = awq_to_w4(parts["qweight"], parts["qzeros"], parts["scales"], spec.group_size)
             yield from zip((f"{prefix}.kernel", f"{prefix}.scale", f"{prefix}.offset"), w4)
     if pending:
         raise CheckpointError(f"AWQ linears {sorted(pending)[:4]} lack some of {_PARTS}")

@@ -3,7 +3,8 @@
 Path resolution -> HF config dict -> ModelConfig (with engine overrides) -> tensors renamed to HF Llama
 names by the architecture's weight map -> parameters filled one tensor at a time. An AWQ checkpoint
 (`quantization_config.quant_method == "awq"`) builds w4 QuantLinears and converts each Linear's
-qweight / qzeros / scales into them as they stream by (lmjax.loader.awq). With tp > 1 (or a
+qweight / qzeros / scales into them as they stream by (lmjax.loader.awq); the Linears its
+`modules_to_not_convert` names stay float and load their plain `weight`. With tp > 1 (or a
 mesh), each tensor goes straight into its shards (`lmjax.parallel.make_placer`). The seconds of each
 load phase go to the log and to `LoadedModel.load_seconds`.
 """
@@ -21,7 +22,7 @@ from jax.sharding import Mesh
 
 from lmjax import parallel
 from lmjax.layers.quant import quantize_model
-from lmjax.loader.awq import awq_spec, awq_tensors
+from lmjax.loader.awq import awq_spec, awq_tensors, checkpoint_module_name
 from lmjax.loader.gguf import gguf_config, load_gguf
 from lmjax.loader.phases import PhaseTimes
 from lmjax.loader.resolve import resolve_model_path
@@ -121,7 +122,9 @@ def _load(path: str, dtype: str, placer: Placer | None, tp: int, mesh: Mesh | No
     kwargs = {"placer": placer} if placer is not None else {}
     spec = awq_spec(hf_config)
     # AWQ first: its (kernel, scale, offset) are [in, out]-major, which a fused projection's split must know
-    named = arch.tensor_map(awq_tensors(tensors(), spec.group_size) if spec is not None else tensors(), cfg)
-    net = load_params(lambda: quantize_model(arch.model_cls(cfg, dtype=jdtype), spec, abstract=True), named,
-                      jnp.dtype(jdtype), source, times=times, **kwargs)
+    named = arch.tensor_map(awq_tensors(tensors(), spec) if spec is not None else tensors(), cfg)
+    names = checkpoint_module_name(cfg.architecture)  # modules_to_not_convert names the checkpoint's modules
+    net = load_params(lambda: quantize_model(arch.model_cls(cfg, dtype=jdtype), spec, abstract=True,
+                                             module_name=names), named, jnp.dtype(jdtype), source, times=times,
+                      **kwargs)
     return LoadedModel(net, cfg, hf_config, path, jdtype, mesh)

@@ -8,10 +8,11 @@ Layout of a converted directory:
                      keyed by the model's NNX parameter paths; quantized linears hold `kernel` + `scale`
 
 Data flow: config.json -> ModelConfig -> the model built abstractly (`nnx.eval_shape`, Linears swapped
-for QuantLinears when the `lmjax.quant` entry says so) -> one `jax.ShapeDtypeStruct(shape, dtype,
-sharding=...)` per parameter (a single device, or `lmjax.parallel`'s NamedSharding under tp) -> Orbax
-restores every parameter into exactly those shardings: TensorStore reads each device's slice and puts it
-on that device, so no full host copy of a sharded tensor is ever made. Float parameters are cast to the
+for QuantLinears when the `lmjax.quant` entry says so, but those its modules_to_not_convert keeps float)
+-> one `jax.ShapeDtypeStruct(shape, dtype, sharding=...)` per parameter (a single device, or
+`lmjax.parallel`'s NamedSharding under tp) -> Orbax restores every parameter into exactly those shardings:
+TensorStore reads each device's slice and puts it on that device, so no full host copy of a sharded
+tensor is ever made. Float parameters are cast to the
 requested dtype while restoring; quantized kernels keep their integer dtype.
 """
 from __future__ import annotations
@@ -27,6 +28,7 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from lmjax import parallel
 from lmjax.layers.quant import QuantSpec, quantize_model
 from lmjax.loader import model_loader
+from lmjax.loader.awq import checkpoint_module_name
 from lmjax.loader.converted_config import conversion_info, converted_quant
 from lmjax.loader.safetensors_loader import CheckpointError, read_config
 from lmjax.models.registry import ARCHITECTURES, parse_config
@@ -48,9 +50,11 @@ def param_key(path: tuple) -> str:
 def build_abstract(hf_config: dict, dtype, **overrides):
     """(ModelConfig, graphdef, {path: abstract Variable}) of the model a converted config describes."""
     cfg = parse_config(hf_config, **overrides)
-    spec = QuantSpec.from_dict(converted_quant(hf_config))
+    spec = QuantSpec.from_dict(converted_quant(hf_config))  # an AWQ source's skip list included
     arch = ARCHITECTURES[cfg.architecture]
-    model = nnx.eval_shape(lambda: quantize_model(arch.model_cls(cfg, dtype=dtype), spec, abstract=True))
+    names = checkpoint_module_name(cfg.architecture)  # matched as when the source was loaded
+    model = nnx.eval_shape(lambda: quantize_model(arch.model_cls(cfg, dtype=dtype), spec, abstract=True,
+                                                  module_name=names))
     graphdef, state = nnx.split(model)
     return cfg, graphdef, state
 
