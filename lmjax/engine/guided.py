@@ -11,7 +11,7 @@ writes it straight into numpy: 2-5 us for a 49k vocabulary; llguidance ~10-15 us
 grammars: lmjax.engine.guided_grammar); the sampler sets every other logit to -inf, greedy rows included
 (lmjax.layers.sampler.apply_allowed). After the step, the state advances by the sampled token; where the
 output is a whole match, EOS may end it (and the model may go on where the guide lets it); when only EOS
-could follow, the request ends right there, with finish reason "stop".
+could follow, the next step's mask is the EOS alone and the sampled EOS ends it (`advance_guide`).
 With byte-level BPE and SentencePiece vocabularies the text is the bytes the guide walked: it continues
 the prompt (lmjax.engine.detokenizer), so a first "▁Paris" (b" Paris" here) is " Paris" there too, and a
 regex that counts that space fullmatches the text.
@@ -275,8 +275,14 @@ class GuideState:
 
 
 def advance_guide(req, comp, token: int) -> str | None:
-    """The finish reason, if any, that `token` gives a guided completion (the request's error set on one)."""
+    """The finish reason, if any, that `token` gives a guided completion (the request's error set on one). A
+    complete output whose next token may be EOS goes on for one step, its mask EOS alone: the model samples the
+    EOS, which ends it as any EOS does, in token_ids and its logprobs (vLLM's structured outputs). It ends here,
+    without that token, only where the EOS could not be sampled or would not stop it: ignore_eos, or min_tokens
+    still banning it."""
     reason = comp.guide.advance(token)
     if reason == "error":
         req.error = comp.guide.error
+    elif reason == "stop" and not req.params.ignore_eos and len(comp.token_ids) >= req.params.min_tokens:
+        return None
     return reason

@@ -44,13 +44,13 @@ def test_guided_options_request_guides_every_prompt(llm):
                         guided_options_request={"guided_regex": REGEX})
     for out in outs:
         ids = out.outputs[0].token_ids
-        assert ids[-1] == 6 and set(ids[:-1]) <= {4, 5} and out.outputs[0].finish_reason == "stop"
+        assert ids[-2:] == [6, 3] and set(ids[:-2]) <= {4, 5} and out.outputs[0].finish_reason == "stop"
     assert params.guided_decoding is None  # the caller's SamplingParams are left as they were
     request = types.SimpleNamespace(guided_choice=["t7t8", "t9"])  # vLLM's GuidedDecodingRequest-like object
     out = llm.generate([[40, 41]], params, use_tqdm=False, guided_options_request=request)[0]
-    assert out.outputs[0].token_ids in ([7, 8], [9])
+    assert out.outputs[0].token_ids in ([7, 8, 3], [9, 3])
     out = llm.generate([[40, 41]], params, use_tqdm=False, guided_options_request=GuidedDecodingParams(choice=["t9"]))
-    assert out[0].outputs[0].token_ids == [9]
+    assert out[0].outputs[0].token_ids == [9, 3]
 
 
 def test_guided_options_request_errors_name_the_problem(llm):

@@ -56,4 +56,4 @@ def test_engine_choice_with_shared_prefix_reaches_the_longer_choice():
     params = SamplingParams(temperature=0, max_tokens=8, logit_bias={8: 100.0},
                             guided_decoding=GuidedDecodingParams(choice=["t7", "t7t8"]))
     out = llm.generate([[5, 9, 12]], params, use_tqdm=False)[0].outputs[0]
-    assert out.token_ids == [7, 8], out.token_ids  # got [7]: "t7t8" is unreachable
+    assert out.token_ids == [7, 8, 3], out.token_ids  # got [7]: "t7t8" is unreachable (then EOS, forced)

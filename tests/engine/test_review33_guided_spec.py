@@ -38,8 +38,12 @@ def test_guided_logprobs_are_over_the_allowed_tokens(path):
     first = out.logprobs[0]  # three tokens may start the output: they share all the probability
     finite = {t: lp.logprob for t, lp in first.items() if lp.logprob > -math.inf}
     assert len(finite) == 3 and abs(_logsumexp(finite.values())) < 1e-4, first
-    assert all(math.isclose(lp.logprob, 0.0, abs_tol=1e-5) for e in out.logprobs[1:]
-               for t, lp in e.items() if t in out.token_ids)  # (each later token is forced)
+    assert all(math.isclose(e[t].logprob, 0.0, abs_tol=1e-5)
+               for e, t in zip(out.logprobs[1:-1], out.token_ids[1:-1]))  # (each later token is forced)
+    # then the complete output's EOS step: the model's EOS ids (t0, t3) share the probability
+    assert out.token_ids[-1] == 3 and len(out.logprobs) == len(out.token_ids)
+    last = {t: lp.logprob for t, lp in out.logprobs[-1].items() if lp.logprob > -math.inf}
+    assert set(last) == {0, 3} and abs(_logsumexp(last.values())) < 1e-4
     # allowed_token_ids is applied inside vLLM's sampler, after the raw logprobs: they stay the model's
     allowed = [40, 50, 60]
     restricted = SamplingParams(temperature=0, max_tokens=1, logprobs=5, allowed_token_ids=allowed)
