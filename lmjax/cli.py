@@ -270,7 +270,8 @@ def _serve(args) -> int:
     # "auto": None, the engine's own (the model's generation_config.json), read by the server per request
     defaults = None if args.generation_config == "auto" else chosen_sampling_defaults(args.generation_config, {})
     run_server(engine, args.server_name, args.server_port, args.api_keys, args.model_name, args.log_level,
-               args.tool_call_parser, defaults, aliases, cors=cors, sock=sock, docs=not args.disable_fastapi_docs)
+               args.tool_call_parser, defaults, aliases, cors=cors, sock=sock, docs=not args.disable_fastapi_docs,
+               max_tokens_overflow=args.max_tokens_overflow)
     return 0
 
 

@@ -95,6 +95,9 @@ def add_vllm_serve_args(p) -> None:
                    help="vLLM's: no prefix caching (lmjax's default)")
     p.add_argument("--max-logprobs", type=bounded(int, "max-logprobs", -1), default=20,
                    help="the most logprobs a request may ask for (-1: the vocabulary; default: 20, vLLM's)")
+    p.add_argument("--max-tokens-overflow", choices=("error", "cut"), default="error",
+                   help="a max_tokens the context cannot hold: 'error' a 400 (vLLM's, the default) or 'cut' to the "
+                        "room left, an empty 'length' reply when none is (LMDeploy's api_server; lmjax.serve()'s)")
     for flag in ("--trust-remote-code", "--disable-log-requests", "--disable-log-stats"):
         p.add_argument(flag, action="store_true", help="accepted for vLLM; no effect (lmjax runs no remote code, "
                                                       "logs no request contents or periodic stats)")

@@ -29,7 +29,7 @@ from lmjax.api.embed import pool
 from lmjax.api.engine_thread import GenOut, merge_outputs
 from lmjax.config import PoolingSampling, SamplingParams
 from lmjax.validation import check_token_ids
-from lmjax.serve.protocol import ChatCompletionRequest, ChatMessage, _Nullable
+from lmjax.serve.protocol import ChatCompletionRequest, ChatMessage, _Nullable, check_continue
 from lmjax.serve.responses import Head
 from lmjax.serve.streams import drain
 
@@ -86,10 +86,7 @@ class EmbeddingRequest(_Nullable):
         return out
 
     def _chat_ids(self, tokenizer, render_chat) -> list[int]:
-        if self.continue_final_message and (self.add_generation_prompt or self.messages[-1].role != "assistant"):
-            raise ValueError("continue_final_message=true needs add_generation_prompt=false and an assistant "
-                             f"message last (got add_generation_prompt={self.add_generation_prompt}, "
-                             f"last role {self.messages[-1].role!r})")
+        check_continue(self.continue_final_message, self.add_generation_prompt)
         chat = ChatCompletionRequest(model=self.model or "", messages=self.messages,
                                      add_generation_prompt=self.add_generation_prompt,
                                      continue_final_message=self.continue_final_message,

@@ -53,12 +53,15 @@ def serve(model_path: str, model_name: str | None = None, backend: str | None = 
     backend_config: TurbomindEngineConfig, PytorchEngineConfig or EngineConfig, passed on as the CLI's
     engine options (a field with no option must keep its default). `tp` and any other `lmjax serve
     api_server` option (session_len, tool_call_parser, generation_config, ...) may be given as keywords;
-    they override backend_config's fields."""
+    they override backend_config's fields. max_tokens_overflow is "cut" unless given (LMDeploy's server cuts a
+    max_tokens to the room left; `lmjax serve api_server` itself answers vLLM's 400)."""
     if ssl:
         raise NotImplementedError("ssl=True: the lmjax api_server serves plain HTTP only")
     if isinstance(api_keys, str):
         api_keys = [api_keys]
-    options = {**_engine_options(backend_config, kwargs.pop("tp", None)), **kwargs,
+    # LMDeploy's api_server cuts a max_tokens to the room the session leaves (lagent sends 512 whatever the
+    # prompt): code calling LMDeploy's launcher expects that, not vLLM's 400 (max_tokens_overflow="error")
+    options = {"max_tokens_overflow": "cut", **_engine_options(backend_config, kwargs.pop("tp", None)), **kwargs,
                "model_name": model_name, "backend": backend, "server_name": server_name,
                "server_port": server_port, "log_level": log_level.upper(), "api_keys": api_keys}
     # a wildcard address is reached on loopback from here

@@ -4,7 +4,8 @@ Routes: `GET /v1/models`, `POST /v1/chat/completions`, `POST /v1/completions` (s
 `POST /v1/embeddings` (OpenAI's and vLLM's: lmjax.serve.embeddings),
 `POST /v1/chat/interactive` (LMDeploy's session endpoint: newline-delimited JSON when streaming),
 `POST /v1/encode` (LMDeploy's tokenizer endpoint), `POST /tokenize` and `POST /detokenize` (vLLM's),
-`GET /health`, `GET /metrics` (Prometheus text), `GET /version`; CORS and X-Request-Id: lmjax.serve.http_extras.
+`GET /health` (and vLLM's `/ping`), `GET /metrics` (Prometheus text), `GET /version`, `GET /load`; CORS,
+X-Request-Id and the JSON Content-Type check: lmjax.serve.http_extras.
 `/v1/*`, `/tokenize` and `/detokenize` need
 `Authorization: Bearer KEY` when the server has API keys (vLLM leaves its tokenizer routes open; they read
 nothing private, but cost work). Errors are OpenAI-style bodies `{"error": {"message", "type", "param",
@@ -14,8 +15,9 @@ id among them also by its short name (`HuggingFaceTB/SmolLM2-135M-Instruct` and 
 With `tool_call_parser` (a name in lmjax.serve.tool_parsers) a chat request's `tools` are rendered by the
 template and its reply parsed for calls; without one, `tools` with tool_choice "auto" are a 400 (vLLM's rule).
 
-A request is validated and its first output awaited before the response starts, so a prompt over
-session_len is a 400 even when streaming. A client that disconnects cancels its generator, which aborts
+A request is validated and its first output awaited (and judged: an "error" finish is an error
+response) before the response starts, so a prompt over session_len, or a request whose first token fails, is
+a 400 even when streaming; later failures end the stream (lmjax.serve.stream_errors). A client that disconnects cancels its generator, which aborts
 the engine request and frees its KV blocks (a request waiting for its first output, or a non-streaming one,
 polls for a disconnect).
 """
@@ -23,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -34,18 +35,20 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lmjax.api.async_engine import AsyncEngine
-from lmjax.api.batch import encode_chat
-from lmjax.api.engine_thread import GenOut
 from lmjax.validation import check_token_ids
 from lmjax.loader.tokenizer import token_bytes, token_text
 from lmjax.serve import responses as R
 from lmjax.serve.errors import APIError, api_errors, validation_message
 from lmjax.serve.cors import CorsConfig
-from lmjax.serve.http_extras import client_request_id, install
+from lmjax.serve.http_extras import client_request_id, install, json_body
 from lmjax.serve.embeddings import EmbeddingRequest, embed, embedding_body, prompt_ids
 from lmjax.serve.metrics import render_metrics
 from lmjax.serve.lmdeploy_protocol import EncodeRequest, InteractiveRequest
+from lmjax.serve.prompts import OVERFLOW_CHOICES, accepted_names, chat_echo, chat_prompt, completion_prompts, fitted
+from lmjax.serve.prompts import no_room
 from lmjax.serve.protocol import ChatCompletionRequest, CompletionRequest
+from lmjax.serve.stream_errors import chain as _chain, checked as _checked, consume as _consume
+from lmjax.serve.stream_errors import guarded as _guarded, json_line as _json_line
 from lmjax.serve.streams import first_and_rest, merge, until_disconnect
 from lmjax.serve.tokenize_protocol import DetokenizeRequest, TokenizeRequest
 from lmjax.serve.tool_parsers import get_tool_parser
@@ -54,34 +57,17 @@ from lmjax.serve.tool_stream import ToolStream
 logger = logging.getLogger("lmjax.serve")
 
 
-def accepted_names(name: str, aliases: tuple[str, ...] = ()) -> set[str]:
-    """The `model` values a server of `name` answers to: a Hugging Face id (`org/model`, not a path) also by
-    its short name, as the model resolver takes it (README: `SmolLM2-135M-Instruct`)."""
-    names = {name, *aliases}
-    return names | {a.split("/")[1] for a in aliases if a.count("/") == 1 and not a.startswith((".", "/", "~"))}
-
-
-def chat_prompt(engine: AsyncEngine, req: ChatCompletionRequest) -> tuple[str, list[int]]:
-    """The request's prompt (text, ids), with vLLM's `chat_template_kwargs` and per-request `chat_template`
-    (a role-marker --chat-template has no use for them: a 400 names them). `tools` go to a Jinja template (it
-    decides where; one that ignores them is the model's business, as in vLLM); a role-marker
-    ChatTemplateConfig has no place for them and renders the messages alone."""
-    template, tok = engine.chat_template, engine.tokenizer
-    kwargs = {"add_generation_prompt": req.add_generation_prompt, "continue_final_message": req.continue_final_message}
-    kwargs.update(req.template_kwargs())  # as vLLM: chat_template_kwargs may set the switches too
-    if req.tools and not template.has_markers and (kwargs.get("chat_template") or getattr(tok, "chat_template", None)):
-        kwargs["tools"] = req.tool_dicts()
-    return encode_chat(tok, req.message_dicts(), template, **kwargs)
-
-
 def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_name: str | None = None,
                model_aliases: tuple[str, ...] = (), tool_call_parser: str | None = None,
                sampling_defaults: dict | None = None, cors: CorsConfig | None = CorsConfig(),
-               docs: bool = True) -> FastAPI:
+               docs: bool = True, max_tokens_overflow: str = "error") -> FastAPI:
     """sampling_defaults: the values of sampling fields a request leaves out (None: the model's
     generation_config.json's, vLLM's `--generation-config auto`). cors: the CORS answers (None: no CORS
     headers; lmjax.serve.http_extras), which also adds GET /version and X-Request-Id ids. docs: the Swagger
-    page at /docs, as vLLM's (LMDeploy's --disable-fastapi-docs turns it off)."""
+    page at /docs, as vLLM's (LMDeploy's --disable-fastapi-docs turns it off). max_tokens_overflow: "error" (a
+    max_tokens the context cannot hold is a 400, vLLM's) or "cut" (LMDeploy's: cut to the room left)."""
+    if max_tokens_overflow not in OVERFLOW_CHOICES:
+        raise ValueError(f"max_tokens_overflow must be one of {OVERFLOW_CHOICES}, got {max_tokens_overflow!r}")
     app = FastAPI(title="lmjax", docs_url="/docs" if docs else None, redoc_url=None)
     install(app, cors)
 
@@ -130,19 +116,6 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
             raise APIError(404, f"the model {model!r} does not exist; this server serves {name!r}",
                            "invalid_request_error", "model_not_found")
 
-    def fitted(ids: list[int], params, requested: int | None):
-        """A max_tokens the request asked for and the context cannot hold is a 400, as in vLLM and OpenAI (not
-        cut short silently); one that came from the model's generation_config is cut to the room left (vLLM's
-        get_max_tokens). Returns the prompt's params."""
-        room = engine.session_len - len(ids)
-        if requested is not None and requested > room:
-            raise ValueError(f"max_tokens={requested} is too large: this model's maximum context length is "
-                             f"{engine.session_len} tokens and the request has {len(ids)} input tokens")
-        if params.max_tokens is not None and 1 <= room < params.max_tokens:
-            params = params.clone()
-            params.max_tokens = room
-        return params
-
     async def start(raw: Request, prompts: list[tuple[str | None, list[int]]], params, requested: int | None):
         """Validate, submit every prompt and wait for the first output: (first, rest) of (prompt, GenOut)s,
         or None when the client went away first (a request still queued is aborted then, as vLLM's
@@ -152,16 +125,30 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
             if len(prompts) * params.n > blocks:  # check_n's bound, for the request's sequences all together
                 raise ValueError(f"{len(prompts)} prompts x n={params.n} is more sequences than the KV cache could "
                                  f"ever hold ({blocks} blocks, one at least each)")
-            own = [fitted(ids, params, requested) for _, ids in prompts]
+            own = [fitted(engine.session_len, ids, params, requested, max_tokens_overflow) for _, ids in prompts]
             for (_, ids), p in zip(prompts, own):
+                if p is None:  # no room at all (--max-tokens-overflow cut): LMDeploy's empty reply, no engine work
+                    continue
                 if p.guided_decoding is None:
                     engine.engine.validate_request(ids, p)
                 else:  # it compiles the guide (up to ~0.3 s, then cached): off the event loop
                     await asyncio.to_thread(engine.engine.validate_request, ids, p)
-            gens = [engine.generate(None, new_session_id(), p, input_ids=ids, vllm_outputs=True)
+            gens = [no_room(ids, params) if p is None else
+                    engine.generate(None, new_session_id(), p, input_ids=ids, vllm_outputs=True)
                     for (_, ids), p in zip(prompts, own)]
             opening = asyncio.ensure_future(first_and_rest(merge(gens)))
-            return opening.result() if await until_disconnect(raw, opening) else None
+            if not await until_disconnect(raw, opening):
+                return None
+            return await _judged(*opening.result())
+
+    async def _judged(first, rest):
+        """A request that fails on its first output is an error response, streamed or not (not a 200 whose
+        stream holds only the error): the rest is closed (its engine requests aborted)."""
+        try:
+            return _checked(first), rest
+        except APIError:
+            await rest.aclose()
+            raise
 
     async def collect(raw: Request, first, rest, choices: R.Choices, openai: bool = True) -> bool:
         """A non-streaming response's outputs, all of them (False: the client went away first). An engine
@@ -172,6 +159,7 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
     @app.get("/health")
     async def health():
         return {"status": "ok"}
+    app.add_api_route("/ping", health, methods=["GET", "POST"])  # vLLM's (SageMaker's) name for /health
 
     @app.get("/metrics")
     async def metrics():
@@ -179,7 +167,7 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
 
     def model_card() -> dict:
         return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "lmjax", "root": name,
-                "max_model_len": engine.session_len}
+                "parent": None, "max_model_len": engine.session_len, "permission": [R.model_permission()]}
 
     @app.get("/v1/models", dependencies=[Depends(authorize)])
     async def models():
@@ -190,7 +178,7 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
         check_model(model)
         return model_card()
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorize), Depends(json_body)])
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
         check_model(req.model)
         with api_errors():
@@ -199,9 +187,9 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
                 req = req.model_copy(update={"skip_special_tokens": False})
             params = req.sampling_params(defaults(), limit)
             prompt = chat_prompt(engine, req)
-        head = R.Head("chatcmpl", name, request_id=client_request_id(raw))
+        head = R.Head("chatcmpl", name, request_id=client_request_id(raw) or req.request_id)
         k, choices = req.top_logprobs or 0, R.Choices(req.n)
-        decode = named_by(req)
+        decode, echo = named_by(req), chat_echo(req)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if (started := await start(raw, [prompt], params, requested)) is None:
             return Response(status_code=499)  # the client is gone: nobody reads this
@@ -209,7 +197,7 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
         if not req.stream:
             if not await collect(raw, first, rest, choices):
                 return Response(status_code=499)  # the client is gone: nobody reads this
-            body = R.chat_body(head, choices, k, decode, to_bytes, tools)
+            body = R.with_echo(R.chat_body(head, choices, k, decode, to_bytes, tools), echo)
             return {**body, "prompt_logprobs": R.prompt_logprobs(choices.outs[0], prompt[1], decode)}
 
         async def events():
@@ -220,7 +208,9 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
                 delta, finish = R.tool_delta(streams.setdefault(i, ToolStream(tools)), out) if tools \
                     else ({"content": out.response}, out.finish_reason)
                 logprobs = R.chat_logprobs(out, k, decode, to_bytes)
-                if new:
+                if new and echo is not None:  # vLLM's: the echoed text is a chunk of its own, with the role
+                    yield R.sse(R.chat_chunk(head, i, {"role": "assistant", "content": echo}))
+                elif new:
                     delta = {"role": "assistant", "content": "", **delta}
                 if delta or finish or logprobs:  # a piece held back whole (a call may be starting) sends nothing
                     yield R.sse(R.running_usage(R.chat_chunk(head, i, delta, finish, logprobs, out.stop_reason),
@@ -230,16 +220,15 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
             yield R.sse("[DONE]")
         return StreamingResponse(_guarded(events()), media_type="text/event-stream")
 
-    @app.post("/v1/completions", dependencies=[Depends(authorize)])
+    @app.post("/v1/completions", dependencies=[Depends(authorize), Depends(json_body)])
     async def completions(req: CompletionRequest, raw: Request):
         check_model(req.model)
         with api_errors():
             params = req.sampling_params(defaults(), limit)
-            prompts = [engine.encode(p, do_preprocess=False) if isinstance(p, str) else (None, list(p))
-                       for p in req.prompts()]
+            prompts = completion_prompts(engine, req)
         echo = [R.Echo(t if t is not None else engine.tokenizer.decode(ids), ids) for t, ids in prompts] \
             if req.echo else None
-        head = R.Head("cmpl", name, request_id=client_request_id(raw))
+        head = R.Head("cmpl", name, request_id=client_request_id(raw) or req.request_id)
         k, choices = req.logprobs or 0, R.Choices(req.n)
         decode = named_by(req)
         if (started := await start(raw, prompts, params, 1 if req.echo_only else req.max_tokens)) is None:
@@ -266,7 +255,7 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
         return StreamingResponse(_guarded(events()), media_type="text/event-stream")
 
     # ---- /v1/embeddings (lmjax.serve.embeddings) ----
-    @app.post("/v1/embeddings", dependencies=[Depends(authorize)])
+    @app.post("/v1/embeddings", dependencies=[Depends(authorize), Depends(json_body)])
     async def embeddings(req: EmbeddingRequest, raw: Request):
         """All inputs of a request run as one batch; a bad input is a 400 naming it before any work."""
         if req.model is not None:
@@ -293,7 +282,7 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
             return {"input_ids": ids[0], "length": len(ids[0])}
         return {"input_ids": ids, "length": [len(i) for i in ids]}
 
-    @app.post("/tokenize", dependencies=[Depends(authorize)])
+    @app.post("/tokenize", dependencies=[Depends(authorize), Depends(json_body)])
     async def tokenize(req: TokenizeRequest):
         """vLLM's: the ids of a prompt or of chat messages as /v1/chat/completions would render them."""
         if req.model is not None:
@@ -303,7 +292,7 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
         strs = engine.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
         return {"count": len(ids), "max_model_len": engine.session_len, "tokens": ids, "token_strs": strs}
 
-    @app.post("/detokenize", dependencies=[Depends(authorize)])
+    @app.post("/detokenize", dependencies=[Depends(authorize), Depends(json_body)])
     async def detokenize(req: DetokenizeRequest):
         """vLLM's: the text of token ids (special tokens kept, as vLLM)."""
         if req.model is not None:
@@ -349,46 +338,3 @@ def create_app(engine: AsyncEngine, api_keys: list[str] | None = None, model_nam
         return StreamingResponse(_guarded(lines(), frame=_json_line), media_type="application/x-ndjson")
 
     return app
-
-
-async def _chain(first, rest, openai: bool = True):
-    """The (prompt, GenOut)s of a response. On the OpenAI routes a completion that ended with "error" (nothing
-    left to sample, a step input the request broke) fails the whole response with its reason, as vLLM answers
-    its "error" finish reason with an error response instead of a choice; a 400, since what fails one request
-    and no other is that request's doing (a 5xx would also make openai-python retry it twice). LMDeploy's
-    /v1/chat/interactive (`openai=False`) answers it as LMDeploy does, a line whose finish_reason is "error"."""
-    yield _checked(first) if openai else first
-    async for item in rest:
-        yield _checked(item) if openai else item
-
-
-def _checked(item: tuple[int, GenOut]) -> tuple[int, GenOut]:
-    out = item[1]
-    if out.finish_reason == "error":
-        raise APIError(400, f"the request failed: {out.error or 'no reason given'}")
-    return item
-
-
-async def _consume(first, rest, choices: R.Choices, openai: bool = True) -> None:
-    async for p, out in _chain(first, rest, openai):
-        choices.add(p, out)
-
-
-def _json_line(body: dict) -> str:
-    """One line of /v1/chat/interactive's application/x-ndjson stream (LMDeploy's framing: no SSE `data:`)."""
-    return json.dumps(body, ensure_ascii=False) + "\n"
-
-
-async def _guarded(events, frame: Callable[[dict], str] = R.sse):
-    """A failure after the response started can only be reported in the stream itself, framed as the
-    stream's other items are (`frame`: SSE on the OpenAI routes, a JSON line on the interactive one, where
-    an SSE-framed error was a line its clients could not parse)."""
-    try:
-        async for e in events:
-            yield e
-    except APIError as e:
-        logger.warning("stream failed: %s", e.message)
-        yield frame(R.error_body(e.message, e.type, e.status))
-    except (ValueError, RuntimeError) as e:
-        logger.warning("stream failed: %s", e)
-        yield frame(R.error_body(str(e), "server_error"))

@@ -4,7 +4,7 @@ mapping onto the engine's SamplingParams. Field names and defaults follow OpenAI
 `bad_words`, `add_generation_prompt`, `continue_final_message`); LMDeploy's own bodies are in
 lmjax.serve.lmdeploy_protocol. `logit_bias` is OpenAI's map of token ids (as strings) to biases in [-100, 100].
 Unknown fields are ignored, as OpenAI does; OpenAI fields lmjax does not honour (best_of > n, suffix, non-text
-content parts, the deprecated functions, and vLLM's chat echo) are a 400 that names them unless left at their
+content parts, the deprecated functions) are a 400 that names them unless left at their
 no-op values. vLLM's prompt_logprobs are given (not with streaming, as vLLM). `tools` are rendered into the
 prompt and, on a server started with --tool-call-parser, the reply is parsed for calls
 (lmjax.serve.tool_parsers); tool_choice "required" or a named function guides the reply to the call's JSON
@@ -17,45 +17,26 @@ ValueError names the value. Responses are plain dicts built in `responses.py`.""
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field
 
 from lmjax.config import SamplingParams
 from lmjax.guided_params import GuidedDecodingParams, as_guided, from_response_format
-from lmjax.loader.tokenizer import text_content
+from lmjax.serve.protocol_base import (  # noqa: F401  (re-exported: the bodies' names live here)
+    INT64, NULL_IS_NONE, ChatMessage, FunctionCall, FunctionSpec, StreamOptions, Tool, ToolCallIn, _lone_surrogate,
+    _Nullable, _Strict)
 from lmjax.serve.tool_parsers import ForcedToolParser, SingleCall, ToolParser, forced_tool_schema
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-    @field_validator("*")
-    @classmethod
-    def _utf8(cls, value):
-        """A 400 naming the field, rather than the tokenizer's cryptic TypeError deep in the request."""
-        bad = _lone_surrogate(value)
-        if bad is not None:
-            raise ValueError(f"is not valid UTF-8: it holds the lone surrogate {bad!r}")
-        return value
-
-
-def _lone_surrogate(value) -> str | None:
-    """The first character of `value` (a str, or one inside lists and dicts) that UTF-8 cannot encode."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as e:
-            return value[e.start]
-        return None
-    items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
-    return next((bad for v in items if (bad := _lone_surrogate(v)) is not None), None)
 
 
 # Sampling fields whose default, when a request leaves them out, is the model's (vLLM's server does so).
 MODEL_DEFAULTABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-INT64 = dict(ge=-2**63, le=2**63 - 1)  # seeds: what vLLM accepts (a wider int would wrap onto another seed)
-NULL_IS_NONE = frozenset({"max_tokens"})
+
+
+def check_continue(continue_final_message: bool, add_generation_prompt: bool) -> None:
+    """vLLM's one rule on the two switches (the last message may be anyone's: the template leaves it open)."""
+    if continue_final_message and add_generation_prompt:
+        raise ValueError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
 
 
 def _max_tokens(requested: int | None, model: int | None, limit: bool) -> int | None:
@@ -64,70 +45,6 @@ def _max_tokens(requested: int | None, model: int | None, limit: bool) -> int | 
     if requested is None or model is None:
         return model if requested is None else requested
     return min(requested, model) if limit else requested
-
-
-class _Nullable(_Strict):
-    """OpenAI's optional fields are nullable: an explicit `null` means the default (openai-python sends
-    `"temperature": null` for an option passed as None). `_NULL_IS_NONE` keeps null as None where None
-    means something of its own (max_tokens: no limit but the context, as in vLLM)."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_default(cls, data):
-        if not isinstance(data, dict):
-            return data
-        return {k: v for k, v in data.items() if v is not None or k in NULL_IS_NONE}
-
-
-class StreamOptions(_Strict):  # vLLM's defaults: a stream_options given asks for the usage chunk
-    include_usage: bool = True
-    continuous_usage_stats: bool = False  # (vLLM's) the usage so far in every chunk too
-
-
-class FunctionSpec(_Strict):
-    name: str = Field(min_length=1)
-    description: str | None = None
-    parameters: dict | None = None
-    strict: bool | None = None
-
-
-class Tool(_Strict):
-    """One entry of a request's `tools`: only functions exist in OpenAI's chat API."""
-    type: Literal["function"] = "function"
-    function: FunctionSpec
-
-
-class FunctionCall(_Strict):
-    name: str
-    arguments: str | dict  # OpenAI sends a JSON string; the template gets a dict (render_chat)
-
-
-class ToolCallIn(_Strict):
-    """A tool call of an earlier assistant message, sent back in the conversation."""
-    id: str | None = None
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-class ChatMessage(_Strict):
-    role: str
-    content: str | list[dict] | None = None
-    name: str | None = None
-    tool_calls: list[ToolCallIn] | None = None  # an assistant's calls (its content may be null)
-    tool_call_id: str | None = None  # a "tool" message: the call it answers
-
-    def text(self) -> str:
-        """The message's text: a string, or the text parts of a content list joined by newlines (other
-        parts are a ValueError, `lmjax.loader.tokenizer.text_content`)."""
-        return text_content(self.content, f"a {self.role} message") or ""
-
-    def to_dict(self) -> dict:
-        """What the chat template gets: role and text, and the tool fields where set."""
-        out = {"role": self.role, "content": self.text()}
-        if self.tool_calls is not None:
-            out["tool_calls"] = [c.model_dump(exclude_none=True) for c in self.tool_calls]
-        out.update({k: getattr(self, k) for k in ("name", "tool_call_id") if getattr(self, k) is not None})
-        return out
 
 
 class _Sampling(_Nullable):
@@ -168,6 +85,8 @@ class _Sampling(_Nullable):
     structured_outputs: dict | None = None
     # vLLM's: each prompt token's logprob and this many top ones ({id: {logprob, rank, decoded_token}}); -1: all
     prompt_logprobs: int | None = None
+    priority: int = 0  # vLLM's: any but 0 needs its --scheduling-policy priority, which lmjax lacks
+    request_id: str | None = None  # vLLM's: the response id's tail when no X-Request-Id header names one
 
     def _unsupported(self) -> dict:
         """{field: value} of the fields set to something lmjax does not do (accepted at their no-op values only,
@@ -196,6 +115,8 @@ class _Sampling(_Nullable):
             raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
         if self.stream_options is not None and not self.stream:  # as vLLM: a likely client mistake
             raise ValueError("stream_options can only be given with stream=true")
+        if self.priority != 0:  # vLLM's words (its engine refuses it without --scheduling-policy priority)
+            raise ValueError(f"Got priority {self.priority} but Priority scheduling is not enabled.")
         defaults = defaults or {}
         max_tokens = _max_tokens(max_tokens, defaults.get("max_tokens"), limit_max_tokens)
         chosen = {name: getattr(self, name) if name in self.model_fields_set
@@ -263,7 +184,9 @@ class ChatCompletionRequest(_Sampling):
     continue_final_message: bool = False
     chat_template: str | None = None  # vLLM's: a Jinja template for this request
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: variables for the template (enable_thinking)
-    echo: bool = False  # vLLM's chat echo: not done here (a 400 rather than silently ignored)
+    documents: list[dict[str, Any]] | None = None  # vLLM's: for a RAG template (its `documents` variable)
+    add_special_tokens: bool = False  # vLLM's: true tokenizes the rendered prompt with BOS etc. added
+    echo: bool = False  # vLLM's: the reply starts with the last message's text when it is the reply's role's
 
     def _unsupported(self) -> dict:
         bad = super()._unsupported()
@@ -271,8 +194,6 @@ class ChatCompletionRequest(_Sampling):
             bad["functions"] = f"[{len(self.functions)} function(s)] (send them as tools)"
         if self.function_call not in (None, "none", "auto"):
             bad["function_call"] = self.function_call
-        if self.echo:
-            bad["echo"] = True
         return bad
 
     def sampling_params(self, defaults: dict | None = None, limit_max_tokens: bool = False) -> SamplingParams:
@@ -280,10 +201,7 @@ class ChatCompletionRequest(_Sampling):
             raise ValueError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}")
         if self.top_logprobs and not self.logprobs:  # as OpenAI and vLLM
             raise ValueError(f"top_logprobs={self.top_logprobs} needs logprobs=true")
-        if self.continue_final_message and (self.add_generation_prompt or self.messages[-1].role != "assistant"):
-            raise ValueError("continue_final_message=true needs add_generation_prompt=false and an assistant "
-                             f"message last (got add_generation_prompt={self.add_generation_prompt}, "
-                             f"last role {self.messages[-1].role!r})")
+        check_continue(self.continue_final_message, self.add_generation_prompt)
         if self.max_completion_tokens is not None and self.max_completion_tokens < 1:  # named as the client sent it
             raise ValueError(f"max_completion_tokens must be at least 1, got {self.max_completion_tokens}")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -297,6 +215,8 @@ class ChatCompletionRequest(_Sampling):
         """What the chat template gets beyond the messages and switches (vLLM's chat_template_kwargs, and the
         request's own chat_template)."""
         kwargs = dict(self.chat_template_kwargs or {})
+        if self.documents is not None:
+            kwargs["documents"] = self.documents
         return {**kwargs, "chat_template": self.chat_template} if self.chat_template else kwargs
 
     def tool_dicts(self) -> list[dict] | None:
@@ -363,12 +283,13 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+    add_special_tokens: bool = True  # vLLM's: false tokenizes a text prompt without BOS
 
     def _unsupported(self) -> dict:
         bad = super()._unsupported()
         if self.best_of is not None and self.best_of != self.n:  # best_of = n is plain sampling
             bad["best_of"] = self.best_of
-        if self.suffix:
+        if self.suffix is not None:  # vLLM refuses any suffix, "" too
             bad["suffix"] = self.suffix
         return bad
 

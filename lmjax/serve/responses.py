@@ -47,6 +47,14 @@ def error_body(message: str, type_: str = "invalid_request_error", code: str | i
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
+def model_permission() -> dict:
+    """vLLM's ModelPermission of a /v1/models card (what OpenAI's old API listed): everything a server allows."""
+    return {"id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission", "created": int(time.time()),
+            "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+            "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False, "organization": "*",
+            "group": None, "is_blocking": False}
+
+
 def sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
 
@@ -155,6 +163,13 @@ def chat_body(head: Head, choices: Choices, k: int, decode, to_bytes=None, tools
         items.append({"index": i, "message": message, "logprobs": chat_logprobs(o, k, decode, to_bytes),
                       "finish_reason": finish_reason, "stop_reason": o.stop_reason})
     return {**head.fields("chat.completion"), "choices": items, "usage": choices.usage()}
+
+
+def with_echo(body: dict, echo: str | None) -> dict:
+    """A chat body whose every reply starts with the echoed text (vLLM's chat echo; None: as it is)."""
+    for choice in body["choices"] if echo is not None else ():
+        choice["message"]["content"] = echo + (choice["message"]["content"] or "")
+    return body
 
 
 def tool_delta(stream: ToolStream, out: GenOut) -> tuple[dict, str | None]:

@@ -43,9 +43,10 @@ def run_server(engine: AsyncEngine, server_name: str = "127.0.0.1", server_port:
                api_keys: list[str] | None = None, model_name: str | None = None, log_level: str = "info",
                tool_call_parser: str | None = None, sampling_defaults: dict | None = None,
                model_aliases: tuple[str, ...] = (), cors: CorsConfig | None = CorsConfig(),
-               sock: socket.socket | None = None, docs: bool = True) -> None:
+               sock: socket.socket | None = None, docs: bool = True, max_tokens_overflow: str = "error") -> None:
     """Serve `engine` until SIGTERM / Ctrl-C (on `sock` when given: `listen`'s), then close it."""
-    app = create_app(engine, api_keys, model_name, model_aliases, tool_call_parser, sampling_defaults, cors, docs)
+    app = create_app(engine, api_keys, model_name, model_aliases, tool_call_parser, sampling_defaults, cors, docs,
+                     max_tokens_overflow)
     level = _UVICORN_LEVELS.get(log_level.lower(), log_level.lower())
     config = uvicorn.Config(app, host=server_name, port=server_port, log_level=level,
                             timeout_keep_alive=30, timeout_graceful_shutdown=GRACE_S)

@@ -22,6 +22,7 @@ class TokenizeRequest(_Nullable):
     chat_template: str | None = None  # vLLM's, as /v1/chat/completions takes them
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[Tool] | None = None
+    documents: list[dict[str, Any]] | None = None  # as /v1/chat/completions takes them (a RAG template's)
     return_token_strs: bool = False
 
     def token_ids(self, tokenizer, render_chat) -> list[int]:
@@ -34,7 +35,8 @@ class TokenizeRequest(_Nullable):
         chat = ChatCompletionRequest(model=self.model or "", messages=self.messages, tools=self.tools,
                                      add_generation_prompt=self.add_generation_prompt,
                                      continue_final_message=self.continue_final_message,
-                                     chat_template=self.chat_template, chat_template_kwargs=self.chat_template_kwargs)
+                                     chat_template=self.chat_template, chat_template_kwargs=self.chat_template_kwargs,
+                                     documents=self.documents)
         text, ids = render_chat(chat)
         return tokenizer(text, add_special_tokens=True)["input_ids"] if self.add_special_tokens else ids
 

@@ -196,7 +196,6 @@ TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"
     ("/v1/completions", {"best_of": 3}, "best_of"),
     ("/v1/completions", {"suffix": " and that is all."}, "suffix"),
     ("/v1/completions", {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),  # (as vLLM)
-    ("/v1/chat/completions", {"echo": True}, "echo"),
 ])
 def test_openai_fields_lmjax_does_not_honour_are_named_not_ignored(server, model_id, path, extra, named):
     body = {"model": model_id, "max_tokens": 2, **({"messages": CHAT} if "chat" in path else {"prompt": "Hi"}), **extra}
@@ -219,7 +218,7 @@ def test_those_fields_at_their_no_op_values_are_accepted(server, model_id):
     out = client.chat.completions.create(model=model_id, messages=CHAT, max_tokens=2, tools=[], tool_choice="none",
                                          response_format={"type": "text"}, logit_bias={})
     assert out.usage.completion_tokens == 2
-    out = client.completions.create(model=model_id, prompt="Hi", max_tokens=2, best_of=1, suffix="")
+    out = client.completions.create(model=model_id, prompt="Hi", max_tokens=2, best_of=1)  # (suffix "": vLLM's 400)
     assert out.usage.completion_tokens == 2
 
 
