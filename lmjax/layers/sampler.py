@@ -10,6 +10,8 @@ only), gets a `SamplingMetadata` pytree plus `SamplingFlags`, and calls
 greedy-only batch compiles to a plain argmax. The logits pipeline follows vLLM V1's sampler:
 logit bias -> penalties -> banned ids -> allowed-token mask -> temperature -> min-p -> top-k -> top-p ->
 Gumbel-max draw; greedy rows (temperature 0) take the argmax after the bias, penalties, bans and the mask.
+A sampled row's logits are first shifted by its best one, so any temperature > 0 samples as asked (vLLM
+clamps one below 0.01 to 0.01, against its own overflow: here 1e-38 picks among the best logits' ties).
 (vLLM masks first, then bans, then biases, then penalizes: a -inf stays -inf under a bias or a penalty,
 so the two orders agree.) The bias (a request's logit_bias, sparse: ids and values) and the mask (guided
 decoding, allowed_token_ids: lmjax.engine.guided; a packed bitmask) are present only when some row has
