@@ -7,9 +7,13 @@ AsyncLMDeployPipeline forwards its per-call overrides (`max_new_tokens=...`) the
 gen_config: honouring them keeps such code working and never drops a setting the caller wrote. Other names
 are a TypeError (lmjax ignores no argument silently).
 
-Stop words: matched on the output text (vLLM's stop strings); one that is a special token of the vocabulary
-(InternLM2's `<|action_end|>`) is also a stop token id, as LMDeploy turns stop words into ids: a special token
-adds no text when skip_special_tokens is on, so the text alone would never see it."""
+Stop words: LMDeploy turns each into token ids and stops on those; the token that stopped a reply is then left
+out of its token_ids and generate_token_len (lmjax.api.outputs.lmdeploy_tokens). lmjax does so for a word that
+is one token of the vocabulary: a special token (InternLM2's `<|action_end|>`, which adds no text when
+skip_special_tokens is on, so the text alone would never see it) or a plain one ("Paris" when that is a token).
+Every word is also matched on the output text (vLLM's stop strings), so a word of several tokens stops too (LMDeploy
+warns and ignores it), as does a word inside a longer token (LMDeploy takes up to five tokens that contain the
+word as stop ids; lmjax stops on such a token by its text, and keeps it in token_ids)."""
 from __future__ import annotations
 
 import dataclasses
@@ -61,7 +65,7 @@ def lmdeploy_sampling_params(gen_config, kwargs: dict, template: ChatTemplateCon
         params.stop = list(params.stop or []) + [w for w in words if w not in (params.stop or [])]
         # EOS ids stay out: they stop anyway, and ignore_eos must still be able to pass them
         known = set(params.stop_token_ids or []) | set(eos_ids)
-        ids = [i for i in special_token_ids(tokenizer, words) if i not in known]
+        ids = [i for i in stop_word_ids(tokenizer, words) if i not in known]
         if ids:
             params.stop_token_ids = list(params.stop_token_ids or []) + ids
     return params
@@ -88,13 +92,32 @@ def encode_first_turn(tokenizer, prompt, do_preprocess: bool, template: ChatTemp
     return prompt, encode_text(tokenizer, prompt)
 
 
+def stop_word_ids(tokenizer, words: list[str]) -> list[int]:
+    """The ids of the `words` that are one token of `tokenizer`: special tokens, and plain words that encode
+    to a single token that decodes back to the word."""
+    special = _special_tokens(tokenizer)
+    ids = [special[w] if w in special else _one_token(tokenizer, w) for w in words]
+    return [i for i in ids if i is not None]
+
+
+def _one_token(tokenizer, word: str) -> int | None:
+    ids = tokenizer.encode(word, add_special_tokens=False)
+    return ids[0] if len(ids) == 1 and tokenizer.decode(ids) == word else None
+
+
 def special_token_ids(tokenizer, words: list[str]) -> list[int]:
-    """The ids of the `words` that are special tokens of `tokenizer` (added tokens marked special)."""
+    """The ids of the `words` that are special tokens of `tokenizer`."""
+    special = _special_tokens(tokenizer)
+    return [special[w] for w in words if w in special]
+
+
+def _special_tokens(tokenizer) -> dict[str, int]:
+    """{text: id} of the tokenizer's special tokens (added tokens marked special, and its named ones)."""
     special = {tok.content: i for i, tok in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items()
                if getattr(tok, "special", False)}
     special.update({t: tokenizer.convert_tokens_to_ids(t) for t in getattr(tokenizer, "all_special_tokens", ())
                     if t not in special})
-    return [special[w] for w in words if w in special]
+    return special
 
 
 def lmdeploy_prompts(prompts) -> tuple[bool, list]:

@@ -51,16 +51,34 @@ def _engine_config(backend_config, tp: int | None) -> EngineConfig:
 
 @dataclasses.dataclass
 class Session:
-    """A multi-turn chat kept by `Pipeline.chat`: the message history and the last response."""
+    """A multi-turn chat kept by `Pipeline.chat`: the message history and the last response. As LMDeploy's
+    Session (`pipe.session()`), calling it runs the next turn (`sess("Hi")` is `pipe.chat("Hi", session=sess)`)
+    and `close()` (or leaving a `with` block) forgets the history. It holds no KV cache of its own: each turn
+    renders the whole conversation, and prefix caching reuses the earlier turns' blocks."""
 
     session_id: int
     messages: list[dict] = dataclasses.field(default_factory=list)
     response: Response | None = None
+    pipeline: "Pipeline | None" = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def history(self) -> list[tuple[str, str]]:
         turns = [m["content"] for m in self.messages if m["role"] in ("user", "assistant")]
         return list(zip(turns[::2], turns[1::2]))
+
+    def __call__(self, prompt: str, gen_config=None, stream_response: bool = False, **legacy):
+        if self.pipeline is None:
+            raise ValueError("this Session belongs to no pipeline: take one from pipe.session()")
+        return self.pipeline.chat(prompt, self, gen_config, stream_response, **legacy)
+
+    def close(self) -> None:
+        self.messages, self.response = [], None
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 class Pipeline:
@@ -153,7 +171,7 @@ class Pipeline:
 
     def session(self) -> Session:
         """A new chat session for `chat`."""
-        return Session(next(self._session_ids))
+        return Session(next(self._session_ids), pipeline=self)
 
     def get_ppl(self, input_ids: list[int] | list[list[int]]) -> list[float]:
         """LMDeploy's get_ppl: per sequence of token ids, the mean cross-entropy (nats) of each token

@@ -33,6 +33,7 @@ _ARCHS = {
     "llama": ("LlamaForCausalLM", "llama", True),
     "mistral": ("MistralForCausalLM", "mistral", True),
     "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3", False),
 }
 
 _TOP_LEVEL_NAMES = {
@@ -49,6 +50,8 @@ _BLOCK_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",  # Qwen3's per-head RMSNorm of q and k
+    "attn_k_norm": "self_attn.k_norm",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
@@ -141,6 +144,7 @@ def _rope_scaling(reader, arch: str) -> dict | None:
 
 
 def _config_from_reader(reader, path: str) -> dict:
+    _refuse_split(reader, path)  # (a later shard has no metadata but this)
     arch = _architecture(reader, path)
     hf_arch, model_type, _ = _ARCHS[arch]
 
@@ -148,6 +152,12 @@ def _config_from_reader(reader, path: str) -> dict:
         return _require(reader, path, f"{arch}.{key}")
 
     hidden, heads = int(req("embedding_length")), int(req("attention.head_count"))
+    head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // heads))
+    rotated = _field(reader, f"{arch}.rope.dimension_count", head_dim)
+    if int(rotated) != head_dim:  # (llama.cpp refuses it for llama; lmjax rotates whole heads only)
+        raise GGUFError(f"{path}: {arch}.rope.dimension_count={rotated} differs from the head dimension {head_dim} "
+                        "(attention.key_length, else embedding_length / head_count): partial rotary embeddings "
+                        "are not supported")
     names = {t.name for t in reader.tensors}
     vocab = _field(reader, f"{arch}.vocab_size")
     if vocab is None:  # older files: the token list is the vocab
@@ -162,7 +172,7 @@ def _config_from_reader(reader, path: str) -> dict:
         "num_hidden_layers": int(req("block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
-        "head_dim": int(_field(reader, f"{arch}.attention.key_length", hidden // heads)),
+        "head_dim": head_dim,
         "rms_norm_eps": float(req("attention.layer_norm_rms_epsilon")),
         "rope_theta": theta,
         "rope_scaling": scaling,
@@ -174,6 +184,10 @@ def _config_from_reader(reader, path: str) -> dict:
         "tie_word_embeddings": "output.weight" not in names,
         "attention_bias": "blk.0.attn_q.bias" in names,
         "mlp_bias": False,
+        # lmjax's own keys (lmjax.models.config): llama.cpp takes each bias as optional, and "llamafied" Qwen
+        # models carry q/k/v biases without an output one
+        "lmjax_qkv_bias": "blk.0.attn_q.bias" in names,
+        "lmjax_o_bias": "blk.0.attn_output.bias" in names,
     }
     for gguf_key, hf_key in (("bos", "bos"), ("eos", "eos"), ("padding", "pad")):
         token_id = _field(reader, f"tokenizer.ggml.{gguf_key}_token_id")
@@ -183,6 +197,15 @@ def _config_from_reader(reader, path: str) -> dict:
     if freqs is not None:  # (Llama 3.1+: llama.cpp divides each rope frequency by its factor)
         config["rope_freq_factors"] = [float(f) for f in _dequantize(freqs, path, np.float32).reshape(-1)]
     return config
+
+
+def _refuse_split(reader, path: str) -> None:
+    """A shard of a split GGUF (llama.cpp's gguf-split) holds some of the tensors only."""
+    count = int(_field(reader, "split.count", 1))
+    if count > 1:
+        shard = int(_field(reader, "split.no", 0)) + 1
+        raise GGUFError(f"{path}: shard {shard} of a GGUF split in {count} files; lmjax reads one file: merge "
+                        "the shards first (llama.cpp's `llama-gguf-split --merge FIRST_SHARD OUT.gguf`)")
 
 
 def hf_tensor_name(gguf_name: str) -> str | None:
@@ -252,6 +275,9 @@ def load_gguf(path: str, dtype=np.float32) -> tuple[dict, dict[str, np.ndarray]]
         array = _dequantize(tensor, path, dtype)
         module = tensor.name.split(".")[-2]  # "attn_q" in "blk.3.attn_q.weight"
         if permuted and module in heads_for:
-            array = unpermute_qk(array, heads_for[module])
+            try:
+                array = unpermute_qk(array, heads_for[module])
+            except ValueError as e:
+                raise GGUFError(f"{path}: tensor {tensor.name!r} does not fit the head count: {e}") from None
         weights[name] = array
     return config, weights

@@ -184,8 +184,9 @@ def model_config_from_hf(hf: dict, arch: str, **overrides: Any) -> ModelConfig:
         rope=_rope_spec(hf, head_dim, max_pos, overrides),
         max_position_embeddings=max_pos,
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        qkv_bias=is_qwen2 or bias or attention_bias,
-        o_bias=bias or attention_bias,
+        # qkv_bias / o_bias: lmjax's own GGUF configs say each (lmjax.loader.gguf); HF configs never do
+        qkv_bias=hf.get("lmjax_qkv_bias", is_qwen2 or bias or attention_bias),
+        o_bias=hf.get("lmjax_o_bias", bias or attention_bias),
         mlp_bias=arch.startswith("Llama") and bool(hf.get("mlp_bias", False)),
         qk_norm=arch.startswith("Qwen3"),
         sliding_windows=_sliding_windows(hf, layers, arch),

@@ -201,10 +201,10 @@ class APIClient:
     def _check(resp: httpx.Response) -> httpx.Response:
         if resp.status_code >= 400:
             try:
-                message = resp.json()["error"]["message"]
-            except (ValueError, KeyError, TypeError):
-                message = resp.text
-            raise APIClientError(resp.status_code, message)
+                error = _error_of(resp.json())
+            except ValueError:
+                error = None
+            raise APIClientError(resp.status_code, error[0] if error else resp.text)
         return resp
 
 
@@ -241,20 +241,26 @@ def _whole_body(resp: httpx.Response) -> bool:
     return bool(ctype) and ctype not in _STREAM_TYPES
 
 
+def _error_of(body) -> tuple[str, object] | None:
+    """(message, code) of an error body: OpenAI's {"error": {"message", "code", ...}} or the flat form of
+    LMDeploy's server and vLLM's older one ({"object": "error", "message", "code"}); None for any other body."""
+    if not isinstance(body, dict):
+        return None
+    if "error" in body and "choices" not in body and "text" not in body:
+        error = body["error"]
+        return (error.get("message", str(body)), error.get("code")) if isinstance(error, dict) else (str(error), None)
+    if body.get("object") == "error":
+        return body.get("message", str(body)), body.get("code")
+    return None
+
+
 def _raise_if_error(item):
     """An error object inside a 200 (a stream that failed after it started): APIClientError, with the status
-    the same request would have got unstreamed when the object carries it. vLLM's older form
-    ({"object": "error", "message", "code"}) counts too."""
-    if not isinstance(item, dict):
+    the same request would have got unstreamed when the object carries it."""
+    error = _error_of(item)
+    if error is None:
         return item
-    if "error" in item and "choices" not in item and "text" not in item:
-        error = item["error"]
-        message, code = (error.get("message", str(item)), error.get("code")) if isinstance(error, dict) \
-            else (str(error), None)
-    elif item.get("object") == "error":
-        message, code = item.get("message", str(item)), item.get("code")
-    else:
-        return item
+    message, code = error
     raise APIClientError(code if isinstance(code, int) and code >= 400 else 500, message)
 
 

@@ -29,7 +29,8 @@ from lmjax.api.embed import pool
 from lmjax.api.engine_thread import GenOut, merge_outputs
 from lmjax.config import PoolingSampling, SamplingParams
 from lmjax.validation import check_token_ids
-from lmjax.serve.protocol import ChatCompletionRequest, ChatMessage, _Nullable, check_continue
+from lmjax.serve.protocol import chat_request
+from lmjax.serve.protocol_base import ChatMessage, _Nullable
 from lmjax.serve.responses import Head
 from lmjax.serve.streams import drain
 
@@ -76,7 +77,7 @@ class EmbeddingRequest(_Nullable):
         if (self.input is None) == (self.messages is None):
             raise ValueError("give exactly one of input and messages")
         if self.messages is not None:
-            return [self._chat_ids(tokenizer, render_chat)]
+            return [render_chat(chat_request(self))[1]]
         add = self.add_special_tokens is not False
         out = []
         for name, x in zip(self.names(), self.inputs()):
@@ -84,15 +85,6 @@ class EmbeddingRequest(_Nullable):
                 raise ValueError(f"{name} is an empty string: give some text")
             out.append(tokenizer(x, add_special_tokens=add)["input_ids"] if isinstance(x, str) else list(x))
         return out
-
-    def _chat_ids(self, tokenizer, render_chat) -> list[int]:
-        check_continue(self.continue_final_message, self.add_generation_prompt)
-        chat = ChatCompletionRequest(model=self.model or "", messages=self.messages,
-                                     add_generation_prompt=self.add_generation_prompt,
-                                     continue_final_message=self.continue_final_message,
-                                     chat_template=self.chat_template, chat_template_kwargs=self.chat_template_kwargs)
-        text, ids = render_chat(chat)
-        return tokenizer(text, add_special_tokens=True)["input_ids"] if self.add_special_tokens else ids
 
     def keep_last(self, session_len: int) -> int | None:
         """truncate_prompt_tokens as a count (-1: the longest input the context takes), checked."""

@@ -7,9 +7,13 @@ from fastapi.exceptions import RequestValidationError
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", code=None):
+    """An error response: its HTTP status and OpenAI's body fields. `code` is OpenAI's own where it has one
+    ("invalid_api_key", "model_not_found"), else the status, as vLLM's and LMDeploy's error bodies carry it:
+    a client reading an error inside a streamed 200 learns the status the request would have had unstreamed."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None):
         super().__init__(message)
-        self.status, self.message, self.type, self.code = status, message, type_, code
+        self.status, self.message, self.type, self.code = status, message, type_, status if code is None else code
 
 
 @contextlib.contextmanager

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from lmjax.config import GenerationConfig
-from lmjax.serve.protocol import INT64, _Nullable
+from lmjax.serve.protocol_base import INT64, _Nullable
 
 
 class EncodeRequest(_Nullable):

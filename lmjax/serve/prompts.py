@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from lmjax.api.batch import encode_chat
 from lmjax.api.engine_thread import GenOut
-from lmjax.serve.protocol import ChatCompletionRequest, CompletionRequest
+from lmjax.serve.protocol import ChatCompletionRequest, CompletionRequest, check_continue
 
 # --max-tokens-overflow: "error" is vLLM's (and OpenAI's) 400; "cut" is LMDeploy's api_server's rule
 OVERFLOW_CHOICES = ("error", "cut")
@@ -24,6 +24,7 @@ def chat_prompt(engine, req: ChatCompletionRequest) -> tuple[str, list[int]]:
     Jinja template (it decides where; one that ignores them is the model's business, as in vLLM); a role-marker
     ChatTemplateConfig has no place for them and renders the messages alone. add_special_tokens=true (vLLM's)
     tokenizes the rendered text with the tokenizer's special tokens added, as /tokenize does for messages."""
+    check_continue(req.continue_final_message, req.add_generation_prompt)
     template, tok = engine.chat_template, engine.tokenizer
     kwargs = {"add_generation_prompt": req.add_generation_prompt, "continue_final_message": req.continue_final_message}
     kwargs.update(req.template_kwargs())  # as vLLM: chat_template_kwargs may set the switches too
@@ -33,14 +34,17 @@ def chat_prompt(engine, req: ChatCompletionRequest) -> tuple[str, list[int]]:
     return (text, tok(text, add_special_tokens=True)["input_ids"]) if req.add_special_tokens else (text, ids)
 
 
+def chat_role(req: ChatCompletionRequest) -> str:
+    """The reply's role (vLLM's get_chat_request_role): "assistant" after a generation prompt, else the last
+    message's own (the reply continues it)."""
+    return "assistant" if req.add_generation_prompt else req.messages[-1].role
+
+
 def chat_echo(req: ChatCompletionRequest) -> str | None:
-    """vLLM's chat echo: the last message's text, when that message's role is the reply's ("assistant" after a
-    generation prompt, else the last message's own), for the reply to start with; else None."""
-    if not req.echo:
-        return None
+    """vLLM's chat echo: the last message's text, when that message's role is the reply's, for the reply to
+    start with; else None."""
     last = req.messages[-1]
-    role = "assistant" if req.add_generation_prompt else last.role
-    return last.text() if last.role == role else None
+    return last.text() if req.echo and last.role == chat_role(req) else None
 
 
 def completion_prompts(engine, req: CompletionRequest) -> list[tuple[str | None, list[int]]]:

@@ -23,9 +23,7 @@ from pydantic import Field
 
 from lmjax.config import SamplingParams
 from lmjax.guided_params import GuidedDecodingParams, as_guided, from_response_format
-from lmjax.serve.protocol_base import (  # noqa: F401  (re-exported: the bodies' names live here)
-    INT64, NULL_IS_NONE, ChatMessage, FunctionCall, FunctionSpec, StreamOptions, Tool, ToolCallIn, _lone_surrogate,
-    _Nullable, _Strict)
+from lmjax.serve.protocol_base import INT64, ChatMessage, StreamOptions, Tool, _Nullable
 from lmjax.serve.tool_parsers import ForcedToolParser, SingleCall, ToolParser, forced_tool_schema
 
 
@@ -201,7 +199,6 @@ class ChatCompletionRequest(_Sampling):
             raise ValueError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}")
         if self.top_logprobs and not self.logprobs:  # as OpenAI and vLLM
             raise ValueError(f"top_logprobs={self.top_logprobs} needs logprobs=true")
-        check_continue(self.continue_final_message, self.add_generation_prompt)
         if self.max_completion_tokens is not None and self.max_completion_tokens < 1:  # named as the client sent it
             raise ValueError(f"max_completion_tokens must be at least 1, got {self.max_completion_tokens}")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -318,3 +315,14 @@ class CompletionRequest(_Sampling):
         if not p:
             raise ValueError("prompt must not be empty")
         return list(p)
+
+
+CHAT_FIELDS = ("messages", "tools", "documents", "add_generation_prompt", "continue_final_message", "chat_template",
+               "chat_template_kwargs", "add_special_tokens")
+
+
+def chat_request(body) -> ChatCompletionRequest:
+    """The chat request whose prompt another route's `messages` form renders (/tokenize's, /v1/embeddings'):
+    the chat fields `body` has and sets, as /v1/chat/completions would take them."""
+    fields = {f: v for f in CHAT_FIELDS if (v := getattr(body, f, None)) is not None}
+    return ChatCompletionRequest(model=body.model or "", **fields)

@@ -165,10 +165,13 @@ def chat_body(head: Head, choices: Choices, k: int, decode, to_bytes=None, tools
     return {**head.fields("chat.completion"), "choices": items, "usage": choices.usage()}
 
 
-def with_echo(body: dict, echo: str | None) -> dict:
-    """A chat body whose every reply starts with the echoed text (vLLM's chat echo; None: as it is)."""
-    for choice in body["choices"] if echo is not None else ():
-        choice["message"]["content"] = echo + (choice["message"]["content"] or "")
+def with_echo(body: dict, role: str, echo: str | None) -> dict:
+    """A chat body whose replies have this role and start with the echoed text (vLLM's chat echo; None:
+    nothing echoed)."""
+    for choice in body["choices"]:
+        choice["message"]["role"] = role
+        if echo is not None:
+            choice["message"]["content"] = echo + (choice["message"]["content"] or "")
     return body
 
 

@@ -55,7 +55,7 @@ async def guarded(events, frame: Callable[[dict], str] = R.sse):
     except APIError as e:
         body = R.error_body(e.message, e.type, e.code)
     except (ValueError, RuntimeError) as e:
-        body = R.error_body(str(e), "server_error")
+        body = R.error_body(str(e), "server_error", 500)
     logger.warning("stream failed: %s", body["error"]["message"])
     yield frame(body)
     if frame is R.sse:

@@ -7,7 +7,8 @@ from typing import Any
 
 from pydantic import Field
 
-from lmjax.serve.protocol import ChatCompletionRequest, ChatMessage, Tool, _Nullable
+from lmjax.serve.protocol import chat_request
+from lmjax.serve.protocol_base import ChatMessage, Tool, _Nullable
 
 
 class TokenizeRequest(_Nullable):
@@ -32,13 +33,7 @@ class TokenizeRequest(_Nullable):
         if self.prompt is not None:
             add = True if self.add_special_tokens is None else self.add_special_tokens
             return tokenizer(self.prompt, add_special_tokens=add)["input_ids"]
-        chat = ChatCompletionRequest(model=self.model or "", messages=self.messages, tools=self.tools,
-                                     add_generation_prompt=self.add_generation_prompt,
-                                     continue_final_message=self.continue_final_message,
-                                     chat_template=self.chat_template, chat_template_kwargs=self.chat_template_kwargs,
-                                     documents=self.documents)
-        text, ids = render_chat(chat)
-        return tokenizer(text, add_special_tokens=True)["input_ids"] if self.add_special_tokens else ids
+        return render_chat(chat_request(self))[1]
 
 
 class DetokenizeRequest(_Nullable):

@@ -79,6 +79,17 @@ def arguments_text(value, written: str | None = None) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
+_NON_SPACE = re.compile(r"\S")
+
+
+def _may_open_a_call(text: str, marker: str) -> bool:
+    """Whether the reply so far (Llama 3's) may still be a bare JSON call or the start of `marker`: it is
+    blank, opens with '{', or is a beginning of the marker."""
+    m = _NON_SPACE.search(text)
+    return m is None or text[m.start()] == "{" or (len(text) - m.start() < len(marker)
+                                                    and marker.startswith(text[m.start():]))
+
+
 def _held_prefix(text: str, marker: str) -> int:
     """Length of the longest end of `text` that is a proper beginning of `marker` (it may yet become one)."""
     for n in range(min(len(marker) - 1, len(text)), 0, -1):
@@ -97,9 +108,11 @@ class ToolParser:
     stream_needs_args = False  # a call streams only once its arguments key is seen (JSON that may be content)
     stream_opener: re.Pattern | None = None  # the first call's marker, ending where its object begins
 
-    def stream_first(self, text: str) -> int | None:
-        """Where the first call object ('{') begins in the text so far; None: no call to stream (yet)."""
-        m = self.stream_opener.search(text) if self.stream_opener is not None else None
+    def stream_first(self, text: str, since: int = 0) -> int | None:
+        """Where the first call object ('{') begins in the text so far; None: no call to stream (yet).
+        `since`: how much of the text went out as content, which holds no call (the search starts there, so a
+        long reply's feeds do not search it all again each time)."""
+        m = self.stream_opener.search(text, since) if self.stream_opener is not None else None
         return m.end() if m else None
 
     def stream_args(self, text: str, first: int, scan) -> tuple[int, int | None] | None:
@@ -124,12 +137,13 @@ class ToolParser:
     def _calls(self, text: str) -> list[ToolCall]:
         raise NotImplementedError
 
-    def content_end(self, text: str) -> int:
+    def content_end(self, text: str, since: int = 0) -> int:
         """How much of the text so far is surely content (may be streamed now): everything before a start
-        marker, or before an end that could grow into one, less trailing whitespace."""
-        start = text.find(self.start_marker)
+        marker, or before an end that could grow into one, less trailing whitespace; at least `since` (what
+        went out already, which holds no marker, nor ends in whitespace)."""
+        start = text.find(self.start_marker, since)
         end = start if start >= 0 else len(text) - _held_prefix(text, self.start_marker)
-        return len(text[:end].rstrip())
+        return since + len(text[since:max(end, since)].rstrip())
 
 
 class HermesParser(ToolParser):
@@ -182,11 +196,12 @@ class Llama3Parser(ToolParser):
     stream_gap = re.compile(r"\s*;\s*(?=\{)")
     stream_needs_args = True  # {"name": "Alice", "age": 30} is an answer, not a call
 
-    def stream_first(self, text: str) -> int | None:
-        tag = text.find(self.start_marker)
-        start = tag + len(self.start_marker) if tag >= 0 else 0
-        first = len(text) - len(text[start:].lstrip())
-        return first if first < len(text) and text[first] == "{" else None
+    def stream_first(self, text: str, since: int = 0) -> int | None:
+        tag = text.find(self.start_marker, since)
+        if tag < 0 and since:
+            return None  # content went out: the reply is no bare JSON call
+        m = _NON_SPACE.search(text, tag + len(self.start_marker) if tag >= 0 else 0)
+        return m.start() if m and text[m.start()] == "{" else None
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         tag = text.find(self.start_marker)
@@ -219,14 +234,14 @@ class Llama3Parser(ToolParser):
             if not body[pos:].strip():  # a trailing `;`
                 return calls
 
-    def content_end(self, text: str) -> int:
-        tag = text.find(self.start_marker)
+    def content_end(self, text: str, since: int = 0) -> int:
+        tag = text.find(self.start_marker, since)
         if tag >= 0:
-            return len(text[:tag].rstrip())
-        head = text.lstrip()
-        if not head or head.startswith("{") or self.start_marker.startswith(head):
+            return since + len(text[since:tag].rstrip())
+        if not since and _may_open_a_call(text, self.start_marker):
             return 0  # a call may be starting: it is the whole reply or nothing
-        return len(text[:len(text) - _held_prefix(text, self.start_marker)].rstrip())
+        end = len(text) - _held_prefix(text, self.start_marker)
+        return since + len(text[since:max(end, since)].rstrip())
 
 
 class ForcedToolParser(ToolParser):
@@ -240,9 +255,9 @@ class ForcedToolParser(ToolParser):
         self.calls_finish_reason = "tool_calls" if function is None else "stop"
         self.stream_name = function  # a named function's reply streams as its arguments; "required" whole
 
-    def stream_first(self, text: str) -> int | None:
-        first = len(text) - len(text.lstrip())
-        return first if self.function is not None and text[first:first + 1] == "{" else None
+    def stream_first(self, text: str, since: int = 0) -> int | None:
+        m = _NON_SPACE.search(text)
+        return m.start() if self.function is not None and m and text[m.start()] == "{" else None
 
     def stream_args(self, text: str, first: int, scan) -> tuple[int, int | None]:
         return first, scan.end  # the whole reply is the arguments
@@ -258,7 +273,7 @@ class ForcedToolParser(ToolParser):
             return text, []
         return (None, calls) if calls else (text, [])
 
-    def content_end(self, text: str) -> int:
+    def content_end(self, text: str, since: int = 0) -> int:
         return 0  # the reply is the calls: nothing streams as content
 
 

@@ -48,7 +48,7 @@ class ToolStream:
     def feed(self, delta: str) -> str:
         self.text += delta
         self._scan()
-        end = self.parser.content_end(self.text)
+        end = self.parser.content_end(self.text, self.sent)
         if end <= self.sent:
             return ""
         out, self.sent = self.text[self.sent:end], end
@@ -88,7 +88,7 @@ class ToolStream:
 
     def _scan(self) -> None:
         if not self._started:  # where calls begin may yet move (llama3: a <|python_tag|> after JSON content)
-            first = self.parser.stream_first(self.text)
+            first = self.parser.stream_first(self.text, self.sent)
             if first != self._first:
                 self._first, self._settled = first, 0
                 self._scanner = CallScanner(first, self.parser.stream_gap) if first is not None else None

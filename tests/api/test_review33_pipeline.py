@@ -83,3 +83,34 @@ def test_generation_config_flags_are_bools(field):
         GenerationConfig(**{field: "no"})
     with pytest.raises(ValueError, match="random_seed must be None or an int, got 'x'"):
         GenerationConfig(random_seed="x")
+
+
+def test_a_session_runs_its_own_turns_and_closes(pipe):
+    """LMDeploy's Session: `sess(prompt)` is the next chat turn, close() / a with block forgets the history."""
+    g = GenerationConfig(max_new_tokens=5)
+    chat = pipe.chat("What is my name? I am Bob.", gen_config=g)
+    chat = pipe.chat("Say it again.", session=chat, gen_config=g)
+    with pipe.session() as sess:
+        assert sess("What is my name? I am Bob.", gen_config=g) is sess
+        sess("Say it again.", gen_config=g)
+        assert sess.history == chat.history and sess.response.token_ids == chat.response.token_ids
+        pieces = list(sess("Thanks.", gen_config=g, stream_response=True))
+        assert len(sess.history) == 3 and "".join(p.text for p in pieces) == sess.response.text
+    assert sess.messages == [] and sess.response is None
+    with pytest.raises(ValueError, match="take one from pipe.session"):
+        type(sess)(7)("Hi")
+
+
+def test_a_plain_one_token_stop_word_is_left_out_of_token_ids(pipe):
+    """LMDeploy turns a stop word that is one token into a stop id, and the token that stopped a reply is not in
+    its token_ids nor counted in generate_token_len (lmjax matched a plain word only as text: the token stayed)."""
+    from lmjax.api.lmdeploy_params import stop_word_ids
+
+    tok, g = pipe.tokenizer, dict(max_new_tokens=10, ignore_eos=True)
+    base = pipe("Hi", gen_config=GenerationConfig(**g)).token_ids
+    # a token of the reply that is a word of its own, not said before (not even inside other text)
+    i, word = next((i, w) for i in range(1, 9) if stop_word_ids(tok, [w := tok.decode([base[i]])]) == [base[i]]
+                   and w.strip() and w not in tok.decode(base[:i]))
+    r = pipe("Hi", gen_config=GenerationConfig(stop_words=[word], **g))
+    assert r.finish_reason == "stop" and r.token_ids == base[:i] and r.generate_token_len == i, (r, base, word)
+    assert r.text == tok.decode(base[:i])

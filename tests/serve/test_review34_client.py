@@ -15,7 +15,7 @@ import pytest
 
 from app_client import app_client
 from lmjax import cli
-from lmjax.serve import openai_server
+from lmjax.serve import routes_interactive
 from lmjax.serve.client import APIClient, APIClientError, APIConnectionError
 from tiny_server_fixtures import tiny  # noqa: F401 (pytest fixture)
 
@@ -90,14 +90,14 @@ def test_api_client_refuses_a_negative_session_id(value, capsys):
 
 def test_an_interactive_stream_error_is_a_json_line(in_process, monkeypatch):
     _, http = in_process
-    real = openai_server._chain
+    real = routes_interactive._chain
 
     async def failing(first, rest, openai=True):  # the engine fails after the first piece
         async with contextlib.aclosing(real(first, rest, openai)) as items:
             async for item in items:
                 yield item
                 raise RuntimeError("simulated device failure")
-    monkeypatch.setattr(openai_server, "_chain", failing)
+    monkeypatch.setattr(routes_interactive, "_chain", failing)
     body = {"prompt": "t5 t6", "session_id": 31, "stream": True, "request_output_len": 4}
     lines = [json.loads(line) for line in http.post("/v1/chat/interactive", json=body).text.splitlines()]
     assert "text" in lines[0] and lines[-1]["error"]["message"] == "simulated device failure"
@@ -186,6 +186,16 @@ def test_vllms_older_error_object_in_a_stream():
         list(_faked(200, "text/event-stream", chunk + error).completions_v1("m", "p", stream=True))
     assert (info.value.status, info.value.message) == (400, "boom")
 
+
+
+def test_a_flat_error_body_gives_its_message():
+    """LMDeploy's server answers its 4xx with {"object": "error", "message", ...}: the message, not the JSON text
+    (the streamed form was read so already)."""
+    error = {"object": "error", "message": "The model 'x' does not exist.", "type": "invalid_request_error",
+             "code": 404}
+    with pytest.raises(APIClientError) as info:
+        list(_faked(404, "application/json", json.dumps(error).encode()).completions_v1("x", "p"))
+    assert (info.value.status, info.value.message) == (404, "The model 'x' does not exist.")
 
 # 6. `lmjax chat` when the session is full
 

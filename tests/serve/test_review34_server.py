@@ -76,22 +76,22 @@ def test_a_request_failing_on_its_first_token_is_the_same_400_streamed_or_not(ht
 
 
 def test_a_stream_failing_later_ends_with_done_and_the_non_streamed_code(http, monkeypatch):
-    from lmjax.serve import openai_server
+    from lmjax.serve import routes_generate
     from lmjax.serve.errors import APIError
 
-    real = openai_server._chain
+    real = routes_generate._chain
 
     async def failing(first, rest, openai=True):  # the request fails after its first piece went out
         async with contextlib.aclosing(real(first, rest, openai)) as items:
             async for item in items:
                 yield item
                 raise APIError(400, "the request failed: simulated")
-    monkeypatch.setattr(openai_server, "_chain", failing)
+    monkeypatch.setattr(routes_generate, "_chain", failing)
     r = http.post("/v1/completions", json={"model": "tiny", "prompt": "t9 t8", "max_tokens": 3, "stream": True})
     frames = [line[len("data: "):] for line in r.text.splitlines() if line.startswith("data: ")]
     assert r.status_code == 200 and frames[-1] == "[DONE]", r.text
     error = json.loads(frames[-2])["error"]
-    assert error["message"] == "the request failed: simulated" and error["code"] is None  # as the 400's body
+    assert error["message"] == "the request failed: simulated" and error["code"] == 400  # as the 400's body
 
 
 # 2.-5. vLLM's request fields
@@ -209,3 +209,15 @@ def test_chat_echo_starts_the_reply_with_the_last_message_of_its_role(http):
     chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": "t7 t7"}, r.text
     assert "role" not in chunks[1]["choices"][0]["delta"]
+
+
+def test_without_a_generation_prompt_the_reply_takes_the_last_messages_role(http):
+    """vLLM's get_chat_request_role: the reply continues the last message, so it carries that message's role
+    (and echoes it), streamed or not; with a generation prompt it is the assistant's."""
+    body = {"messages": USER, "add_generation_prompt": False, "echo": True, "max_tokens": 2, "ignore_eos": True}
+    message = _chat(http, **body)["choices"][0]["message"]
+    assert message["role"] == "user" and message["content"].startswith("t9 t8"), message
+    r = http.post("/v1/chat/completions", json={"model": "tiny", **body, "stream": True})
+    chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "user", "content": "t9 t8"}, r.text
+    assert _chat(http, max_tokens=2)["choices"][0]["message"]["role"] == "assistant"

@@ -37,6 +37,8 @@ def test_tokenize_a_prompt_and_chat_messages(client, smollm2_tokenizer):
     ("/tokenize", {"model": "other", "prompt": "a"}, 404, "other"),
     ("/detokenize", {"tokens": [1, 49152]}, 400, "[49152] are outside the vocabulary"),
     ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
+    # vLLM's TokenizeChatRequest checks the two switches as chat completions do (lmjax rendered the prompt)
+    ("/tokenize", {"messages": CHAT, "continue_final_message": True}, 400, "Cannot set both"),
 ])
 def test_bad_tokenize_requests(client, path, body, status, named):
     resp = client.post(path, json=body)
