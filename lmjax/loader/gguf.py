@@ -156,8 +156,8 @@ def _config_from_reader(reader, path: str) -> dict:
     rotated = _field(reader, f"{arch}.rope.dimension_count", head_dim)
     if int(rotated) != head_dim:  # (llama.cpp refuses it for llama; lmjax rotates whole heads only)
         raise GGUFError(f"{path}: {arch}.rope.dimension_count={rotated} differs from the head dimension {head_dim} "
-                        "(attention.key_length, else embedding_length / head_count): partial rotary embeddings "
-                        "are not supported")
+                        "(attention.key_length, else embedding_length / head_count): lmjax reads GGUF files whose "
+                        "rotary embeddings cover whole heads")
     names = {t.name for t in reader.tensors}
     vocab = _field(reader, f"{arch}.vocab_size")
     if vocab is None:  # older files: the token list is the vocab
