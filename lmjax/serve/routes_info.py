@@ -58,8 +58,7 @@ async def model(model: str, raw: Request):  # openai-python's client.models.retr
 async def embeddings(req: EmbeddingRequest, raw: Request):
     """All inputs of a request run as one batch; a bad input is a 400 naming it before any work."""
     s = served(raw)
-    if req.model is not None:
-        s.check_model(req.model)
+    s.check_model(req.model)
     config = s.engine.engine.model_config
     with api_errors():  # the engine's own checks too (KV cache size: NotImplementedError)
         prompts = prompt_ids(req, s.engine.tokenizer, lambda chat: chat_prompt(s.engine, chat), config.vocab_size,
@@ -88,8 +87,7 @@ async def encode(req: EncodeRequest, raw: Request):
 async def tokenize(req: TokenizeRequest, raw: Request):
     """vLLM's: the ids of a prompt or of chat messages as /v1/chat/completions would render them."""
     s = served(raw)
-    if req.model is not None:
-        s.check_model(req.model)
+    s.check_model(req.model)
     with api_errors():
         ids = req.token_ids(s.engine.tokenizer, lambda chat: chat_prompt(s.engine, chat))
     strs = s.engine.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
@@ -100,8 +98,7 @@ async def tokenize(req: TokenizeRequest, raw: Request):
 async def detokenize(req: DetokenizeRequest, raw: Request):
     """vLLM's: the text of token ids (special tokens kept, as vLLM)."""
     s = served(raw)
-    if req.model is not None:
-        s.check_model(req.model)
+    s.check_model(req.model)
     with api_errors():
         check_token_ids("tokens", req.tokens, s.engine.engine.model_config.vocab_size)
     return {"prompt": s.engine.tokenizer.decode(req.tokens)}

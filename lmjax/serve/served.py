@@ -51,8 +51,9 @@ class Served:
         """A session id no interactive session holds (a client may pick any id there)."""
         return next(sid for sid in self.counter if sid not in self.engine.id2step)
 
-    def check_model(self, model: str) -> None:
-        if model not in self.names:
+    def check_model(self, model: str | None) -> None:
+        """A request's `model` must be a name of the served model (None: the routes where it is optional)."""
+        if model is not None and model not in self.names:
             raise APIError(404, f"the model {model!r} does not exist; this server serves {self.name!r}",
                            "invalid_request_error", "model_not_found")
 
