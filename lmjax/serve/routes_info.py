@@ -25,10 +25,13 @@ router = APIRouter()
 JSON_IN = [Depends(authorize), Depends(json_body)]
 
 
-@router.api_route("/health", methods=["GET"])
-@router.api_route("/ping", methods=["GET", "POST"])  # vLLM's (SageMaker's) name for /health
+@router.get("/health")
 async def health():
     return {"status": "ok"}
+
+
+for _method in ("GET", "POST"):  # vLLM's (SageMaker's) name for /health; a route a method: unique OpenAPI ids
+    router.add_api_route("/ping", health, methods=[_method], name=f"ping_{_method.lower()}")
 
 
 @router.get("/metrics")

@@ -10,6 +10,7 @@ t6 for vLLM's `documents` and t5 for the generation prompt.
 import asyncio
 import contextlib
 import json
+import warnings
 
 import pytest
 
@@ -221,3 +222,13 @@ def test_without_a_generation_prompt_the_reply_takes_the_last_messages_role(http
     chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
     assert chunks[0]["choices"][0]["delta"] == {"role": "user", "content": "t9 t8"}, r.text
     assert _chat(http, max_tokens=2)["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_the_openapi_page_lists_every_route_once(http):
+    """/ping's GET and POST had one operation id (FastAPI warned "Duplicate Operation ID" building /docs)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        spec = http.get("/openapi.json").json()
+    assert not [w for w in caught if "Duplicate Operation ID" in str(w.message)]
+    ids = [op["operationId"] for path in spec["paths"].values() for op in path.values()]
+    assert len(ids) == len(set(ids)) and {"get", "post"} <= set(spec["paths"]["/ping"])
