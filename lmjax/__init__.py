@@ -26,7 +26,7 @@ _EXPORTS = {
     "EngineConfig": "lmjax.config", "GenerationConfig": "lmjax.config", "SamplingParams": "lmjax.config",
     "GuidedDecodingParams": "lmjax.guided_params", "StructuredOutputsParams": "lmjax.guided_params",
     "PytorchEngineConfig": "lmjax.lmdeploy_config", "TurbomindEngineConfig": "lmjax.lmdeploy_config",
-    "client": "lmjax.serve.launch",
+    "client": "lmjax.serve.launch", "TextPrompt": "lmjax.inputs", "TokensPrompt": "lmjax.inputs",
 }
 # Subpackages that are public names too: `lmjax.serve` (callable, see lmjax/serve/__init__.py)
 _SUBPACKAGES = ("serve",)

@@ -63,6 +63,9 @@ class GuidedDecodingParams:
             choice = list(self.choice) if isinstance(self.choice, (list, tuple)) else None
             if not choice or not all(isinstance(c, str) and c for c in choice):
                 _fail(f"guided choice must be a non-empty list of non-empty strings, got {self.choice!r}")
+            if any("\x00" in c for c in choice):  # (the guide's END sentinel; no token of the vocabulary holds it)
+                _fail(f"guided choice {next(c for c in choice if chr(0) in c)!r} holds a NUL character, which no "
+                      "token can spell")
             self.choice = choice
         if self.whitespace_pattern is not None and not isinstance(self.whitespace_pattern, str):
             _fail(f"whitespace_pattern must be a str, got {self.whitespace_pattern!r}")
@@ -86,7 +89,7 @@ class GuidedDecodingParams:
     def spec(self) -> str:
         """What the guide is compiled from, as text (the cache key with `kind` and the whitespace)."""
         value = getattr(self, self.kind)
-        return "\x1f".join(value) if self.kind == "choice" else str(value)
+        return json.dumps(value) if self.kind == "choice" else str(value)  # (a list: no separator to collide)
 
     @property
     def whitespace(self) -> str | None:

@@ -70,3 +70,15 @@ def test_lmdeploy_response_format_maps_onto_guided_decoding(response_format, kin
     guided = GenerationConfig(response_format=response_format).to_sampling_params().guided_decoding
     assert guided.kind == kind
     assert GenerationConfig(response_format={"type": "text"}).to_sampling_params().guided_decoding is None
+
+
+def test_a_choice_with_a_nul_character_is_refused_at_once():
+    """Review 35: it compiled, and a request whose model began that choice failed mid-way ("no allowed token
+    can continue the output"): NUL is the guide's end sentinel, which no token holds."""
+    with pytest.raises(ValueError, match=r"guided choice 'a\\x00b' holds a NUL character"):
+        GuidedDecodingParams(choice=["a\x00b", "c"])
+
+
+def test_choices_that_join_alike_are_different_guides():
+    """The compiled-guide cache key joined choices with \\x1f: ["a\\x1fb"] and ["a", "b"] shared one guide."""
+    assert GuidedDecodingParams(choice=["a\x1fb"]).spec != GuidedDecodingParams(choice=["a", "b"]).spec

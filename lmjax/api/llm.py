@@ -49,7 +49,9 @@ logger = logging.getLogger("lmjax.api")
 _PROMPT_KEYS = {"prompt", "prompt_token_ids", "cache_salt"}
 _VLLM_ONLY_DEFAULTS = {"tokenizer_mode": "auto", "skip_tokenizer_init": False, "trust_remote_code": False,
                        "revision": None, "tokenizer_revision": None, "cpu_offload_gb": 0, "pipeline_parallel_size": 1,
-                       "load_format": "auto", "hf_overrides": None}
+                       "load_format": "auto", "hf_overrides": None,
+                       # logprobs are the raw model's (lmjax.layers.sampler); the processed modes are not built
+                       "logprobs_mode": "raw_logprobs"}
 
 # vLLM arguments that only tune parts lmjax does not have: any value is accepted, a non-default one is logged
 # once as having no effect. {name: (default, why)}

@@ -49,7 +49,9 @@ class RequestOutput:
 
 def logprob_dicts(entries, tokenizer, chosen_ids, chosen_ranks):
     """vLLM's {token id: Logprob} per position: the top-k ranked by place (they are the k most likely);
-    the chosen token (sampled, or the prompt's own) ranked in the whole vocabulary, as the step counted."""
+    the chosen token (sampled, or the prompt's own) ranked in the whole vocabulary, as the step counted. The
+    chosen token comes first, then the others from the most likely, as vLLM V1 orders them (code reads the
+    sampled token's entry as `next(iter(d))`)."""
     if entries is None:
         return None
     out = []
@@ -60,8 +62,9 @@ def logprob_dicts(entries, tokenizer, chosen_ids, chosen_ranks):
         ranked = {tid: place + 1 for place, (tid, _) in enumerate(sorted(entry.items(), key=lambda kv: -kv[1]))}
         if rank_chosen:
             ranked[tid_chosen] = rank_chosen
+        order = sorted(entry.items(), key=lambda kv: (kv[0] != tid_chosen, -kv[1]))
         out.append({tid: Logprob(lp, ranked[tid], tokenizer.decode([tid]) if tokenizer else None)
-                    for tid, lp in sorted(entry.items(), key=lambda kv: -kv[1])})
+                    for tid, lp in order})
     return out
 
 

@@ -154,8 +154,9 @@ def serialize(guided, special_names: frozenset = frozenset()) -> str:
     vocabulary that spells it)."""
     llg = _llguidance()
     if guided.kind == "grammar":  # GBNF is converted to Lark; Lark passes as it is
-        text = guided.grammar if _is_lark(guided.grammar) else _gbnf_escapes(guided.grammar)
-        return llg.grammar_from("grammar", text)
+        if _is_lark(guided.grammar):
+            return llg.grammar_from("lark", guided.grammar)
+        return llg.grammar_from("grammar", _gbnf_escapes(guided.grammar))
     if guided.kind in ("json", "json_object"):
         schema = json.loads(guided.json) if guided.kind == "json" else {"type": "object"}  # any object, any depth
         return json_grammar(llg, schema, guided.whitespace)
@@ -181,9 +182,11 @@ def serialize(guided, special_names: frozenset = frozenset()) -> str:
 
 
 def _is_lark(grammar: str) -> bool:
+    """Lark unless it has GBNF's `::=` (vLLM's xgrammar rule): llguidance's own test knows only grammars that
+    begin with `start:`, so Lark's `?start: value` (inline the rule) went to the GBNF converter and failed."""
     from llguidance.gbnf_to_lark import is_lark_syntax
 
-    return is_lark_syntax(grammar)
+    return is_lark_syntax(grammar) or "::=" not in grammar
 
 
 _GBNF_ESCAPE = re.compile(r"\\\\|\\u([0-9a-fA-F]{4})|\\U([0-9a-fA-F]{8})")

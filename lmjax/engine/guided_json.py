@@ -11,6 +11,10 @@ targets). Keywords llguidance does not enforce are refused by name before it see
 from __future__ import annotations
 
 import json
+import re
+import string
+
+from lmjax.engine.guided_regex import narrowed_class
 
 # keys whose values are data, not subschemas ("discriminator": pydantic's tag -> $ref map, whose tags may be any
 # words, "not" and "if" among them); vendor extensions ("x-...") likewise
@@ -100,12 +104,31 @@ def close_objects(schema) -> None:
             node["additionalProperties"] = False
 
 
+# Characters a whitespace pattern must not match: JSON allows only space, tab, LF and CR between tokens
+_NOT_JSON_SPACE = "".join(sorted(set(string.printable) - set(" \t\n\r"))) + "\u00a0\u0085\u2028\u3000"
+
+
+def json_whitespace(pattern: str) -> str:
+    """A whitespace_pattern (vLLM's guided_whitespace_pattern) as JSON can take it: `\\s` is JSON's four
+    whitespace characters (llguidance's Rust regex reads it as Unicode's: a U+3000 between tokens made a "stop"
+    output json.loads refuses), and a pattern matching anything else is a ValueError naming it."""
+    narrowed = narrowed_class(pattern, "s", " \\t\\n\\r")
+    try:
+        matched = [c for c in _NOT_JSON_SPACE if re.fullmatch(narrowed, c)]
+    except re.error:  # syntax Python's re lacks: llguidance judges the pattern itself
+        return narrowed
+    if matched:
+        raise ValueError(f"whitespace_pattern {pattern!r} matches {matched[0]!r}: JSON allows only space, tab, "
+                         "newline and carriage return between its tokens")
+    return narrowed
+
+
 def json_grammar(llguidance, schema, whitespace: str | None) -> str:
     """llguidance's grammar for `schema` (a parsed JSON schema, changed in place) written with `whitespace`."""
     check_schema(schema)
     close_objects(schema)
     options = {"whitespace_flexible": False} if whitespace == "" else \
-        {"whitespace_pattern": DEFAULT_WHITESPACE if whitespace is None else whitespace}
+        {"whitespace_pattern": DEFAULT_WHITESPACE if whitespace is None else json_whitespace(whitespace)}
     try:
         text = json.dumps(schema, allow_nan=False)
     except ValueError as e:  # Infinity / NaN, which Python's JSON reads and llguidance's does not

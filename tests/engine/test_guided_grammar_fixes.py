@@ -160,3 +160,32 @@ def test_a_panic_inside_llguidance_ends_only_its_completion(smollm2, where):
     state = GrammarState(smollm2[1], _PanickingMatcher(where), None, False)
     assert not state.mask_W().any() if where == "mask" else state.mask_W() is not None
     assert state.advance(5) == "error" and "failed inside llguidance" in state.error
+
+
+def test_a_lark_grammar_may_start_with_an_inlined_rule(smollm2):
+    """Review 35: vLLM's SQL example (`?start:` and `?rule:` inline their rules in Lark) was sent to the GBNF
+    converter ("Expected name at line 1"); it is Lark: no `::=`."""
+    tok, guided = smollm2
+    sql = "\n".join(['?start: select_statement', '?select_statement: "SELECT " column_list " FROM " table_name',
+                     '?column_list: column_name ("," column_name)*', '?table_name: identifier',
+                     '?column_name: identifier', '?identifier: /[a-zA-Z_][a-zA-Z0-9_]*/'])
+    state = guided.new_state(_params(grammar=sql), None)
+    for token in tok.encode("SELECT a,b FROM t", add_special_tokens=False):
+        assert token in _ids(state), tok.decode([token])
+        state.advance(token)
+    assert tok.eos_token_id in _ids(state)
+    guided.check(_params(grammar='root ::= "yes" | "no"'))  # GBNF still converted
+
+
+def test_a_json_whitespace_pattern_allows_json_whitespace_only(smollm2):
+    """Review 35: with whitespace_pattern r"\\s*" llguidance's Unicode \\s let U+3000, U+0085, \\x0b into a JSON
+    output that finished "stop" and json.loads refused; `\\s` now means JSON's space, tab, LF and CR, and a pattern
+    that matches anything else is refused by name."""
+    tok, guided = smollm2
+    state = guided.new_state(_params(json_object=True, whitespace_pattern=r"\s*"), None)
+    state.advance(tok.convert_tokens_to_ids("{"))
+    allowed = set(_ids(state))
+    assert tok.convert_tokens_to_ids("ã") not in allowed  # the first byte of U+3000 (e3 80 80)
+    assert {tok.convert_tokens_to_ids(t) for t in ("Ċ", "Ġ", '"', "}")} <= allowed  # "\n", " ", '"', "}"
+    with pytest.raises(ValueError, match=r"whitespace_pattern '\[a-z\]\*' matches 'a'"):
+        guided.check(_params(json_object=True, whitespace_pattern="[a-z]*"))

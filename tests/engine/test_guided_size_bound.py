@@ -91,3 +91,18 @@ def test_single_element_type_list_keeps_integer_bounds():
     guided = GuidedDecoding(CharTokenizer(CHARS), len(CHARS) + 1, [0])
     params = _params(json={"type": ["integer"], "minimum": 5, "maximum": 9})
     assert _walks(guided, params, "7") and not _walks(guided, params, "12")
+
+
+@pytest.mark.parametrize("regex", [".{0,4000}", '[^"]{0,1000}', r"\w{1,200}", r"\p{L}{0,100}", r"\S{300}"])
+def test_a_broad_class_counts_as_many_characters(regex):
+    """Review 35: `.{0,4000}` counted 4,000 characters and passed, but each of its states lists nearly the whole
+    vocabulary: outlines-core took 59 s and aborted the process at 6 GB (one request could end the server)."""
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=r"too large.*`\.`, negated classes count 400"):
+        guide_regex(GuidedDecodingParams(regex=regex))
+    assert time.perf_counter() - start < 1.5
+
+
+def test_modest_broad_and_ascii_regexes_still_pass():
+    for regex in (".{0,200}", r"\w{1,40}", "[A-Za-z0-9_]{1,5000}", r"[0-9]{3}-\s?[a-z]{1,2000}"):
+        assert guide_regex(GuidedDecodingParams(regex=regex))
