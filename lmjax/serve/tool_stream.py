@@ -46,7 +46,9 @@ class ToolStream:
         self._settled = 0  # calls complete and fully streamed: not looked at again
 
     def feed(self, delta: str) -> str:
-        self.text += delta
+        text, self.text = self.text, ""  # the one reference left: CPython grows the string in place, where
+        text += delta  # `self.text += delta` copied the whole reply every piece (quadratic in a long reply)
+        self.text = text
         self._scan()
         end = self.parser.content_end(self.text, self.sent)
         if end <= self.sent:
