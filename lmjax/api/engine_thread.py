@@ -335,7 +335,9 @@ def merge_outputs(acc: GenOut | None, item: GenOut) -> GenOut:
     if acc is None:
         return dataclasses.replace(item, token_ids=list(item.token_ids),
                                    logprobs=None if item.logprobs is None else list(item.logprobs))
-    acc.response += item.response
+    response, acc.response = acc.response, ""  # one reference: grown in place, not copied every piece
+    response += item.response
+    acc.response = response
     acc.token_ids += item.token_ids
     if acc.logprobs is not None and item.logprobs:
         acc.logprobs += item.logprobs
