@@ -11,12 +11,11 @@ from lmjax.serve.errors import api_errors
 from lmjax.serve.http_extras import client_request_id, json_body
 from lmjax.serve.prompts import chat_echo, chat_prompt, chat_role, completion_prompts
 from lmjax.serve.protocol import ChatCompletionRequest, CompletionRequest
-from lmjax.serve.served import authorize, served
+from lmjax.serve.served import GONE, authorize, served
 from lmjax.serve.stream_errors import chain as _chain, guarded as _guarded
 from lmjax.serve.tool_stream import ToolStream
 
 router = APIRouter(dependencies=[Depends(authorize), Depends(json_body)])
-GONE = 499  # the client is gone: nobody reads the response
 
 
 @router.post("/v1/chat/completions")

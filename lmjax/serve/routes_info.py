@@ -16,7 +16,7 @@ from lmjax.serve.http_extras import client_request_id, json_body
 from lmjax.serve.lmdeploy_protocol import EncodeRequest
 from lmjax.serve.metrics import render_metrics
 from lmjax.serve.prompts import chat_prompt
-from lmjax.serve.served import authorize, served
+from lmjax.serve.served import GONE, authorize, served
 from lmjax.serve.streams import until_disconnect
 from lmjax.serve.tokenize_protocol import DetokenizeRequest, TokenizeRequest
 from lmjax.validation import check_token_ids
@@ -68,7 +68,7 @@ async def embeddings(req: EmbeddingRequest, raw: Request):
                              s.engine.session_len, config.hidden_size)
         work = asyncio.ensure_future(embed(s.engine, prompts, req.normalize))
         if not await until_disconnect(raw, work):
-            return Response(status_code=499)  # the client is gone: nobody reads this
+            return Response(status_code=GONE)
         vectors = work.result()
     head = R.Head("embd", s.name, request_id=client_request_id(raw))
     return embedding_body(head, vectors, req.encoding_format, sum(map(len, prompts)))

@@ -8,7 +8,7 @@ from fastapi.responses import Response, StreamingResponse
 from lmjax.serve import responses as R
 from lmjax.serve.errors import APIError, api_errors
 from lmjax.serve.lmdeploy_protocol import InteractiveRequest
-from lmjax.serve.served import authorize, served
+from lmjax.serve.served import GONE, authorize, served
 from lmjax.serve.stream_errors import chain as _chain, guarded as _guarded, json_line as _json_line
 from lmjax.serve.streams import first_and_rest, merge
 
@@ -45,7 +45,7 @@ async def chat_interactive(req: InteractiveRequest, raw: Request):
                 "history_tokens": out.history_token_len, "finish_reason": out.finish_reason, "session_id": sid}
     if not req.stream:
         if not await s.collect(raw, first, rest, choices, openai=False):
-            return Response(status_code=499)  # the client is gone: nobody reads this
+            return Response(status_code=GONE)
         return line(choices.outs[0], choices.outs[0].response)
 
     async def lines():

@@ -20,6 +20,9 @@ from lmjax.serve.stream_errors import checked, consume
 from lmjax.serve.streams import first_and_rest, merge, until_disconnect
 
 
+GONE = 499  # the status of a response nobody reads: its client went away first
+
+
 @dataclass
 class Served:
     engine: AsyncEngine
