@@ -124,6 +124,9 @@ def _original_max_pos(hf: dict, params: dict, rope_type: str) -> int | None:
 
 def _sliding_windows(hf: dict, num_layers: int, arch: str) -> tuple[int | None, ...]:
     window = hf.get("sliding_window")
+    qwen = arch.startswith(("Qwen2", "Qwen3"))
+    if qwen and not hf.get("use_sliding_window"):  # transformers' Qwen configs drop the window then, whatever
+        return ()  # layer_types say
     layer_types = hf.get("layer_types")
     if layer_types:
         if len(layer_types) != num_layers:
@@ -132,8 +135,8 @@ def _sliding_windows(hf: dict, num_layers: int, arch: str) -> tuple[int | None, 
         if unknown:
             raise ConfigError(f"unsupported layer_types {sorted(unknown)}")
         return tuple(window if t == "sliding_attention" else None for t in layer_types)
-    if arch.startswith(("Qwen2", "Qwen3")):
-        if not hf.get("use_sliding_window") or window is None:
+    if qwen:
+        if window is None:
             return ()
         first = hf.get("max_window_layers", 28)  # transformers' Qwen2Config / Qwen3Config default
         return tuple(window if i >= first else None for i in range(num_layers))

@@ -79,3 +79,15 @@ def test_llama3_rope_without_original_max_position_embeddings(tmp_path):
                 cfg[key].pop("original_max_position_embeddings", None)
     _edit_config(tmp_path, drop_original)
     assert _max_diff(tmp_path) <= 1e-4
+
+
+def test_qwen2_with_its_window_off_slides_no_layer_whatever_layer_types_say():
+    """Review 35: use_sliding_window=false with layer_types naming sliding layers (a hand-edited or mixed
+    config) slid them; transformers' Qwen2Config drops the window then (every layer full attention)."""
+    from lmjax.models.config import model_config_from_hf
+
+    hf = {**BASE, "use_sliding_window": False, "sliding_window": 4, "max_window_layers": 0,
+          "layer_types": ["sliding_attention", "full_attention"]}
+    assert model_config_from_hf(hf, "Qwen2ForCausalLM").sliding_windows == ()
+    on = model_config_from_hf({**hf, "use_sliding_window": True}, "Qwen2ForCausalLM")
+    assert on.sliding_windows == (4, None)  # (on, layer_types decide, as in transformers)
