@@ -1,4 +1,5 @@
-"""OpenAI-compatible serving: `openai_server` (FastAPI app), `run` (`run_server`: uvicorn), `protocol` (request models),
+"""OpenAI-compatible serving: `openai_server` (the FastAPI app; its routes in `routes_*`, their shared state in
+`served`), `run` (`run_server`: uvicorn), `protocol` (request models),
 `client` (`APIClient`, LMDeploy's Python client), `launch` (`serve`: the server in a subprocess).
 Importing this package imports neither FastAPI nor the client's httpx (`lmjax chat` and `lmjax generate` run
 without the `serve` extra): the client's names load on first use.

@@ -3,7 +3,7 @@ tens of seconds (and then minutes, hours) while a neighbour waits.
 
 validate_request -> check_n (lmjax/engine/request.py:167) refuses n above the cache's block count, "checked
 before any work: a request of n=10**9 would otherwise build 10**9 completions on the engine thread, stalling
-every other request". The completions route (lmjax/serve/openai_server.py start(), lines 169-175) checks each prompt
+every other request". The completions route (then lmjax/serve/openai_server.py start(); now Served.start in served.py) checked each prompt
 of a prompt list alone and submits them all, so `"prompt": [[5]] * P, "n": 2048` builds P * 2048 completions on
 the engine thread. Measured (tiny model, 2048 blocks): P=20 -> 40,960 sequences, 9.2 s, a 20-token neighbour
 submitted after it 8.2 s instead of 0.02 s; P=100 -> 204,800 sequences, 38 s, +390 MB; linear from there (about
