@@ -63,9 +63,9 @@ class GuidedDecodingParams:
             choice = list(self.choice) if isinstance(self.choice, (list, tuple)) else None
             if not choice or not all(isinstance(c, str) and c for c in choice):
                 _fail(f"guided choice must be a non-empty list of non-empty strings, got {self.choice!r}")
-            if any("\x00" in c for c in choice):  # (the guide's END sentinel; no token of the vocabulary holds it)
-                _fail(f"guided choice {next(c for c in choice if chr(0) in c)!r} holds a NUL character, which no "
-                      "token can spell")
+            nul = next((c for c in choice if "\x00" in c), None)  # (the guide's END sentinel: no token holds it)
+            if nul is not None:
+                _fail(f"guided choice {nul!r} holds a NUL character, which no token can spell")
             self.choice = choice
         if self.whitespace_pattern is not None and not isinstance(self.whitespace_pattern, str):
             _fail(f"whitespace_pattern must be a str, got {self.whitespace_pattern!r}")

@@ -59,10 +59,11 @@ def logprob_dicts(entries, tokenizer, chosen_ids, chosen_ranks):
         if entry is None:
             out.append(None)
             continue
-        ranked = {tid: place + 1 for place, (tid, _) in enumerate(sorted(entry.items(), key=lambda kv: -kv[1]))}
+        by_logprob = sorted(entry.items(), key=lambda kv: -kv[1])
+        ranked = {tid: place + 1 for place, (tid, _) in enumerate(by_logprob)}
         if rank_chosen:
             ranked[tid_chosen] = rank_chosen
-        order = sorted(entry.items(), key=lambda kv: (kv[0] != tid_chosen, -kv[1]))
+        order = [kv for kv in by_logprob if kv[0] == tid_chosen] + [kv for kv in by_logprob if kv[0] != tid_chosen]
         out.append({tid: Logprob(lp, ranked[tid], tokenizer.decode([tid]) if tokenizer else None)
                     for tid, lp in order})
     return out

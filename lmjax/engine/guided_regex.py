@@ -106,11 +106,10 @@ def _atom_weight(name: str, av) -> int:
         return BROAD_WEIGHT
     if name != "IN":
         return 1
-    kinds = {str(op): str(arg) for op, arg in av}
     categories = {str(arg) for op, arg in av if str(op) == "CATEGORY"}
     if "CATEGORY_WORD" in categories:
         return UNICODE_WEIGHT
-    if "NEGATE" in kinds or categories - _CHEAP_CATEGORIES:
+    if any(str(op) == "NEGATE" for op, _ in av) or categories - _CHEAP_CATEGORIES:
         return BROAD_WEIGHT
     return 1
 

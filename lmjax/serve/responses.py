@@ -165,7 +165,7 @@ def chat_body(head: Head, choices: Choices, k: int, decode, to_bytes=None, tools
     return {**head.fields("chat.completion"), "choices": items, "usage": choices.usage()}
 
 
-def with_echo(body: dict, role: str, echo: str | None) -> dict:
+def with_role_and_echo(body: dict, role: str, echo: str | None) -> dict:
     """A chat body whose replies have this role and start with the echoed text (vLLM's chat echo; None:
     nothing echoed)."""
     for choice in body["choices"]:

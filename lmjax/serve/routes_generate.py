@@ -38,7 +38,7 @@ async def chat_completions(req: ChatCompletionRequest, raw: Request):
     if not req.stream:
         if not await s.collect(raw, first, rest, choices):
             return Response(status_code=GONE)
-        body = R.with_echo(R.chat_body(head, choices, k, decode, s.to_bytes, tools), role, echo)
+        body = R.with_role_and_echo(R.chat_body(head, choices, k, decode, s.to_bytes, tools), role, echo)
         return {**body, "prompt_logprobs": R.prompt_logprobs(choices.outs[0], prompt[1], decode)}
 
     async def events():
